@@ -1,0 +1,30 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (what CI runs).
+# Both bootstrap a fresh machine first (scripts/bootstrap.sh).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+LINTED := clients cache_service sglang_r3 tests bench
+
+.PHONY: bootstrap test lint typecheck pytest demo bench
+
+bootstrap:
+	./scripts/bootstrap.sh
+
+lint: bootstrap
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+
+typecheck: bootstrap
+	$(VENV)/bin/mypy
+
+# pytest exits 5 when it collects nothing; make treats every non-zero exit as failure.
+pytest: bootstrap
+	$(PY) -m pytest
+
+test: lint typecheck pytest
+
+demo: bootstrap
+	$(PY) bench/store_demo.py
+
+bench: bootstrap
+	$(PY) bench/codec_bench.py

@@ -1,0 +1,423 @@
+"""The Redis segment store: rollouts as atomically-written, stitched segments.
+
+One Redis hash per rollout, ``<prefix>:{<rollout_id>}``; the ``{…}`` hash tag
+keeps every key of a rollout in one Redis Cluster slot, so the same Lua
+scripts run unchanged on a single Redis and on a cluster.  Fields:
+
+* ``m`` — rollout meta (E, K, MoE layer ids); every segment must agree;
+* ``s:<a>:<b>`` — the segment's frame, exactly as validated on put;
+* ``d:<a>:<b>`` — digest of the segment's *content* (canonical rows + meta), so a
+  re-put of the same data in another codec is still recognised as a duplicate;
+* ``h:<a>:<b>`` — segment info (range, model, weight version, codec, bytes);
+* ``b`` / ``n`` — total frame bytes / segment count.
+
+Rules (all enforced inside one Lua script, so concurrent writers cannot race):
+putting an identical segment again is a no-op; a segment overlapping a stored
+one and not identical to it is a :class:`SegmentConflictError`; rows between
+segments that were never written read back as ``-1``.  Every write refreshes
+the rollout's TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+
+from r3_client import (
+    FormatError,
+    InvalidRequestError,
+    RolloutNotFoundError,
+    Routing,
+    Segment,
+    SegmentConflictError,
+    ShapeError,
+    StoreError,
+    StoreUnavailableError,
+    decode_frame,
+    index_dtype,
+)
+from r3_client._format import layer_positions
+from r3_client._sortnet import sort_rows
+
+__all__ = ["PutResult", "RolloutStat", "SegmentInfo", "SegmentStore", "StoreSettings"]
+
+_ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_.:@/+=-]{1,200}$")
+RedisClient = aioredis.Redis | RedisCluster
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """How the store talks to Redis and what it accepts.
+
+    ``redis_url`` is a ``redis://`` DSN; ``cluster=True`` treats it as one seed
+    node of a Redis Cluster.  ``default_ttl_s`` (0 = keep forever) applies to
+    every write.  ``max_segments`` bounds one rollout's segment count (the put
+    script scans them).
+    """
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    key_prefix: str = "r3"
+    default_ttl_s: int = 24 * 3600
+    max_segments: int = 4096
+    connect_retries: int = 5
+    max_connections: int = 64
+    socket_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """A stored segment as :meth:`SegmentStore.stat` reports it."""
+
+    segment: Segment
+    codec: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """Outcome of :meth:`SegmentStore.put_segment`."""
+
+    status: Literal["stored", "duplicate"]
+    rollout_id: str
+    segment: Segment
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutStat:
+    """What is stored for one rollout, without its rows."""
+
+    rollout_id: str
+    num_experts: int
+    topk: int
+    layer_ids: tuple[int, ...]
+    num_rows: int  # one past the last stored row; gaps read as -1
+    stored_bytes: int  # sum of stored frame sizes
+    memory_bytes: int | None  # Redis MEMORY USAGE of the rollout's key, when available
+    ttl_s: float | None  # None = no expiry
+    segments: tuple[SegmentInfo, ...] = field(default=())
+
+
+def _load(name: str) -> str:
+    return resources.files("cache_service").joinpath("lua", name).read_text()
+
+
+def check_rollout_id(rollout_id: str) -> str:
+    """Return ``rollout_id`` or raise :class:`InvalidRequestError` saying what is allowed."""
+    if not isinstance(rollout_id, str) or not _ROLLOUT_ID.match(rollout_id):
+        raise InvalidRequestError(
+            f"invalid rollout id {rollout_id!r}: use 1-200 characters from "
+            "A-Z a-z 0-9 _ . : @ / + = -"
+        )
+    return rollout_id
+
+
+def _meta_bytes(num_experts: int, topk: int, layer_ids: Sequence[int]) -> bytes:
+    out: bytes = msgpack.packb([num_experts, topk, list(layer_ids)], use_bin_type=True)
+    return out
+
+
+def content_digest(routing: Routing, segment: Segment) -> str:
+    """SHA-256 over a segment's meta and its rows as sets (codec- and order-independent)."""
+    h = hashlib.sha256()
+    h.update(msgpack.packb([routing.num_experts, list(routing.layer_ids), segment.to_dict()]))
+    h.update(sort_rows(routing.indices).astype("<i4").tobytes())
+    return h.hexdigest()
+
+
+@asynccontextmanager
+async def _translate(limit: asyncio.Semaphore) -> AsyncIterator[None]:
+    """Bound in-flight commands by ``limit`` and map redis-py failures to store errors.
+
+    The one place redis-py exceptions are translated.  The bound makes excess
+    callers wait instead of failing with "too many connections".
+    """
+    try:
+        async with limit:
+            yield
+    except (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError) as exc:
+        raise StoreUnavailableError(f"Redis is unreachable: {exc}") from exc
+    except rexc.RedisError as exc:
+        raise StoreError(f"Redis error: {exc}") from exc
+
+
+class SegmentStore:
+    """Async segment store over redis-py asyncio (single Redis or Redis Cluster).
+
+    Create with :meth:`connect` (pings with bounded retries) and close with
+    :meth:`close`, or use ``async with SegmentStore.connect(...)``.
+    """
+
+    def __init__(self, client: RedisClient, settings: StoreSettings) -> None:
+        self._r = client
+        self.settings = settings
+        self._put = client.register_script(_load("put_segment.lua"))
+        self._get = client.register_script(_load("get_segments.lua"))
+        self._stat = client.register_script(_load("stat_rollout.lua"))
+        self._limit = asyncio.Semaphore(settings.max_connections)
+
+    @classmethod
+    async def connect(cls, settings: StoreSettings) -> SegmentStore:
+        """Build the client from ``settings.redis_url`` and ping it, retrying with backoff."""
+        client: RedisClient
+        if settings.cluster:
+            client = RedisCluster.from_url(
+                settings.redis_url,
+                socket_timeout=settings.socket_timeout_s,
+                max_connections=settings.max_connections,
+            )
+        else:
+            client = aioredis.Redis.from_url(
+                settings.redis_url,
+                socket_timeout=settings.socket_timeout_s,
+                max_connections=settings.max_connections,
+            )
+        delay = 0.1
+        for attempt in range(settings.connect_retries + 1):
+            try:
+                await client.ping()
+                break
+            except (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterError) as exc:
+                if attempt == settings.connect_retries:
+                    await client.aclose()
+                    raise StoreUnavailableError(
+                        f"cannot reach Redis at {settings.redis_url}: {exc}"
+                    ) from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        return cls(client, settings)
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._r.aclose()
+
+    async def __aenter__(self) -> SegmentStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def key(self, rollout_id: str) -> str:
+        """The Redis key of a rollout (hash-tagged for Cluster)."""
+        return f"{self.settings.key_prefix}:{{{check_rollout_id(rollout_id)}}}"
+
+    async def ping(self) -> bool:
+        """True when Redis answers."""
+        async with _translate(self._limit):
+            return bool(await self._r.ping())
+
+    # ---- writes ------------------------------------------------------------------------
+    async def put_segment(
+        self, rollout_id: str, frame: bytes, *, ttl_s: int | None = None
+    ) -> PutResult:
+        """Validate ``frame`` and store it as one segment of ``rollout_id``, atomically.
+
+        The segment's range and meta come from the frame header (a frame
+        without a segment entry stores a bare ``Segment(start, end)``).
+        Raises :class:`FrameError` for bad bytes, :class:`SegmentConflictError`
+        for an overlapping different segment or different E/K/layers,
+        :class:`InvalidRequestError` when the rollout has too many segments.
+        """
+        key = self.key(rollout_id)
+        decoded = await asyncio.to_thread(decode_frame, frame)
+        hdr, routing = decoded.header, decoded.routing
+        segment = hdr.segment or Segment(hdr.start, hdr.end)
+        digest = await asyncio.to_thread(content_digest, routing, segment)
+        info = msgpack.packb([segment.to_dict(), hdr.codec, len(frame)], use_bin_type=True)
+        ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
+        if ttl < 0:
+            raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
+        meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
+        async with _translate(self._limit):
+            res = await self._put(
+                keys=[key],
+                args=[
+                    meta,
+                    segment.start,
+                    segment.end,
+                    frame,
+                    digest,
+                    info,
+                    ttl * 1000,
+                    self.settings.max_segments,
+                ],
+            )
+        status = res[0].decode()
+        if status == "stored" or status == "duplicate":
+            return PutResult(status, rollout_id, segment, len(frame))
+        if status == "meta":
+            e, k, layers = msgpack.unpackb(res[1])
+            raise SegmentConflictError(
+                f"rollout {rollout_id} holds routing with E={e}, K={k}, layers={layers}; "
+                f"this segment has E={hdr.num_experts}, K={hdr.topk}, "
+                f"layers={list(hdr.layer_ids)}"
+            )
+        if status == "conflict":
+            other, how = res[1].decode(), res[2].decode()
+            a, b = other.split(":")
+            detail = (
+                "covers the same range with different routing or metadata"
+                if how == "differs"
+                else "overlaps it; send only rows not yet stored (start at the stored end)"
+            )
+            raise SegmentConflictError(
+                f"segment [{segment.start}, {segment.end}) of rollout {rollout_id} conflicts "
+                f"with stored segment [{a}, {b}): it {detail}"
+            )
+        if status == "full":
+            raise InvalidRequestError(
+                f"rollout {rollout_id} already has {int(res[1])} segments "
+                f"(limit {self.settings.max_segments})"
+            )
+        raise StoreError(f"unexpected put result {res!r}")
+
+    async def delete(self, rollout_id: str) -> bool:
+        """Delete a rollout; True if it existed."""
+        key = self.key(rollout_id)
+        async with _translate(self._limit):
+            return bool(await self._r.delete(key))
+
+    async def touch(self, rollout_id: str, ttl_s: int | None = None) -> None:
+        """Reset the rollout's TTL (default: ``settings.default_ttl_s``; 0 = never expire).
+
+        Raises :class:`RolloutNotFoundError` if it does not exist.
+        """
+        key = self.key(rollout_id)
+        ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
+        if ttl < 0:
+            raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
+        async with _translate(self._limit):
+            ok = await (self._r.pexpire(key, ttl * 1000) if ttl else self._r.persist(key))
+            if not ok and not await self._r.exists(key):
+                raise RolloutNotFoundError(f"rollout {rollout_id} not found")
+
+    # ---- reads -------------------------------------------------------------------------
+    async def get(
+        self,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> Routing:
+        """The assembled routing for token rows ``[start, end)`` and absolute MoE ``layers``.
+
+        ``end`` defaults to the last stored row; rows no segment covers are -1.
+        Only segments overlapping the range are read and decoded.  Raises
+        :class:`RolloutNotFoundError`, or :class:`InvalidRequestError` for a
+        range outside ``[0, num_rows)`` or an unknown layer id.
+        """
+        key = self.key(rollout_id)
+        if start < 0 or (end is not None and end <= start):
+            raise InvalidRequestError(f"token range [{start}, {end}) is empty or negative")
+        async with _translate(self._limit):
+            res = await self._get(keys=[key], args=[start, -1 if end is None else end])
+        if not res:
+            raise RolloutNotFoundError(f"rollout {rollout_id} not found")
+        e, k, layer_ids = msgpack.unpackb(res[0])
+        frames = res[2::2]
+        return await asyncio.to_thread(
+            self._assemble, rollout_id, e, k, tuple(layer_ids), frames, start, end, layers
+        )
+
+    @staticmethod
+    def _assemble(
+        rollout_id: str,
+        e: int,
+        k: int,
+        layer_ids: tuple[int, ...],
+        frames: list[bytes],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> Routing:
+        decoded = sorted((decode_frame(f) for f in frames), key=lambda d: d.header.start)
+        stored_end = max((d.header.end for d in decoded), default=0)
+        if end is None:
+            end = stored_end
+            if start >= end:
+                raise InvalidRequestError(
+                    f"start {start} is past the last stored row of rollout {rollout_id} "
+                    f"(it holds rows [0, {stored_end}))"
+                )
+        try:
+            pos = (
+                list(range(len(layer_ids)))
+                if layers is None
+                else layer_positions(layer_ids, layers)
+            )
+        except ShapeError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if not decoded or end > stored_end:
+            raise InvalidRequestError(
+                f"token range [{start}, {end}) is outside rollout {rollout_id}'s rows "
+                f"[0, {stored_end})"
+            )
+        out = np.full((end - start, len(pos), k), -1, dtype=index_dtype(e))
+        for d in decoded:
+            a, b = max(start, d.header.start), min(end, d.header.end)
+            rows = d.routing.indices[a - d.header.start : b - d.header.start]
+            out[a - start : b - start] = rows[:, pos] if layers is not None else rows
+        out.flags.writeable = False
+        kept = tuple(layer_ids[p] for p in pos)
+        segs = tuple(d.header.segment or Segment(d.header.start, d.header.end) for d in decoded)
+        try:
+            return Routing(out, e, kept, start, segs)
+        except FormatError as exc:  # cannot happen for frames that decoded
+            raise StoreError(f"stored routing is inconsistent: {exc}") from exc
+
+    async def stat(self, rollout_id: str) -> RolloutStat:
+        """Meta, segments, sizes and TTL of a rollout; :class:`RolloutNotFoundError` if absent."""
+        key = self.key(rollout_id)
+        async with _translate(self._limit):
+            res = await self._stat(keys=[key], args=[])
+            if not res:
+                raise RolloutNotFoundError(f"rollout {rollout_id} not found")
+            try:
+                mem = await self._r.memory_usage(key, samples=0)  # 0 = count every field
+            except rexc.ResponseError:  # MEMORY disabled by the operator
+                mem = None
+        e, k, layer_ids = msgpack.unpackb(res[0])
+        infos = []
+        for raw in res[3:]:
+            seg, codec, nbytes = msgpack.unpackb(raw)
+            infos.append(SegmentInfo(Segment.from_dict(seg), codec, nbytes))
+        infos.sort(key=lambda i: i.segment.start)
+        pttl = int(res[2])
+        return RolloutStat(
+            rollout_id=rollout_id,
+            num_experts=e,
+            topk=k,
+            layer_ids=tuple(layer_ids),
+            num_rows=max((i.segment.end for i in infos), default=0),
+            stored_bytes=int(res[1]),
+            memory_bytes=None if mem is None else int(mem),
+            ttl_s=None if pttl < 0 else pttl / 1000,
+            segments=tuple(infos),
+        )
+
+    async def memory(self) -> dict[str, int]:
+        """Store-wide accounting: Redis ``used_memory`` and key count, summed over primaries."""
+        async with _translate(self._limit):
+            if isinstance(self._r, RedisCluster):
+                nodes = RedisCluster.PRIMARIES
+                per_node: Any = await self._r.info("memory", target_nodes=nodes)
+                used = sum(int(v["used_memory"]) for v in per_node.values())
+                nkeys = int(await self._r.dbsize(target_nodes=nodes))  # summed by redis-py
+            else:
+                info: Any = await self._r.info("memory")
+                used, nkeys = int(info["used_memory"]), int(await self._r.dbsize())
+        return {"used_memory": used, "keys": nkeys}

@@ -1,0 +1,440 @@
+"""The routing frame: the only code that knows the bytes (spec: docs/format.md).
+
+Layout (all integers little-endian)::
+
+    0   4  magic  b"R3RF"
+    4   1  format version (1)
+    5   1  codec id (0 raw, 1 set, 2 set-zstd)
+    6   2  reserved, must be 0
+    8   4  header length H
+    12  8  body length B
+    20  H  header: msgpack map (see FrameHeader)
+    20+H B  body (codec-specific)
+    …   4  CRC-32 (zlib) of every preceding byte
+
+Codecs:
+
+* ``raw`` — ids as the smallest unsigned dtype holding E plus the sentinel
+  (uint8 when E <= 255, else uint16), -1 stored as the dtype's maximum, token-
+  major ``[R, L, K]``.  Keeps the writer's within-row order.
+* ``set`` — each (token, layer) row's top-k *set* ranked in the combinatorial
+  number system and bit-packed at ``bit_length(C(E, K))`` bits, i.e. within one
+  bit of ``log2 C(E, K)``.  Decodes to ascending rows.
+* ``set-zstd`` — the entropy stage: rows as sorted gaps after relabelling each
+  layer's experts by popularity (most used → 0), layer-major, zstd.  Below the
+  set bound on skewed, token-correlated routing; a little above it on uniform
+  routing.  Decodes to rows ordered by that layer's popularity rank.
+
+``codec="auto"`` (the default) picks ``set-zstd`` when a trial on the data says
+it is smaller than ``set``, else ``set``; it falls back to ``raw`` when
+``C(E, K)`` needs more than 128 bits.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+import zstandard
+
+from r3_client._exceptions import (
+    ChecksumError,
+    CodecError,
+    FormatError,
+    FrameError,
+    ShapeError,
+    TruncatedFrameError,
+    UnsupportedFrameError,
+)
+from r3_client._format import (
+    Routing,
+    Segment,
+    canonical_rows,
+    check_layer_ids,
+    check_params,
+    index_dtype,
+)
+from r3_client._setrank import pack_bits, ranker, unpack_bits
+
+__all__ = [
+    "CODECS",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "CodecName",
+    "Frame",
+    "FrameHeader",
+    "decode_frame",
+    "encode_frame",
+    "read_header",
+]
+
+MAGIC: Final = b"R3RF"
+FORMAT_VERSION: Final = 1
+CodecName = Literal["auto", "raw", "set", "set-zstd"]
+CODECS: Final[dict[str, int]] = {"raw": 0, "set": 1, "set-zstd": 2}
+_CODEC_NAMES: Final = {v: k for k, v in CODECS.items()}
+_PREFIX = struct.Struct("<4sBBHIQ")
+_CRC = struct.Struct("<I")
+#: Headers hold layer ids and short strings; anything larger is not a frame of ours.
+MAX_HEADER: Final = 1 << 20
+#: Rows the ``auto`` trial compresses before choosing (contiguous tokens, all layers).
+_TRIAL_ROWS: Final = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """What a frame says about itself, readable without decoding the body."""
+
+    codec: str
+    num_experts: int
+    topk: int
+    layer_ids: tuple[int, ...]
+    start: int
+    end: int
+    segment: Segment | None
+    params: dict[str, Any]
+    body_length: int
+    frame_length: int
+
+    @property
+    def num_rows(self) -> int:
+        """Token rows in the frame."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A decoded frame: its header and the routing it carries."""
+
+    header: FrameHeader
+    routing: Routing
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+# ---------------------------------------------------------------------------------------------
+def encode_frame(
+    indices: npt.ArrayLike | Routing,
+    *,
+    num_experts: int | None = None,
+    layer_ids: Sequence[int] | None = None,
+    start: int | None = None,
+    segment: Segment | None = None,
+    codec: CodecName = "auto",
+    level: int = 3,
+) -> bytes:
+    """Validate routing ``[R, L, K]`` and encode it as one frame.
+
+    ``indices`` may be a :class:`Routing` (its experts, layers and start are
+    used) or an integer array with ``num_experts`` and ``layer_ids`` given.
+    ``segment``, when given, must cover exactly ``[start, start + R)``.
+    ``level`` is the zstd level of the ``set-zstd`` stage.  Raises a
+    :class:`FormatError` subclass for invalid routing.
+    """
+    if isinstance(indices, Routing):
+        arr = indices.indices
+        num_experts = indices.num_experts if num_experts is None else num_experts
+        layer_ids = indices.layer_ids if layer_ids is None else layer_ids
+        start = indices.start if start is None else start
+    else:
+        arr = np.asarray(indices)
+    if num_experts is None or layer_ids is None:
+        raise ShapeError("num_experts and layer_ids are required for a bare array")
+    if start is None:
+        start = segment.start if segment is not None else 0
+    if arr.ndim != 3:
+        raise ShapeError(f"routing must be [tokens, layers, topk], got shape {arr.shape}")
+    rows, nl, k = arr.shape
+    check_params(num_experts, k)
+    layers = check_layer_ids(layer_ids)
+    if nl != len(layers):
+        raise ShapeError(f"routing has {nl} layers but {len(layers)} layer_ids")
+    if rows < 1:
+        raise ShapeError("routing must hold at least one token row")
+    if not isinstance(start, int) or start < 0:
+        raise ShapeError(f"start must be a non-negative int, got {start!r}")
+    end = start + rows
+    if segment is not None and (segment.start, segment.end) != (start, end):
+        raise ShapeError(
+            f"segment [{segment.start}, {segment.end}) does not match the {rows} rows "
+            f"starting at {start}"
+        )
+    if codec not in ("auto", *CODECS):
+        raise UnsupportedFrameError(f"unknown codec {codec!r}; choose from auto, {list(CODECS)}")
+    srt = canonical_rows(arr, num_experts)  # validates every row
+
+    chosen = _choose_codec(srt, num_experts, k, level) if codec == "auto" else codec
+    if chosen == "raw":
+        params, body = _raw_encode(arr, num_experts)
+    elif chosen == "set":
+        params, body = _set_encode(srt, num_experts, k)
+    else:
+        params, body = _zset_encode(srt, num_experts, k, level)
+
+    header: dict[str, Any] = {
+        "E": int(num_experts),
+        "K": int(k),
+        "layers": list(layers),
+        "start": start,
+        "end": end,
+        "params": params,
+    }
+    if segment is not None:
+        header["segment"] = segment.to_dict()
+    packed = msgpack.packb(header, use_bin_type=True)
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, CODECS[chosen], 0, len(packed), len(body))
+    crc = zlib.crc32(body, zlib.crc32(packed, zlib.crc32(prefix)))
+    return b"".join((prefix, packed, body, _CRC.pack(crc)))
+
+
+def _choose_codec(srt: npt.NDArray[Any], e: int, k: int, level: int) -> str:
+    """``set`` or ``set-zstd``, whichever a trial says is smaller; ``raw`` if set cannot."""
+    try:
+        bits = ranker(e, k).bits
+    except CodecError:
+        return "raw"
+    _rows, nl, _ = srt.shape
+    trial = srt[: max(1, _TRIAL_ROWS // nl)]
+    _, zbody = _zset_encode(trial, e, k, level)
+    set_bytes = trial.shape[0] * nl * bits / 8
+    return "set-zstd" if len(zbody) < set_bytes else "set"
+
+
+def _raw_dtype(num_experts: int) -> np.dtype[Any]:
+    return np.dtype("u1") if num_experts <= 255 else np.dtype("<u2")
+
+
+def _raw_encode(arr: npt.NDArray[Any], e: int) -> tuple[dict[str, Any], bytes]:
+    dt = _raw_dtype(e)
+    # -1 wraps to the dtype's maximum, which is never a valid id (E <= max).
+    return {}, np.ascontiguousarray(arr).astype(dt).tobytes()
+
+
+def _set_encode(srt: npt.NDArray[Any], e: int, k: int) -> tuple[dict[str, Any], bytes]:
+    rk = ranker(e, k)
+    flat = srt.reshape(-1, k)
+    lo, hi = rk.rank(flat, flat[:, 0] < 0)
+    if hi is None:
+        return {}, pack_bits(lo, rk.bits)
+    return {}, pack_bits(lo, 64) + pack_bits(hi, rk.bits - 64)
+
+
+def _gap_dtype(e: int, k: int) -> np.dtype[Any]:
+    return np.dtype("u1") if e - k + 1 <= 255 else np.dtype("<u2")
+
+
+def _zset_encode(srt: npt.NDArray[Any], e: int, k: int, level: int) -> tuple[dict[str, Any], bytes]:
+    rows, nl, _ = srt.shape
+    empty = srt[..., 0] < 0
+    relabel = rows >= e  # a popularity table pays for itself only with enough tokens
+    ids = srt.transpose(1, 0, 2)  # layer-major: [L, R, K]
+    table_bytes = b""
+    if relabel:
+        layer = np.broadcast_to(np.arange(nl)[:, None, None], ids.shape)
+        valid = ids >= 0
+        counts = np.bincount(
+            (layer[valid] * e + ids[valid]).astype(np.intp), minlength=nl * e
+        ).reshape(nl, e)
+        order = np.argsort(-counts, axis=1, kind="stable")  # order[l, rank] = expert
+        to_rank = np.empty_like(order)
+        np.put_along_axis(to_rank, order, np.arange(e)[None, :], axis=1)
+        ids = np.take_along_axis(
+            to_rank[:, None, :], np.where(valid, ids, 0).reshape(nl, 1, -1), axis=2
+        ).reshape(ids.shape)
+        ids = np.sort(ids, axis=-1)
+        table_bytes = order.astype(_raw_dtype(e)).tobytes()
+    gaps = np.diff(ids.astype(np.int32), axis=-1, prepend=-1) - 1
+    gaps[empty.T] = 0
+    gaps[..., 0][empty.T] = e - k + 1  # impossible gap marks a -1 row
+    payload = table_bytes + gaps.astype(_gap_dtype(e, k)).tobytes()
+    body = zstandard.ZstdCompressor(level=level).compress(payload)
+    return {"relabel": relabel}, body
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+# ---------------------------------------------------------------------------------------------
+def read_header(data: bytes | bytearray | memoryview, *, verify: bool = True) -> FrameHeader:
+    """Parse and check a frame's prefix, header and (if ``verify``) CRC; body untouched.
+
+    Raises :class:`TruncatedFrameError`, :class:`ChecksumError`,
+    :class:`UnsupportedFrameError` or :class:`FrameError` with the reason.
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < _PREFIX.size + _CRC.size:
+        raise TruncatedFrameError(
+            f"frame is {len(view)} bytes; the smallest frame is {_PREFIX.size + _CRC.size}"
+        )
+    magic, version, codec_id, reserved, hlen, blen = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise UnsupportedFrameError(f"not a routing frame: magic {bytes(magic)!r} != {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise UnsupportedFrameError(
+            f"frame format version {version} is not supported (this library reads {FORMAT_VERSION})"
+        )
+    if codec_id not in _CODEC_NAMES:
+        raise UnsupportedFrameError(f"unknown codec id {codec_id}")
+    if reserved:
+        raise FrameError("reserved prefix bits are set")
+    if hlen > MAX_HEADER:
+        raise FrameError(f"header length {hlen} exceeds {MAX_HEADER}")
+    total = _PREFIX.size + hlen + blen + _CRC.size
+    if len(view) != total:
+        kind = TruncatedFrameError if len(view) < total else FrameError
+        raise kind(f"frame is {len(view)} bytes but declares {total}")
+    if verify:
+        (want,) = _CRC.unpack_from(view, total - _CRC.size)
+        if zlib.crc32(view[: total - _CRC.size]) != want:
+            raise ChecksumError("frame checksum mismatch: the bytes were corrupted")
+    raw = bytes(view[_PREFIX.size : _PREFIX.size + hlen])
+    try:
+        hdr = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise FrameError(f"frame header is not valid msgpack: {exc}") from None
+    return _parse_header(hdr, _CODEC_NAMES[codec_id], blen, total)
+
+
+def _parse_header(hdr: object, codec: str, blen: int, total: int) -> FrameHeader:
+    if not isinstance(hdr, dict):
+        raise FrameError("frame header must be a map")
+    required = {"E", "K", "layers", "start", "end", "params"}
+    keys = set(hdr)
+    if not required <= keys or not keys <= required | {"segment"}:
+        raise FrameError(
+            f"frame header keys {sorted(map(str, keys))} differ from {sorted(required)}"
+            " (+ optional segment)"
+        )
+    try:
+        e, k, start, end = (_int(hdr[n], n) for n in ("E", "K", "start", "end"))
+        check_params(e, k)
+        if not isinstance(hdr["layers"], list):
+            raise FrameError("header layers must be a list")
+        layers = check_layer_ids(hdr["layers"])
+        seg = None if "segment" not in hdr else Segment.from_dict(hdr["segment"])
+    except FormatError as exc:
+        raise FrameError(f"invalid frame header: {exc}") from None
+    if not 0 <= start < end:
+        raise FrameError(f"frame token range [{start}, {end}) is empty or negative")
+    if seg is not None and (seg.start, seg.end) != (start, end):
+        raise FrameError("frame segment range differs from its token range")
+    params = hdr["params"]
+    if not isinstance(params, dict):
+        raise FrameError("header params must be a map")
+    return FrameHeader(codec, e, k, layers, start, end, seg, params, blen, total)
+
+
+def _int(value: object, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise FrameError(f"header field {name} must be an int")
+    return value
+
+
+def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
+    """Check and decode one frame.  Never returns wrong data: any inconsistency raises.
+
+    Raises a :class:`FrameError` subclass (see ``_exceptions``).
+    """
+    hdr = read_header(data)
+    view = memoryview(data).cast("B")
+    body_at = hdr.frame_length - _CRC.size - hdr.body_length
+    body = view[body_at : hdr.frame_length - _CRC.size]
+    shape = (hdr.num_rows, len(hdr.layer_ids), hdr.topk)
+    if hdr.codec == "raw":
+        _expect_params(hdr.params, set())
+        arr = _raw_decode(body, shape, hdr.num_experts)
+    elif hdr.codec == "set":
+        _expect_params(hdr.params, set())
+        arr = _set_decode(body, shape, hdr.num_experts)
+    else:
+        _expect_params(hdr.params, {"relabel"})
+        relabel = hdr.params["relabel"]
+        if not isinstance(relabel, bool):
+            raise FrameError("set-zstd param relabel must be a bool")
+        arr = _zset_decode(body, shape, hdr.num_experts, relabel)
+    arr.flags.writeable = False
+    segs = () if hdr.segment is None else (hdr.segment,)
+    return Frame(hdr, Routing(arr, hdr.num_experts, hdr.layer_ids, hdr.start, segs))
+
+
+def _expect_params(params: dict[str, Any], keys: set[str]) -> None:
+    if set(params) != keys:
+        raise FrameError(f"codec params {sorted(map(str, params))} differ from {sorted(keys)}")
+
+
+def _check_rows(rows: int, per_row: int, what: str) -> None:
+    # Guard allocations against absurd declared sizes before touching numpy.
+    if rows * per_row > (1 << 34):
+        raise FrameError(f"{what}: frame declares {rows} rows, too many to decode")
+
+
+def _raw_decode(body: memoryview, shape: tuple[int, int, int], e: int) -> npt.NDArray[Any]:
+    dt = _raw_dtype(e)
+    _check_rows(shape[0], shape[1] * shape[2], "raw")
+    want = shape[0] * shape[1] * shape[2] * dt.itemsize
+    if len(body) != want:
+        raise CodecError(f"raw body is {len(body)} bytes, expected {want}")
+    u = np.frombuffer(body, dtype=dt).reshape(shape)
+    out = u.astype(index_dtype(e))
+    out[u == np.iinfo(dt).max] = -1
+    try:
+        canonical_rows(out, e)
+    except FormatError as exc:
+        raise CodecError(f"raw body holds invalid routing: {exc}") from None
+    return out
+
+
+def _set_decode(body: memoryview, shape: tuple[int, int, int], e: int) -> npt.NDArray[Any]:
+    rows, nl, k = shape
+    _check_rows(rows, nl, "set")
+    rk = ranker(e, k)
+    n = rows * nl
+    if rk.wide:
+        split = n * 8
+        if len(body) < split:
+            raise CodecError(f"set body is {len(body)} bytes, expected more than {split}")
+        lo = unpack_bits(body[:split], n, 64)
+        hi = unpack_bits(body[split:], n, rk.bits - 64)
+    else:
+        lo, hi = unpack_bits(body, n, rk.bits), None
+    return rk.unrank(lo, hi).reshape(shape)
+
+
+def _zset_decode(
+    body: memoryview, shape: tuple[int, int, int], e: int, relabel: bool
+) -> npt.NDArray[Any]:
+    rows, nl, k = shape
+    _check_rows(rows, nl * k, "set-zstd")
+    gdt = _gap_dtype(e, k)
+    tdt = _raw_dtype(e)
+    table_len = nl * e * tdt.itemsize if relabel else 0
+    want = table_len + rows * nl * k * gdt.itemsize
+    try:
+        dctx = zstandard.ZstdDecompressor()
+        payload = dctx.decompress(body, max_output_size=want)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"set-zstd body does not decompress: {exc}") from None
+    if len(payload) != want:
+        raise CodecError(f"set-zstd payload is {len(payload)} bytes, expected {want}")
+    gaps = np.frombuffer(payload, dtype=gdt, offset=table_len).reshape(nl, rows, k)
+    empty = gaps[..., 0] == e - k + 1
+    if empty.any() and gaps[empty][:, 1:].any():
+        raise CodecError("set-zstd body has a malformed empty-row marker")
+    ids: npt.NDArray[Any] = np.cumsum(gaps, axis=-1, dtype=np.int32) + np.arange(k, dtype=np.int32)
+    ids[empty] = 0
+    if ids[..., -1].max(initial=0) >= e:
+        raise CodecError("set-zstd gaps run past the expert count: body is corrupt")
+    if relabel:
+        order = np.frombuffer(payload, dtype=tdt, count=nl * e).reshape(nl, e).astype(np.intp)
+        if not (np.sort(order, axis=1) == np.arange(e)).all():
+            raise CodecError("set-zstd relabel table is not a permutation")
+        ids = np.take_along_axis(order[:, None, :], ids.reshape(nl, 1, -1), axis=2)
+        ids = ids.reshape(nl, rows, k)
+    out = ids.astype(index_dtype(e))
+    out[empty] = -1
+    return np.ascontiguousarray(out.transpose(1, 0, 2))

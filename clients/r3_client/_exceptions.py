@@ -1,0 +1,146 @@
+"""Every error this project raises, in one tree.
+
+    R3Error
+    ├── FormatError (ValueError)        routing data breaks the format rules
+    │   ├── ShapeError                  wrong rank, dtype, sizes or row count
+    │   ├── ExpertIdError               an id outside [0, E) (other than a whole -1 row)
+    │   ├── PartialRowError             a row mixing -1 with expert ids
+    │   └── DuplicateExpertError        the same expert twice in one row
+    ├── FrameError (ValueError)         bytes that are not a valid routing frame
+    │   ├── TruncatedFrameError         fewer bytes than the frame declares
+    │   ├── ChecksumError               the CRC does not match: corrupted in transit/at rest
+    │   ├── UnsupportedFrameError       unknown magic, format version or codec id
+    │   └── CodecError                  a codec cannot represent this data (e.g. C(E,K) ≥ 2^128)
+    └── StoreError                      the segment store refused or failed
+        ├── RolloutNotFoundError        no such rollout (or it expired)
+        ├── SegmentConflictError        a segment overlaps stored data and differs from it
+        ├── InvalidRequestError         a well-formed request that asks for the impossible
+        └── StoreUnavailableError       the backing Redis cannot be reached
+
+The service maps these to HTTP/gRPC statuses in one place; the client maps
+statuses back to the same classes, so callers catch one tree whatever the
+transport.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChecksumError",
+    "CodecError",
+    "DuplicateExpertError",
+    "ExpertIdError",
+    "FormatError",
+    "FrameError",
+    "InvalidRequestError",
+    "PartialRowError",
+    "R3Error",
+    "RolloutNotFoundError",
+    "SegmentConflictError",
+    "ShapeError",
+    "StoreError",
+    "StoreUnavailableError",
+    "TruncatedFrameError",
+    "UnsupportedFrameError",
+]
+
+
+class R3Error(Exception):
+    """Base of every error raised by sglang-r3.
+
+    ``code`` is a stable machine-readable name (used in HTTP/gRPC error bodies).
+    """
+
+    code = "r3_error"
+
+
+class FormatError(R3Error, ValueError):
+    """Routing data violates the format (see docs/format.md)."""
+
+    code = "invalid_routing"
+
+
+class ShapeError(FormatError):
+    """Wrong array rank, dtype, dimension sizes, or row count for the token range."""
+
+    code = "invalid_shape"
+
+
+class ExpertIdError(FormatError):
+    """An expert id outside ``[0, num_experts)`` that is not part of a whole ``-1`` row."""
+
+    code = "invalid_expert_id"
+
+
+class PartialRowError(FormatError):
+    """A row mixes ``-1`` ("no route") with real expert ids; ``-1`` must fill a whole row."""
+
+    code = "partial_row"
+
+
+class DuplicateExpertError(FormatError):
+    """The same expert appears twice in one (token, layer) row."""
+
+    code = "duplicate_expert"
+
+
+class FrameError(R3Error, ValueError):
+    """Bytes that cannot be decoded as a routing frame."""
+
+    code = "invalid_frame"
+
+
+class TruncatedFrameError(FrameError):
+    """The buffer is shorter (or longer) than the lengths the frame declares."""
+
+    code = "truncated_frame"
+
+
+class ChecksumError(FrameError):
+    """The frame's CRC-32 does not match its bytes."""
+
+    code = "checksum_mismatch"
+
+
+class UnsupportedFrameError(FrameError):
+    """Unknown magic, format version, or codec id."""
+
+    code = "unsupported_frame"
+
+
+class CodecError(FrameError):
+    """A codec cannot represent the data, or its body is internally inconsistent."""
+
+    code = "codec_error"
+
+
+class StoreError(R3Error):
+    """The segment store refused the operation or failed."""
+
+    code = "store_error"
+
+
+class RolloutNotFoundError(StoreError, KeyError):
+    """No routing is stored under this rollout id (never written, deleted, or expired)."""
+
+    code = "not_found"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "rollout not found"
+
+
+class SegmentConflictError(StoreError):
+    """A segment overlaps stored segments and is not identical to them."""
+
+    code = "conflict"
+
+
+class InvalidRequestError(StoreError, ValueError):
+    """A request that is well-formed but cannot be served (bad id, empty range, …)."""
+
+    code = "invalid_request"
+
+
+class StoreUnavailableError(StoreError):
+    """The backing Redis is unreachable or failing."""
+
+    code = "store_unavailable"

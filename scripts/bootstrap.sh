@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: redis-server from Debian, a virtualenv, the package.
+# Idempotent: re-running only installs what is missing.  Used by `make test` / `make demo`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EXTRAS="${R3_EXTRAS:-client,service,dev}"
+PYTHON="${PYTHON:-python3.11}"
+
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+  echo "bootstrap: installing redis-server and redis-tools from Debian" >&2
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv with $PYTHON" >&2
+  "$PYTHON" -m venv .venv
+fi
+
+stamp=".venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)-${EXTRAS//,/_}"
+if [ ! -f "$stamp" ]; then
+  echo "bootstrap: installing sglang-r3[$EXTRAS] into .venv" >&2
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+  rm -f .venv/.installed-*
+  touch "$stamp"
+fi

@@ -1,0 +1,46 @@
+"""Shared fixtures: real ``redis-server`` processes on free loopback ports, stopped by PID."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from cache_service.redis_proc import RedisProcess, free_port, start_cluster
+from cache_service.store import SegmentStore, StoreSettings
+
+
+@pytest.fixture(scope="session")
+def redis_single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """One standalone redis-server for the whole session."""
+    proc = RedisProcess(free_port(), tmp_path_factory.mktemp("redis"), appendonly=False).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisProcess]]:
+    """A 3-master Redis Cluster on loopback ports."""
+    nodes = start_cluster(Path(tmp_path_factory.mktemp("cluster")))
+    yield nodes
+    for n in nodes:
+        n.stop()
+
+
+@pytest.fixture(params=["single", pytest.param("cluster", marks=pytest.mark.cluster)])
+async def store(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[SegmentStore]:
+    """A SegmentStore on a real Redis (standalone or cluster), isolated by a fresh key prefix."""
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    if request.param == "single":
+        server: RedisProcess = request.getfixturevalue("redis_single")
+        settings = StoreSettings(redis_url=server.url, key_prefix=prefix)
+    else:
+        nodes: list[RedisProcess] = request.getfixturevalue("redis_cluster")
+        settings = StoreSettings(redis_url=nodes[0].url, cluster=True, key_prefix=prefix)
+    st = await SegmentStore.connect(settings)
+    yield st
+    await st.close()

@@ -1,0 +1,280 @@
+"""SegmentStore against a real redis-server and a real 3-master Redis Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+
+import numpy as np
+import pytest
+
+from cache_service.redis_proc import free_port
+from cache_service.store import SegmentStore, StoreSettings
+from r3_client import (
+    ChecksumError,
+    InvalidRequestError,
+    RolloutNotFoundError,
+    Segment,
+    SegmentConflictError,
+    StoreUnavailableError,
+    encode_frame,
+    token_digest,
+)
+from r3_client.testing import synthetic_routing
+
+E, K, LAYERS = 64, 4, (1, 3, 5)
+
+
+def rid() -> str:
+    return f"rollout-{uuid.uuid4().hex[:8]}"
+
+
+def frame_for(
+    idx: np.ndarray,
+    start: int,
+    *,
+    codec: str = "auto",
+    version: str = "v1",
+    layers: tuple[int, ...] = LAYERS,
+    e: int = E,
+) -> bytes:
+    end = start + idx.shape[0]
+    seg = Segment(start, end, "tiny-moe", version, token_digest(range(end)))
+    return encode_frame(idx, num_experts=e, layer_ids=layers, segment=seg, codec=codec)  # type: ignore[arg-type]
+
+
+TRAJ = synthetic_routing(300, len(LAYERS), E, K, skew=1.0, rho=0.7, seed=7)
+
+
+async def test_put_get_round_trip_over_turns(store: SegmentStore) -> None:
+    r = rid()
+    turns = [(0, 120), (120, 200), (200, 300)]
+    for a, b in turns:
+        res = await store.put_segment(r, frame_for(TRAJ[a:b], a))
+        assert res.status == "stored"
+        assert res.segment.start == a
+    got = await store.get(r)
+    assert (got.start, got.end, got.layer_ids, got.num_experts) == (0, 300, LAYERS, E)
+    assert np.array_equal(np.sort(got.indices, -1), np.sort(TRAJ, -1))
+    assert [(s.start, s.end) for s in got.segments] == turns
+
+
+async def test_range_and_layer_subset_read_only_overlapping_rows(store: SegmentStore) -> None:
+    r = rid()
+    await store.put_segment(r, frame_for(TRAJ[:150], 0))
+    await store.put_segment(r, frame_for(TRAJ[150:], 150))
+    got = await store.get(r, start=140, end=160, layers=[5, 1])
+    assert got.start == 140
+    assert got.layer_ids == (5, 1)
+    assert np.array_equal(np.sort(got.indices, -1), np.sort(TRAJ[140:160][:, [2, 0]], -1))
+    assert [(s.start, s.end) for s in got.segments] == [(0, 150), (150, 300)]
+    only_first = await store.get(r, start=0, end=10)
+    assert [(s.start, s.end) for s in only_first.segments] == [(0, 150)]
+
+
+async def test_gaps_read_as_minus_one(store: SegmentStore) -> None:
+    r = rid()
+    await store.put_segment(r, frame_for(TRAJ[200:300], 200))
+    got = await store.get(r)
+    assert got.end == 300
+    assert (got.indices[:200] == -1).all()
+    assert (got.indices[200:] >= 0).all()
+
+
+async def test_same_segment_twice_is_a_no_op_even_in_another_codec(store: SegmentStore) -> None:
+    r = rid()
+    first = await store.put_segment(r, frame_for(TRAJ[:100], 0, codec="set"))
+    again = await store.put_segment(r, frame_for(TRAJ[:100], 0, codec="raw"))
+    assert (first.status, again.status) == ("stored", "duplicate")
+    st = await store.stat(r)
+    assert len(st.segments) == 1
+    assert st.segments[0].codec == "set"
+    assert st.stored_bytes == first.nbytes
+
+
+async def test_conflicts_are_refused_and_leave_data_unchanged(store: SegmentStore) -> None:
+    r = rid()
+    await store.put_segment(r, frame_for(TRAJ[:100], 0))
+    other = TRAJ[:100].copy()
+    other[50, 0] = np.roll(np.arange(E), 1)[other[50, 0]]  # a different set, still valid
+    assert not np.array_equal(np.sort(other, -1), np.sort(TRAJ[:100], -1))
+    with pytest.raises(SegmentConflictError, match="same range with different routing"):
+        await store.put_segment(r, frame_for(other, 0))
+    with pytest.raises(SegmentConflictError, match="same range with different"):
+        await store.put_segment(r, frame_for(TRAJ[:100], 0, version="v2"))
+    with pytest.raises(SegmentConflictError, match=r"overlaps it; send only rows"):
+        await store.put_segment(r, frame_for(TRAJ[50:150], 50))
+    idx = synthetic_routing(10, len(LAYERS), 128, K, seed=1)
+    with pytest.raises(SegmentConflictError, match="E=64, K=4"):
+        await store.put_segment(r, frame_for(idx, 100, e=128))
+    with pytest.raises(SegmentConflictError, match="layers"):
+        await store.put_segment(r, frame_for(TRAJ[100:110][:, :2], 100, layers=(1, 3)))
+    got = await store.get(r)
+    assert got.end == 100
+    assert np.array_equal(np.sort(got.indices, -1), np.sort(TRAJ[:100], -1))
+    assert len((await store.stat(r)).segments) == 1
+
+
+async def test_bad_frames_and_ids_are_refused(store: SegmentStore) -> None:
+    r = rid()
+    frame = bytearray(frame_for(TRAJ[:10], 0))
+    frame[-10] ^= 0xFF
+    with pytest.raises(ChecksumError):
+        await store.put_segment(r, bytes(frame))
+    for bad in ["", "a b", "x{y}", "é", "a" * 201]:
+        with pytest.raises(InvalidRequestError, match="invalid rollout id"):
+            await store.put_segment(bad, frame_for(TRAJ[:10], 0))
+    with pytest.raises(RolloutNotFoundError):
+        await store.get(r)
+
+
+async def test_invalid_reads(store: SegmentStore) -> None:
+    r = rid()
+    await store.put_segment(r, frame_for(TRAJ[:100], 0))
+    with pytest.raises(InvalidRequestError, match=r"outside rollout .* rows \[0, 100\)"):
+        await store.get(r, start=90, end=101)
+    with pytest.raises(InvalidRequestError, match="empty or negative"):
+        await store.get(r, start=5, end=5)
+    with pytest.raises(InvalidRequestError, match="past the last stored row"):
+        await store.get(r, start=100)
+    with pytest.raises(InvalidRequestError, match="not MoE layers"):
+        await store.get(r, layers=[2])
+    with pytest.raises(RolloutNotFoundError, match="not found"):
+        await store.stat(rid())
+
+
+async def test_stat_delete_and_ttl(store: SegmentStore) -> None:
+    r = rid()
+    res = await store.put_segment(r, frame_for(TRAJ[:100], 0), ttl_s=100)
+    st = await store.stat(r)
+    assert (st.num_experts, st.topk, st.layer_ids, st.num_rows) == (E, K, LAYERS, 100)
+    assert st.stored_bytes == res.nbytes
+    assert st.memory_bytes
+    assert st.memory_bytes >= res.nbytes
+    assert st.ttl_s is not None
+    assert 95 < st.ttl_s <= 100
+    seg = st.segments[0]
+    assert (seg.segment.model_id, seg.segment.weight_version) == ("tiny-moe", "v1")
+    # a write refreshes the TTL (to the default)
+    await store.put_segment(r, frame_for(TRAJ[100:200], 100))
+    st = await store.stat(r)
+    assert st.ttl_s is not None
+    assert st.ttl_s > 100
+    await store.touch(r, ttl_s=0)
+    assert (await store.stat(r)).ttl_s is None
+    await store.touch(r, ttl_s=1)
+    assert (await store.stat(r)).ttl_s is not None
+    mem = await store.memory()
+    assert mem["used_memory"] > 0
+    assert mem["keys"] >= 1
+    assert await store.delete(r) is True
+    assert await store.delete(r) is False
+    with pytest.raises(RolloutNotFoundError):
+        await store.touch(r)
+
+
+async def test_expired_rollout_is_gone(store: SegmentStore) -> None:
+    r = rid()
+    await store.put_segment(r, frame_for(TRAJ[:10], 0), ttl_s=1)
+    await asyncio.sleep(1.3)
+    with pytest.raises(RolloutNotFoundError):
+        await store.get(r)
+
+
+async def _shuffled_gather(jobs: list) -> list:
+    """Run ``jobs`` concurrently in a shuffled start order; results in the original order."""
+    order = np.random.default_rng(len(jobs)).permutation(len(jobs))
+    results = await asyncio.gather(*(jobs[i] for i in order), return_exceptions=True)
+    out: list = [None] * len(jobs)
+    for pos, i in enumerate(order):
+        out[i] = results[pos]
+    return out
+
+
+async def test_many_concurrent_writers_on_one_rollout(store: SegmentStore) -> None:
+    """40 distinct segments, each put 3x concurrently: none lost, none doubled."""
+    r = rid()
+    n_seg, width = 40, 7
+    traj = synthetic_routing(n_seg * width, len(LAYERS), E, K, seed=11)
+    frames = [frame_for(traj[i * width : (i + 1) * width], i * width) for i in range(n_seg)]
+    results = await _shuffled_gather([store.put_segment(r, f) for f in frames * 3])
+    statuses = [x.status for x in results]
+    assert statuses.count("stored") == n_seg
+    assert statuses.count("duplicate") == 2 * n_seg
+    st = await store.stat(r)
+    assert [(s.segment.start, s.segment.end) for s in st.segments] == [
+        (i * width, (i + 1) * width) for i in range(n_seg)
+    ]
+    assert st.stored_bytes == sum(s.nbytes for s in st.segments)
+    got = await store.get(r)
+    assert np.array_equal(np.sort(got.indices, -1), np.sort(traj, -1))
+
+
+async def test_concurrent_different_writers_exactly_one_wins(store: SegmentStore) -> None:
+    r = rid()
+    variants = [synthetic_routing(50, len(LAYERS), E, K, seed=100 + i) for i in range(12)]
+    results = await _shuffled_gather([store.put_segment(r, frame_for(v, 0)) for v in variants])
+    winners = [i for i, x in enumerate(results) if not isinstance(x, Exception)]
+    assert len(winners) == 1
+    assert all(
+        isinstance(x, SegmentConflictError) for i, x in enumerate(results) if i != winners[0]
+    )
+    got = await store.get(r)
+    assert np.array_equal(np.sort(got.indices, -1), np.sort(variants[winners[0]], -1))
+
+
+async def test_concurrent_overlapping_writers_never_leave_overlaps(store: SegmentStore) -> None:
+    r = rid()
+    traj = synthetic_routing(400, len(LAYERS), E, K, seed=5)
+    ranges = [(i, i + 10) for i in range(0, 390, 10)] + [(i + 5, i + 25) for i in range(0, 370, 20)]
+    frames = {rg: frame_for(traj[rg[0] : rg[1]], rg[0]) for rg in ranges}
+    results = await _shuffled_gather([store.put_segment(r, frames[rg]) for rg in ranges])
+    stored = sorted(
+        rg for rg, x in zip(ranges, results, strict=True) if not isinstance(x, Exception)
+    )
+    assert all(isinstance(x, SegmentConflictError) for x in results if isinstance(x, Exception))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(stored))
+    st = await store.stat(r)
+    assert [(s.segment.start, s.segment.end) for s in st.segments] == stored
+    got = await store.get(r)
+    for a, b in stored:  # each stored range holds exactly what its writer sent
+        assert np.array_equal(np.sort(got.indices[a:b], -1), np.sort(traj[a:b], -1))
+
+
+async def test_segment_limit(store: SegmentStore) -> None:
+    limited = SegmentStore(
+        store._r,
+        StoreSettings(  # same client, tighter limit
+            redis_url=store.settings.redis_url,
+            cluster=store.settings.cluster,
+            key_prefix=store.settings.key_prefix,
+            max_segments=2,
+        ),
+    )
+    r = rid()
+    await limited.put_segment(r, frame_for(TRAJ[:1], 0))
+    await limited.put_segment(r, frame_for(TRAJ[1:2], 1))
+    with pytest.raises(InvalidRequestError, match="already has 2 segments"):
+        await limited.put_segment(r, frame_for(TRAJ[2:3], 2))
+
+
+@pytest.mark.cluster
+async def test_cluster_keys_share_the_rollout_slot(
+    redis_cluster: list,
+) -> None:
+    st = await SegmentStore.connect(StoreSettings(redis_url=redis_cluster[0].url, cluster=True))
+    try:
+        slots = {await st._r.cluster_keyslot(st.key(f"r-{i}")) for i in range(50)}
+        assert len(slots) > 10  # rollouts spread over the cluster…
+        key = st.key("same")
+        assert key == "r3:{same}"  # …and a rollout's key is hash-tagged
+    finally:
+        await st.close()
+
+
+async def test_unreachable_redis_is_a_clear_error() -> None:
+    with pytest.raises(StoreUnavailableError, match="cannot reach Redis"):
+        await SegmentStore.connect(
+            StoreSettings(redis_url=f"redis://127.0.0.1:{free_port()}/0", connect_retries=1)
+        )
