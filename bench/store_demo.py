@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import tempfile
 import time
@@ -38,7 +39,7 @@ async def run(url: str, tokens: int) -> None:
     try:
         print("[2/3] storing one segment per turn (only the new rows each time)")
         total = 0
-        for turn, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False), 1):
+        for turn, (a, b) in enumerate(itertools.pairwise(cuts), 1):
             seg = Segment(a, b, "qwen3-30b-a3b-synthetic", f"w{turn}", token_digest(token_ids[:b]))
             frame = encode_frame(traj[a:b], num_experts=E, layer_ids=range(L), segment=seg)
             res = await store.put_segment("demo-rollout", frame)
@@ -64,7 +65,7 @@ async def run(url: str, tokens: int) -> None:
     print(f"  upstream int32:  {int32 / tokens:8.0f} B/token")
     print(f"  upstream base64: {math.ceil(int32 / 3) * 4 / tokens:8.0f} B/token")
     print(f"  set bound:       {bound / tokens:8.0f} B/token")
-    print(f"  stored:          {total / tokens:8.0f} B/token ({int32 / total:.1f}x smaller than int32)")
+    print(f"  stored:          {total / tokens:8.0f} B/token ({int32 / total:.1f}x < int32)")
     print(f"  Redis MEMORY USAGE of the rollout: {st.memory_bytes:,} bytes")
     if not ok:
         raise SystemExit("round trip mismatch")

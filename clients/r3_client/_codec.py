@@ -61,6 +61,7 @@ from r3_client._format import (
     index_dtype,
 )
 from r3_client._setrank import pack_bits, ranker, unpack_bits
+from r3_client._sortnet import sort_rows
 
 __all__ = [
     "CODECS",
@@ -169,13 +170,11 @@ def encode_frame(
         raise UnsupportedFrameError(f"unknown codec {codec!r}; choose from auto, {list(CODECS)}")
     srt = canonical_rows(arr, num_experts)  # validates every row
 
-    chosen = _choose_codec(srt, num_experts, k, level) if codec == "auto" else codec
-    if chosen == "raw":
-        params, body = _raw_encode(arr, num_experts)
-    elif chosen == "set":
-        params, body = _set_encode(srt, num_experts, k)
-    else:
-        params, body = _zset_encode(srt, num_experts, k, level)
+    chosen, params, body = (
+        _auto_encode(arr, srt, num_experts, k, level)
+        if codec == "auto"
+        else (codec, *_encode_body(codec, arr, srt, num_experts, k, level))
+    )
 
     header: dict[str, Any] = {
         "E": int(num_experts),
@@ -193,17 +192,37 @@ def encode_frame(
     return b"".join((prefix, packed, body, _CRC.pack(crc)))
 
 
-def _choose_codec(srt: npt.NDArray[Any], e: int, k: int, level: int) -> str:
-    """``set`` or ``set-zstd``, whichever a trial says is smaller; ``raw`` if set cannot."""
+def _encode_body(
+    codec: str, arr: npt.NDArray[Any], srt: npt.NDArray[Any], e: int, k: int, level: int
+) -> tuple[dict[str, Any], bytes]:
+    if codec == "raw":
+        return _raw_encode(arr, e)
+    if codec == "set":
+        return _set_encode(srt, e, k)
+    return _zset_encode(srt, e, k, level)
+
+
+def _auto_encode(
+    arr: npt.NDArray[Any], srt: npt.NDArray[Any], e: int, k: int, level: int
+) -> tuple[str, dict[str, Any], bytes]:
+    """``set`` or ``set-zstd``, whichever a trial says is smaller; ``raw`` if set cannot.
+
+    The trial compresses the first ``_TRIAL_ROWS`` rows (contiguous tokens,
+    all layers) with ``set-zstd`` and compares with ``set``'s exact fixed width.
+    When the trial is the whole input its body is reused.
+    """
     try:
         bits = ranker(e, k).bits
     except CodecError:
-        return "raw"
-    _rows, nl, _ = srt.shape
-    trial = srt[: max(1, _TRIAL_ROWS // nl)]
-    _, zbody = _zset_encode(trial, e, k, level)
-    set_bytes = trial.shape[0] * nl * bits / 8
-    return "set-zstd" if len(zbody) < set_bytes else "set"
+        return ("raw", *_raw_encode(arr, e))
+    rows, nl, _ = srt.shape
+    trial_rows = max(1, _TRIAL_ROWS // nl)
+    params, zbody = _zset_encode(srt[:trial_rows], e, k, level)
+    if len(zbody) >= min(trial_rows, rows) * nl * bits / 8:
+        return ("set", *_set_encode(srt, e, k))
+    if trial_rows >= rows:
+        return "set-zstd", params, zbody
+    return ("set-zstd", *_zset_encode(srt, e, k, level))
 
 
 def _raw_dtype(num_experts: int) -> np.dtype[Any]:
@@ -231,27 +250,29 @@ def _gap_dtype(e: int, k: int) -> np.dtype[Any]:
 
 def _zset_encode(srt: npt.NDArray[Any], e: int, k: int, level: int) -> tuple[dict[str, Any], bytes]:
     rows, nl, _ = srt.shape
-    empty = srt[..., 0] < 0
-    relabel = rows >= e  # a popularity table pays for itself only with enough tokens
-    ids = srt.transpose(1, 0, 2)  # layer-major: [L, R, K]
+    # Work layer-major ([L, R, K], contiguous) in the narrow index dtype: every pass
+    # below is memory-bound, so fewer bytes is faster.
+    ids = np.ascontiguousarray(srt.transpose(1, 0, 2), dtype=index_dtype(e))
+    empty = ids[..., 0] < 0
     table_bytes = b""
+    relabel = rows >= e  # a popularity table pays for itself only with enough tokens
     if relabel:
-        layer = np.broadcast_to(np.arange(nl)[:, None, None], ids.shape)
-        valid = ids >= 0
-        counts = np.bincount(
-            (layer[valid] * e + ids[valid]).astype(np.intp), minlength=nl * e
-        ).reshape(nl, e)
+        # Flat (layer, expert) indices; -1 rows go to one extra bin that is dropped.
+        offset = (np.arange(nl, dtype=np.int32) * e)[:, None, None]
+        flat = np.where(ids < 0, nl * e, ids + offset)
+        counts = np.bincount(flat.reshape(-1), minlength=nl * e + 1)[: nl * e].reshape(nl, e)
         order = np.argsort(-counts, axis=1, kind="stable")  # order[l, rank] = expert
-        to_rank = np.empty_like(order)
-        np.put_along_axis(to_rank, order, np.arange(e)[None, :], axis=1)
-        ids = np.take_along_axis(
-            to_rank[:, None, :], np.where(valid, ids, 0).reshape(nl, 1, -1), axis=2
-        ).reshape(ids.shape)
-        ids = np.sort(ids, axis=-1)
+        to_rank = np.empty((nl, e), dtype=ids.dtype)
+        np.put_along_axis(to_rank, order, np.arange(e, dtype=ids.dtype)[None, :], axis=1)
+        lookup = np.append(to_rank.reshape(-1), ids.dtype.type(-1))
+        ids = sort_rows(lookup.take(flat))
         table_bytes = order.astype(_raw_dtype(e)).tobytes()
-    gaps = np.diff(ids.astype(np.int32), axis=-1, prepend=-1) - 1
-    gaps[empty.T] = 0
-    gaps[..., 0][empty.T] = e - k + 1  # impossible gap marks a -1 row
+    gaps = np.empty_like(ids)
+    gaps[..., 0] = ids[..., 0]
+    np.subtract(ids[..., 1:], ids[..., :-1], out=gaps[..., 1:])
+    gaps[..., 1:] -= 1
+    gaps[empty] = 0
+    gaps[..., 0][empty] = e - k + 1  # an impossible first gap marks a -1 row
     payload = table_bytes + gaps.astype(_gap_dtype(e, k)).tobytes()
     body = zstandard.ZstdCompressor(level=level).compress(payload)
     return {"relabel": relabel}, body
@@ -425,16 +446,24 @@ def _zset_decode(
     empty = gaps[..., 0] == e - k + 1
     if empty.any() and gaps[empty][:, 1:].any():
         raise CodecError("set-zstd body has a malformed empty-row marker")
-    ids: npt.NDArray[Any] = np.cumsum(gaps, axis=-1, dtype=np.int32) + np.arange(k, dtype=np.int32)
+    if gaps.max(initial=0) > e - k + 1:
+        raise CodecError("set-zstd gap larger than the expert count allows: body is corrupt")
+    # ids = cumsum(gap + 1) - 1 along K, column by column, in the narrow index dtype
+    # unless K gaps of up to E-K+1 could overflow it.
+    dt = index_dtype(e) if k * (e - k + 2) < np.iinfo(np.int16).max else np.dtype(np.int32)
+    ids = np.empty((nl, rows, k), dtype=dt)
+    ids[..., 0] = gaps[..., 0]
+    for j in range(1, k):
+        np.add(ids[..., j - 1], gaps[..., j], out=ids[..., j], dtype=dt)
+        ids[..., j] += 1
     ids[empty] = 0
     if ids[..., -1].max(initial=0) >= e:
         raise CodecError("set-zstd gaps run past the expert count: body is corrupt")
     if relabel:
-        order = np.frombuffer(payload, dtype=tdt, count=nl * e).reshape(nl, e).astype(np.intp)
+        order = np.frombuffer(payload, dtype=tdt, count=nl * e).reshape(nl, e)
         if not (np.sort(order, axis=1) == np.arange(e)).all():
             raise CodecError("set-zstd relabel table is not a permutation")
-        ids = np.take_along_axis(order[:, None, :], ids.reshape(nl, 1, -1), axis=2)
-        ids = ids.reshape(nl, rows, k)
-    out = ids.astype(index_dtype(e))
-    out[empty] = -1
-    return np.ascontiguousarray(out.transpose(1, 0, 2))
+        offset = (np.arange(nl, dtype=np.int32) * e)[:, None, None]
+        ids = order.astype(dt).reshape(-1).take(ids + offset)
+    ids[empty] = -1
+    return np.ascontiguousarray(ids.transpose(1, 0, 2), dtype=index_dtype(e))
