@@ -53,7 +53,7 @@ from r3_client._sortnet import sort_rows
 
 __all__ = ["PutResult", "RolloutStat", "SegmentInfo", "SegmentStore", "StoreSettings"]
 
-_ROLLOUT_ID = re.compile(r"^[A-Za-z0-9_.:@/+=-]{1,200}$")
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9_.:@/+=-]{1,200}")
 RedisClient = aioredis.Redis | RedisCluster
 
 
@@ -117,7 +117,7 @@ def _load(name: str) -> str:
 
 def check_rollout_id(rollout_id: str) -> str:
     """Return ``rollout_id`` or raise :class:`InvalidRequestError` saying what is allowed."""
-    if not isinstance(rollout_id, str) or not _ROLLOUT_ID.match(rollout_id):
+    if not isinstance(rollout_id, str) or not _ROLLOUT_ID.fullmatch(rollout_id):
         raise InvalidRequestError(
             f"invalid rollout id {rollout_id!r}: use 1-200 characters from "
             "A-Z a-z 0-9 _ . : @ / + = -"

@@ -20,10 +20,12 @@ Codecs:
 * ``set`` — each (token, layer) row's top-k *set* ranked in the combinatorial
   number system and bit-packed at ``bit_length(C(E, K))`` bits, i.e. within one
   bit of ``log2 C(E, K)``.  Decodes to ascending rows.
-* ``set-zstd`` — the entropy stage: rows as sorted gaps after relabelling each
-  layer's experts by popularity (most used → 0), layer-major, zstd.  Below the
-  set bound on skewed, token-correlated routing; a little above it on uniform
-  routing.  Decodes to rows ordered by that layer's popularity rank.
+* ``set-zstd`` — the entropy stage: rows as sorted gaps, layer-major, zstd;
+  when the frame has at least E rows, each layer's experts are first relabelled
+  by popularity (most used → 0) and the table travels in the payload.  16-bit
+  gaps are stored as a low-byte plane then a high-byte plane.  Below the set
+  bound on skewed, token-correlated routing; a little above it on uniform
+  routing.  Decodes to rows in popularity order (relabelled) or ascending.
 
 ``codec="auto"`` (the default) picks ``set-zstd`` when a trial on the data says
 it is smaller than ``set``, else ``set``; it falls back to ``raw`` when
@@ -136,7 +138,9 @@ def encode_frame(
     used) or an integer array with ``num_experts`` and ``layer_ids`` given.
     ``segment``, when given, must cover exactly ``[start, start + R)``.
     ``level`` is the zstd level of the ``set-zstd`` stage.  Raises a
-    :class:`FormatError` subclass for invalid routing.
+    :class:`FormatError` subclass for invalid routing, :class:`CodecError` when
+    ``codec="set"`` cannot represent ``C(E, K)`` in 128 bits, and
+    :class:`UnsupportedFrameError` for an unknown codec name.
     """
     if isinstance(indices, Routing):
         arr = indices.indices
@@ -244,6 +248,19 @@ def _set_encode(srt: npt.NDArray[Any], e: int, k: int) -> tuple[dict[str, Any], 
     return {}, pack_bits(lo, 64) + pack_bits(hi, rk.bits - 64)
 
 
+def _gap_planes(gaps: npt.NDArray[Any], dtype: np.dtype[Any]) -> bytes:
+    """Gaps as bytes; 16-bit gaps as a low-byte plane then a high-byte plane.
+
+    The high bytes are almost all zero, so splitting them out lets zstd code
+    each plane with its own statistics: ~17% smaller and ~5x faster to compress
+    than interleaved uint16 on E=384 routing (measured in bench/codec_bench.py).
+    """
+    if dtype.itemsize == 1:
+        return gaps.astype(dtype).tobytes()
+    wide = gaps.astype(np.uint16)
+    return (wide & 0xFF).astype(np.uint8).tobytes() + (wide >> 8).astype(np.uint8).tobytes()
+
+
 def _gap_dtype(e: int, k: int) -> np.dtype[Any]:
     return np.dtype("u1") if e - k + 1 <= 255 else np.dtype("<u2")
 
@@ -273,7 +290,7 @@ def _zset_encode(srt: npt.NDArray[Any], e: int, k: int, level: int) -> tuple[dic
     gaps[..., 1:] -= 1
     gaps[empty] = 0
     gaps[..., 0][empty] = e - k + 1  # an impossible first gap marks a -1 row
-    payload = table_bytes + gaps.astype(_gap_dtype(e, k)).tobytes()
+    payload = table_bytes + _gap_planes(gaps, _gap_dtype(e, k))
     body = zstandard.ZstdCompressor(level=level).compress(payload)
     return {"relabel": relabel}, body
 
@@ -315,10 +332,20 @@ def read_header(data: bytes | bytearray | memoryview, *, verify: bool = True) ->
             raise ChecksumError("frame checksum mismatch: the bytes were corrupted")
     raw = bytes(view[_PREFIX.size : _PREFIX.size + hlen])
     try:
-        hdr = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=0)
+        hdr = msgpack.unpackb(
+            raw, raw=False, strict_map_key=True, max_bin_len=0, object_pairs_hook=_unique_map
+        )
     except Exception as exc:  # msgpack raises several unrelated types
         raise FrameError(f"frame header is not valid msgpack: {exc}") from None
     return _parse_header(hdr, _CODEC_NAMES[codec_id], blen, total)
+
+
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """msgpack map hook: a repeated key is an error, not "last one wins"."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise FrameError("frame header repeats a map key")
+    return out
 
 
 def _parse_header(hdr: object, codec: str, blen: int, total: int) -> FrameHeader:
@@ -436,13 +463,30 @@ def _zset_decode(
     table_len = nl * e * tdt.itemsize if relabel else 0
     want = table_len + rows * nl * k * gdt.itemsize
     try:
-        dctx = zstandard.ZstdDecompressor()
-        payload = dctx.decompress(body, max_output_size=want)
+        # Check the declared size before inflating anything: a small crafted body must
+        # not make us allocate more than the header's shape allows.
+        declared = zstandard.frame_content_size(body)
+        if declared != want:
+            raise CodecError(
+                f"set-zstd frame declares {declared} content bytes (-1 = unknown), "
+                f"expected {want}"
+            )
+        dobj = zstandard.ZstdDecompressor().decompressobj()
+        payload = dobj.decompress(body)
+        if not dobj.eof or dobj.unused_data:
+            raise CodecError("set-zstd body is not exactly one complete zstd frame")
     except zstandard.ZstdError as exc:
         raise CodecError(f"set-zstd body does not decompress: {exc}") from None
     if len(payload) != want:
         raise CodecError(f"set-zstd payload is {len(payload)} bytes, expected {want}")
-    gaps = np.frombuffer(payload, dtype=gdt, offset=table_len).reshape(nl, rows, k)
+    n = rows * nl * k
+    if gdt.itemsize == 1:
+        gaps = np.frombuffer(payload, dtype=np.uint8, offset=table_len).reshape(nl, rows, k)
+    else:
+        planes = np.frombuffer(payload, dtype=np.uint8, offset=table_len)
+        gaps = planes[:n].astype(np.uint16)
+        gaps |= planes[n:].astype(np.uint16) << 8
+        gaps = gaps.reshape(nl, rows, k)
     empty = gaps[..., 0] == e - k + 1
     if empty.any() and gaps[empty][:, 1:].any():
         raise CodecError("set-zstd body has a malformed empty-row marker")

@@ -90,7 +90,7 @@ class FrameError(R3Error, ValueError):
 
 
 class TruncatedFrameError(FrameError):
-    """The buffer is shorter (or longer) than the lengths the frame declares."""
+    """The buffer is shorter than the lengths the frame declares (longer is a FrameError)."""
 
     code = "truncated_frame"
 

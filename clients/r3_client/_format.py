@@ -49,7 +49,7 @@ MAX_EXPERTS = 65535
 #: Largest top-k the format accepts.
 MAX_TOPK = 64
 
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_TEXT = 256
 
 
@@ -114,7 +114,8 @@ class Segment:
             raise FormatError(f"segment end {self.end} is implausibly large")
         _check_text("model_id", self.model_id)
         _check_text("weight_version", self.weight_version)
-        if self.tokens_digest and not _DIGEST_RE.match(self.tokens_digest):
+        _check_text("tokens_digest", self.tokens_digest)
+        if self.tokens_digest and not _DIGEST_RE.fullmatch(self.tokens_digest):
             raise FormatError("tokens_digest must be 64 lowercase hex characters (SHA-256)")
 
     @property

@@ -6,14 +6,17 @@ import math
 import struct
 import zlib
 
+import msgpack
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from r3_client import (
     ChecksumError,
     CodecError,
+    FormatError,
     FrameError,
     Segment,
     ShapeError,
@@ -223,8 +226,11 @@ def test_forged_crc_still_yields_error_or_valid_routing(which: int, pos: int, va
         r = decode_frame(_recrc(frame)).routing
     except FrameError:
         return
-    idx = r.indices
-    ok_rows = (idx == -1).all(-1) | ((idx >= 0) & (idx < r.num_experts)).all(-1)
+    _assert_valid(r.indices, r.num_experts)
+
+
+def _assert_valid(idx: np.ndarray, e: int) -> None:
+    ok_rows = (idx == -1).all(-1) | ((idx >= 0) & (idx < e)).all(-1)
     assert ok_rows.all()
     srt = np.sort(idx, -1)
     assert not ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any()
@@ -254,3 +260,75 @@ def test_not_a_frame_is_a_frame_error() -> None:
     for junk in [b"", b"\0" * 100, b"GET / HTTP/1.1\r\n\r\n" * 3, np.arange(100).tobytes()]:
         with pytest.raises(FrameError):
             decode_frame(junk)
+
+
+def _assemble(codec_id: int, header: bytes, body: bytes) -> bytes:
+    """A frame from hand-made parts, with a correct CRC (to reach the checks behind it)."""
+    prefix = struct.pack("<4sBBHIQ", b"R3RF", 1, codec_id, 0, len(header), len(body))
+    head = prefix + header + body
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def _zset_header(rows: int, relabel: bool = False) -> bytes:
+    return msgpack.packb(
+        {"E": 8, "K": 2, "layers": [0], "start": 0, "end": rows, "params": {"relabel": relabel}}
+    )
+
+
+def test_repeated_header_key_is_refused() -> None:
+    # msgpack map with "E" twice; a lenient parser would keep the last one.
+    header = b"\x87" + b"".join(
+        msgpack.packb(k) + msgpack.packb(v)
+        for k, v in [
+            ("E", 8),
+            ("K", 2),
+            ("layers", [0]),
+            ("start", 0),
+            ("end", 1),
+            ("params", {}),
+            ("E", 9),
+        ]
+    )
+    with pytest.raises(FrameError, match="repeats a map key"):
+        decode_frame(_assemble(0, header, bytes([0, 1])))
+
+
+def test_zstd_body_must_be_exactly_one_frame_of_the_declared_size() -> None:
+    gaps = bytes([0, 0] * 3)  # three rows {0, 1}
+    good = zstandard.ZstdCompressor().compress(gaps)
+    assert (
+        decode_frame(_assemble(2, _zset_header(3), good)).routing.indices.tolist() == [[[0, 1]]] * 3
+    )
+    with pytest.raises(CodecError, match="exactly one complete zstd frame"):
+        decode_frame(_assemble(2, _zset_header(3), good + good))
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(gaps)
+    with pytest.raises(CodecError, match="declares -1 content bytes"):
+        decode_frame(_assemble(2, _zset_header(3), unsized))
+    bomb = zstandard.ZstdCompressor().compress(bytes(300_000_000 // 1000) * 1000)
+    with pytest.raises(CodecError, match="expected 6"):
+        decode_frame(_assemble(2, _zset_header(3), bomb))
+
+
+def test_digest_and_text_fields_are_strict() -> None:
+    digest = token_digest([1, 2])
+    with pytest.raises(FormatError, match="tokens_digest must be printable"):
+        Segment(0, 1, tokens_digest=digest + "\n")
+    with pytest.raises(FormatError, match="64 lowercase hex"):
+        Segment(0, 1, tokens_digest=digest.upper())
+    with pytest.raises(FormatError, match="must be a string"):
+        Segment(0, 1, tokens_digest=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("which", range(len(FRAMES)))
+def test_every_body_byte_substitution_yields_error_or_valid_routing(which: int) -> None:
+    """Deterministic sweep: each header/body byte replaced by two other values, CRC forged."""
+    frame = FRAMES[which]
+    for pos in range(20, len(frame) - 4):
+        for delta in (1, 0x80):
+            forged = bytearray(frame)
+            forged[pos] ^= delta
+            try:
+                r = decode_frame(_recrc(forged)).routing
+            except FrameError:
+                continue
+            _assert_valid(r.indices, r.num_experts)

@@ -122,7 +122,7 @@ async def test_bad_frames_and_ids_are_refused(store: SegmentStore) -> None:
     frame[-10] ^= 0xFF
     with pytest.raises(ChecksumError):
         await store.put_segment(r, bytes(frame))
-    for bad in ["", "a b", "x{y}", "é", "a" * 201]:
+    for bad in ["", "a b", "x{y}", "é", "a" * 201, "abc\n"]:
         with pytest.raises(InvalidRequestError, match="invalid rollout id"):
             await store.put_segment(bad, frame_for(TRAJ[:10], 0))
     with pytest.raises(RolloutNotFoundError):
