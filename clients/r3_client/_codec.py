@@ -468,8 +468,7 @@ def _zset_decode(
         declared = zstandard.frame_content_size(body)
         if declared != want:
             raise CodecError(
-                f"set-zstd frame declares {declared} content bytes (-1 = unknown), "
-                f"expected {want}"
+                f"set-zstd frame declares {declared} content bytes (-1 = unknown), expected {want}"
             )
         dobj = zstandard.ZstdDecompressor().decompressobj()
         payload = dobj.decompress(body)
