@@ -9,7 +9,19 @@ scripts run unchanged on a single Redis and on a cluster.  Fields:
 * ``d:<a>:<b>`` — digest of the segment's *content* (canonical rows + meta), so a
   re-put of the same data in another codec is still recognised as a duplicate;
 * ``h:<a>:<b>`` — segment info (range, model, weight version, codec, bytes);
-* ``b`` / ``n`` — total frame bytes / segment count.
+* ``r:<a>:<b>`` — for a *shared* segment, the blob key holding its frame
+  (``s:<a>:<b>`` then holds ``@<blob key>``);
+* ``b`` / ``sb`` / ``n`` — total frame bytes / bytes of shared segments / segment count.
+
+GRPO prompt dedupe: a segment with a token digest is stored once per
+(namespace, E, K, layers, range, model id, weight version, token digest) in a
+blob hash ``<prefix>:blob:{<sha>}`` and referenced from every rollout that puts
+it, so the n samples of one prompt keep one copy of the prompt's rows.  If two
+writers send different rows under the same share key (non-deterministic
+numerics), the second keeps its own copy: sharing never changes what a rollout
+reads.  A blob's TTL is kept at least as long as that of every rollout
+referencing it (refreshed on each put and touch); deleting a rollout leaves
+shared blobs to expire.
 
 Rules (all enforced inside one Lua script, so concurrent writers cannot race):
 putting an identical segment again is a no-op; a segment overlapping a stored
@@ -21,6 +33,7 @@ the rollout's TTL.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -46,7 +59,9 @@ from r3_client import (
     StoreError,
     StoreUnavailableError,
     decode_frame,
+    encode_frame,
     index_dtype,
+    read_header,
 )
 from r3_client._format import layer_positions
 from r3_client._sortnet import sort_rows
@@ -54,6 +69,7 @@ from r3_client._sortnet import sort_rows
 __all__ = ["PutResult", "RolloutStat", "SegmentInfo", "SegmentStore", "StoreSettings"]
 
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9_.:@/+=-]{1,200}")
+_NAMESPACE = re.compile(r"[a-z0-9_-]{1,64}")
 RedisClient = aioredis.Redis | RedisCluster
 
 
@@ -74,6 +90,7 @@ class StoreSettings:
     max_segments: int = 4096
     connect_retries: int = 5
     max_connections: int = 64
+    dedupe: bool = True
     socket_timeout_s: float = 10.0
 
 
@@ -84,6 +101,7 @@ class SegmentInfo:
     segment: Segment
     codec: str
     nbytes: int
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +112,8 @@ class PutResult:
     rollout_id: str
     segment: Segment
     nbytes: int
+    shared: bool = False  # the frame is kept once and shared with other rollouts
+    dedupe_hit: bool = False  # …and another rollout had already stored it
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +125,8 @@ class RolloutStat:
     topk: int
     layer_ids: tuple[int, ...]
     num_rows: int  # one past the last stored row; gaps read as -1
-    stored_bytes: int  # sum of stored frame sizes
+    stored_bytes: int  # sum of its segments' frame sizes (shared ones included)
+    shared_bytes: int  # the part of stored_bytes held in shared (deduplicated) blobs
     memory_bytes: int | None  # Redis MEMORY USAGE of the rollout's key, when available
     ttl_s: float | None  # None = no expiry
     segments: tuple[SegmentInfo, ...] = field(default=())
@@ -167,6 +188,10 @@ class SegmentStore:
         self._put = client.register_script(_load("put_segment.lua"))
         self._get = client.register_script(_load("get_segments.lua"))
         self._stat = client.register_script(_load("stat_rollout.lua"))
+        self._touch = client.register_script(_load("touch_rollout.lua"))
+        self._put_blob = client.register_script(_load("put_blob.lua"))
+        self._keep_blob = client.register_script(_load("keep_blob.lua"))
+        self._namespace = ""
         self._limit = asyncio.Semaphore(settings.max_connections)
 
     @classmethod
@@ -210,9 +235,39 @@ class SegmentStore:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def for_namespace(self, namespace: str) -> SegmentStore:
+        """A view of this store whose keys live under ``namespace`` (a tenant).
+
+        Shares the connection pool, scripts and concurrency bound.  Rollouts
+        and shared blobs of different namespaces never see each other.
+        """
+        if not _NAMESPACE.fullmatch(namespace):
+            raise InvalidRequestError(f"invalid namespace {namespace!r}: use [a-z0-9_-]{{1,64}}")
+        view = copy.copy(self)
+        view._namespace = namespace
+        return view
+
+    @property
+    def _prefix(self) -> str:
+        base = self.settings.key_prefix
+        return f"{base}:{self._namespace}" if self._namespace else base
+
     def key(self, rollout_id: str) -> str:
         """The Redis key of a rollout (hash-tagged for Cluster)."""
-        return f"{self.settings.key_prefix}:{{{check_rollout_id(rollout_id)}}}"
+        return f"{self._prefix}:{{{check_rollout_id(rollout_id)}}}"
+
+    def _blob_key(self, meta: bytes, segment: Segment) -> str:
+        share = hashlib.sha256(meta + msgpack.packb(segment.to_dict())).hexdigest()
+        return f"{self._prefix}:blob:{{{share}}}"
+
+    async def _keep_blobs(self, refs: Sequence[bytes], ttl_ms: int) -> None:
+        """Extend the TTL of shared blobs a rollout references (one slot each).
+
+        Sequential on purpose: the caller holds one of ``max_connections`` slots,
+        and a rollout references few blobs (its prompt segments).
+        """
+        for ref in refs:
+            await self._keep_blob(keys=[ref], args=[ttl_ms])
 
     async def ping(self) -> bool:
         """True when Redis answers."""
@@ -236,28 +291,41 @@ class SegmentStore:
         hdr, routing = decoded.header, decoded.routing
         segment = hdr.segment or Segment(hdr.start, hdr.end)
         digest = await asyncio.to_thread(content_digest, routing, segment)
-        info = msgpack.packb([segment.to_dict(), hdr.codec, len(frame)], use_bin_type=True)
         ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
         if ttl < 0:
             raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
         meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
+        value, ref, dedupe_hit = frame, "", False
         async with _translate(self._limit):
+            if segment.tokens_digest and self.settings.dedupe:
+                blob = self._blob_key(meta, segment)
+                shared = await self._put_blob(keys=[blob], args=[frame, digest, ttl * 1000])
+                if shared in (b"new", b"same"):
+                    value, ref, dedupe_hit = b"@" + blob.encode(), blob, shared == b"same"
+            info = msgpack.packb(
+                [segment.to_dict(), hdr.codec, len(frame), bool(ref)], use_bin_type=True
+            )
             res = await self._put(
                 keys=[key],
                 args=[
                     meta,
                     segment.start,
                     segment.end,
-                    frame,
+                    value,
                     digest,
                     info,
                     ttl * 1000,
                     self.settings.max_segments,
+                    len(frame),
+                    ref,
                 ],
             )
+            if res[0] in (b"stored", b"duplicate"):
+                await self._keep_blobs(res[1:], ttl * 1000)
         status = res[0].decode()
         if status == "stored" or status == "duplicate":
-            return PutResult(status, rollout_id, segment, len(frame))
+            hit = dedupe_hit and status == "stored"
+            return PutResult(status, rollout_id, segment, len(frame), bool(ref), hit)
         if status == "meta":
             e, k, layers = msgpack.unpackb(res[1])
             raise SegmentConflictError(
@@ -300,11 +368,35 @@ class SegmentStore:
         if ttl < 0:
             raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
         async with _translate(self._limit):
-            ok = await (self._r.pexpire(key, ttl * 1000) if ttl else self._r.persist(key))
-            if not ok and not await self._r.exists(key):
+            res = await self._touch(keys=[key], args=[ttl * 1000])
+            if not res:
                 raise RolloutNotFoundError(f"rollout {rollout_id} not found")
+            await self._keep_blobs(res[1:], ttl * 1000)
 
     # ---- reads -------------------------------------------------------------------------
+    async def _fetch(
+        self, rollout_id: str, start: int, end: int | None
+    ) -> tuple[tuple[int, int, tuple[int, ...]], list[bytes]]:
+        """Meta and the frames of segments overlapping ``[start, end)``, shared ones resolved."""
+        key = self.key(rollout_id)
+        if start < 0 or (end is not None and end <= start):
+            raise InvalidRequestError(f"token range [{start}, {end}) is empty or negative")
+        async with _translate(self._limit):
+            res = await self._get(keys=[key], args=[start, -1 if end is None else end])
+            if not res:
+                raise RolloutNotFoundError(f"rollout {rollout_id} not found")
+            frames: list[bytes] = res[2::2]
+            for i, value in enumerate(frames):
+                if value[:1] == b"@":  # shared segment: one HGET in the blob's own slot
+                    blob = await self._r.hget(value[1:].decode(), "f")
+                    if not isinstance(blob, bytes):
+                        raise StoreError(
+                            f"rollout {rollout_id}: a shared segment's data has expired"
+                        )
+                    frames[i] = blob
+        e, k, layer_ids = msgpack.unpackb(res[0])
+        return (e, k, tuple(layer_ids)), frames
+
     async def get(
         self,
         rollout_id: str,
@@ -320,18 +412,35 @@ class SegmentStore:
         :class:`RolloutNotFoundError`, or :class:`InvalidRequestError` for a
         range outside ``[0, num_rows)`` or an unknown layer id.
         """
-        key = self.key(rollout_id)
-        if start < 0 or (end is not None and end <= start):
-            raise InvalidRequestError(f"token range [{start}, {end}) is empty or negative")
-        async with _translate(self._limit):
-            res = await self._get(keys=[key], args=[start, -1 if end is None else end])
-        if not res:
-            raise RolloutNotFoundError(f"rollout {rollout_id} not found")
-        e, k, layer_ids = msgpack.unpackb(res[0])
-        frames = res[2::2]
+        (e, k, layer_ids), frames = await self._fetch(rollout_id, start, end)
         return await asyncio.to_thread(
-            self._assemble, rollout_id, e, k, tuple(layer_ids), frames, start, end, layers
+            self._assemble, rollout_id, e, k, layer_ids, frames, start, end, layers
         )
+
+    async def get_frame(
+        self,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> bytes:
+        """Like :meth:`get`, as one frame.
+
+        A whole-rollout read of a rollout stored as one segment starting at row 0
+        returns the stored bytes untouched (no decode, no re-encode); anything
+        else is assembled and encoded with ``codec="auto"``, deterministically,
+        so every transport returns identical bytes.
+        """
+        meta, frames = await self._fetch(rollout_id, start, end)
+        if start == 0 and end is None and layers is None and len(frames) == 1:
+            hdr = read_header(frames[0], verify=False)
+            if hdr.start == 0:
+                return frames[0]
+        routing = await asyncio.to_thread(
+            self._assemble, rollout_id, *meta, frames, start, end, layers
+        )
+        return await asyncio.to_thread(encode_frame, routing)
 
     @staticmethod
     def _assemble(
@@ -392,11 +501,11 @@ class SegmentStore:
                 mem = None
         e, k, layer_ids = msgpack.unpackb(res[0])
         infos = []
-        for raw in res[3:]:
-            seg, codec, nbytes = msgpack.unpackb(raw)
-            infos.append(SegmentInfo(Segment.from_dict(seg), codec, nbytes))
+        for raw in res[4:]:
+            seg, codec, nbytes, shared = msgpack.unpackb(raw)
+            infos.append(SegmentInfo(Segment.from_dict(seg), codec, nbytes, shared))
         infos.sort(key=lambda i: i.segment.start)
-        pttl = int(res[2])
+        pttl = int(res[3])
         return RolloutStat(
             rollout_id=rollout_id,
             num_experts=e,
@@ -404,6 +513,7 @@ class SegmentStore:
             layer_ids=tuple(layer_ids),
             num_rows=max((i.segment.end for i in infos), default=0),
             stored_bytes=int(res[1]),
+            shared_bytes=int(res[2]),
             memory_bytes=None if mem is None else int(mem),
             ttl_s=None if pttl < 0 else pttl / 1000,
             segments=tuple(infos),

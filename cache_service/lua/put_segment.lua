@@ -1,18 +1,26 @@
 -- Atomically add one segment to a rollout hash.
--- KEYS[1]  rollout hash  (r3:{<rollout_id>})
--- ARGV     meta, start, end, frame, digest, info, ttl_ms, max_segments
+-- KEYS[1]  rollout hash  (<prefix>:{<rollout_id>})
+-- ARGV     meta, start, end, value, digest, info, ttl_ms, max_segments, nbytes, ref
+--          value is the frame, or "@<blob key>" when the frame is shared (ref = blob key, else "")
 -- Fields:  m = rollout meta (E, K, layers; must match across segments)
---          s:<a>:<b> = frame, d:<a>:<b> = content digest, h:<a>:<b> = segment info
---          b = total frame bytes, n = segment count
--- Returns  {"stored"} | {"duplicate"} | {"meta", stored_meta}
+--          s:<a>:<b> = frame or "@<blob key>", d:<a>:<b> = content digest,
+--          h:<a>:<b> = segment info, r:<a>:<b> = blob key of a shared segment
+--          b = total frame bytes, sb = bytes of shared segments, n = segment count
+-- Returns  {"stored", refs...} | {"duplicate", refs...} | {"meta", stored_meta}
 --          | {"conflict", "<a>:<b>", "differs"|"overlaps"} | {"full", n}
+--          refs = blob keys this rollout references (their TTLs are refreshed by the caller)
 local key = KEYS[1]
 local meta, s, e = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local frame, dig, info = ARGV[4], ARGV[5], ARGV[6]
-local ttl, max_segments = tonumber(ARGV[7]), tonumber(ARGV[8])
+local value, dig, info = ARGV[4], ARGV[5], ARGV[6]
+local ttl, max_segments, nbytes, ref = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
 
-local function refresh()
+local function refresh(status)
   if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('PERSIST', key) end
+  local out = {status}
+  for _, f in ipairs(redis.call('HKEYS', key)) do
+    if string.sub(f, 1, 2) == 'r:' then out[#out + 1] = redis.call('HGET', key, f) end
+  end
+  return out
 end
 
 local cur = redis.call('HGET', key, 'm')
@@ -23,10 +31,7 @@ for _, f in ipairs(redis.call('HKEYS', key)) do
     a = tonumber(a); b = tonumber(b)
     if a < e and s < b then
       if a == s and b == e then
-        if redis.call('HGET', key, f) == dig then
-          refresh()
-          return {'duplicate'}
-        end
+        if redis.call('HGET', key, f) == dig then return refresh('duplicate') end
         return {'conflict', a .. ':' .. b, 'differs'}
       end
       return {'conflict', a .. ':' .. b, 'overlaps'}
@@ -36,8 +41,11 @@ end
 local n = tonumber(redis.call('HGET', key, 'n') or '0')
 if n >= max_segments then return {'full', n} end
 local r = s .. ':' .. e
-redis.call('HSET', key, 'm', meta, 's:' .. r, frame, 'd:' .. r, dig, 'h:' .. r, info)
-redis.call('HINCRBY', key, 'b', #frame)
+redis.call('HSET', key, 'm', meta, 's:' .. r, value, 'd:' .. r, dig, 'h:' .. r, info)
+redis.call('HINCRBY', key, 'b', nbytes)
+if ref ~= '' then
+  redis.call('HSET', key, 'r:' .. r, ref)
+  redis.call('HINCRBY', key, 'sb', nbytes)
+end
 redis.call('HINCRBY', key, 'n', 1)
-refresh()
-return {'stored'}
+return refresh('stored')

@@ -1,10 +1,11 @@
--- A rollout's meta, segment infos, byte total and remaining TTL, without frame bodies.
+-- A rollout's meta, segment infos, byte totals and remaining TTL, without frame bodies.
 -- KEYS[1]  rollout hash
--- Returns  {} when absent, else {meta, total_bytes, pttl, info1, info2, ...}
+-- Returns  {} when absent, else {meta, total_bytes, shared_bytes, pttl, info1, info2, ...}
 local key = KEYS[1]
 local meta = redis.call('HGET', key, 'm')
 if not meta then return {} end
-local out = {meta, redis.call('HGET', key, 'b') or '0', redis.call('PTTL', key)}
+local out = {meta, redis.call('HGET', key, 'b') or '0', redis.call('HGET', key, 'sb') or '0',
+             redis.call('PTTL', key)}
 for _, f in ipairs(redis.call('HKEYS', key)) do
   if string.sub(f, 1, 2) == 'h:' then out[#out + 1] = redis.call('HGET', key, f) end
 end

@@ -86,6 +86,8 @@ _PREFIX = struct.Struct("<4sBBHIQ")
 _CRC = struct.Struct("<I")
 #: Headers hold layer ids and short strings; anything larger is not a frame of ours.
 MAX_HEADER: Final = 1 << 20
+#: Provenance entries a frame may list (the store's per-rollout segment limit).
+MAX_SEGMENTS: Final = 4096
 #: Rows the ``auto`` trial compresses before choosing (contiguous tokens, all layers).
 _TRIAL_ROWS: Final = 1 << 16
 
@@ -101,6 +103,7 @@ class FrameHeader:
     start: int
     end: int
     segment: Segment | None
+    segments: tuple[Segment, ...]
     params: dict[str, Any]
     body_length: int
     frame_length: int
@@ -136,14 +139,20 @@ def encode_frame(
 
     ``indices`` may be a :class:`Routing` (its experts, layers and start are
     used) or an integer array with ``num_experts`` and ``layer_ids`` given.
-    ``segment``, when given, must cover exactly ``[start, start + R)``.
+    ``segment``, when given, must cover exactly ``[start, start + R)``: it is
+    the unit the store keeps.  A :class:`Routing` assembled from several stored
+    segments instead carries them as provenance (header ``segments``); a
+    Routing holding exactly one segment that covers its rows is written as
+    ``segment``.
     ``level`` is the zstd level of the ``set-zstd`` stage.  Raises a
     :class:`FormatError` subclass for invalid routing, :class:`CodecError` when
     ``codec="set"`` cannot represent ``C(E, K)`` in 128 bits, and
     :class:`UnsupportedFrameError` for an unknown codec name.
     """
+    provenance: tuple[Segment, ...] = ()
     if isinstance(indices, Routing):
         arr = indices.indices
+        provenance = indices.segments
         num_experts = indices.num_experts if num_experts is None else num_experts
         layer_ids = indices.layer_ids if layer_ids is None else layer_ids
         start = indices.start if start is None else start
@@ -188,8 +197,17 @@ def encode_frame(
         "end": end,
         "params": params,
     }
+    whole = len(provenance) == 1 and (provenance[0].start, provenance[0].end) == (start, end)
+    if segment is None and whole:
+        segment, provenance = provenance[0], ()
     if segment is not None:
         header["segment"] = segment.to_dict()
+    elif provenance:
+        if len(provenance) > MAX_SEGMENTS or not all(p.overlaps(start, end) for p in provenance):
+            raise ShapeError(
+                f"segments must overlap the rows [{start}, {end}) and number at most {MAX_SEGMENTS}"
+            )
+        header["segments"] = [p.to_dict() for p in provenance]
     packed = msgpack.packb(header, use_bin_type=True)
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, CODECS[chosen], 0, len(packed), len(body))
     crc = zlib.crc32(body, zlib.crc32(packed, zlib.crc32(prefix)))
@@ -353,10 +371,10 @@ def _parse_header(hdr: object, codec: str, blen: int, total: int) -> FrameHeader
         raise FrameError("frame header must be a map")
     required = {"E", "K", "layers", "start", "end", "params"}
     keys = set(hdr)
-    if not required <= keys or not keys <= required | {"segment"}:
+    if not required <= keys or not keys <= required | {"segment", "segments"}:
         raise FrameError(
             f"frame header keys {sorted(map(str, keys))} differ from {sorted(required)}"
-            " (+ optional segment)"
+            " (+ optional segment or segments)"
         )
     try:
         e, k, start, end = (_int(hdr[n], n) for n in ("E", "K", "start", "end"))
@@ -365,16 +383,24 @@ def _parse_header(hdr: object, codec: str, blen: int, total: int) -> FrameHeader
             raise FrameError("header layers must be a list")
         layers = check_layer_ids(hdr["layers"])
         seg = None if "segment" not in hdr else Segment.from_dict(hdr["segment"])
+        prov = hdr.get("segments", [])
+        if not isinstance(prov, list) or len(prov) > MAX_SEGMENTS:
+            raise FrameError(f"header segments must be a list of at most {MAX_SEGMENTS}")
+        segs = tuple(Segment.from_dict(p) for p in prov)
     except FormatError as exc:
         raise FrameError(f"invalid frame header: {exc}") from None
     if not 0 <= start < end:
         raise FrameError(f"frame token range [{start}, {end}) is empty or negative")
     if seg is not None and (seg.start, seg.end) != (start, end):
         raise FrameError("frame segment range differs from its token range")
+    if seg is not None and segs:
+        raise FrameError("a frame carries either segment or segments, not both")
+    if not all(p.overlaps(start, end) for p in segs):
+        raise FrameError("a provenance segment does not overlap the frame's rows")
     params = hdr["params"]
     if not isinstance(params, dict):
         raise FrameError("header params must be a map")
-    return FrameHeader(codec, e, k, layers, start, end, seg, params, blen, total)
+    return FrameHeader(codec, e, k, layers, start, end, seg, segs, params, blen, total)
 
 
 def _int(value: object, name: str) -> int:
@@ -406,7 +432,7 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
             raise FrameError("set-zstd param relabel must be a bool")
         arr = _zset_decode(body, shape, hdr.num_experts, relabel)
     arr.flags.writeable = False
-    segs = () if hdr.segment is None else (hdr.segment,)
+    segs = hdr.segments if hdr.segment is None else (hdr.segment,)
     return Frame(hdr, Routing(arr, hdr.num_experts, hdr.layer_ids, hdr.start, segs))
 
 

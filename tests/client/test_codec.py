@@ -18,6 +18,7 @@ from r3_client import (
     CodecError,
     FormatError,
     FrameError,
+    Routing,
     Segment,
     ShapeError,
     TruncatedFrameError,
@@ -332,3 +333,18 @@ def test_every_body_byte_substitution_yields_error_or_valid_routing(which: int) 
             except FrameError:
                 continue
             _assert_valid(r.indices, r.num_experts)
+
+
+def test_assembled_routing_carries_its_segments_as_provenance() -> None:
+    idx = synthetic_routing(30, 2, 16, 2, seed=4)
+    segs = (Segment(0, 10, "m", "w1"), Segment(10, 40, "m", "w2"))
+    r = Routing.from_array(idx, num_experts=16, layer_ids=[0, 1], start=5, segments=segs)
+    dec = decode_frame(encode_frame(r))
+    assert dec.header.segment is None
+    assert dec.routing.segments == segs
+    with pytest.raises(ShapeError, match="must overlap"):
+        encode_frame(
+            Routing.from_array(idx, num_experts=16, layer_ids=[0, 1], segments=(Segment(50, 60),))
+        )
+    one = Routing.from_array(idx, num_experts=16, layer_ids=[0, 1], segments=(Segment(0, 30),))
+    assert decode_frame(encode_frame(one)).header.segment == Segment(0, 30)

@@ -18,6 +18,7 @@ from r3_client import (
     Segment,
     SegmentConflictError,
     StoreUnavailableError,
+    decode_frame,
     encode_frame,
     token_digest,
 )
@@ -278,3 +279,73 @@ async def test_unreachable_redis_is_a_clear_error() -> None:
         await SegmentStore.connect(
             StoreSettings(redis_url=f"redis://127.0.0.1:{free_port()}/0", connect_retries=1)
         )
+
+
+async def test_grpo_prompt_segments_are_stored_once(store: SegmentStore) -> None:
+    """n samples of one prompt: the prompt segment is shared, each response is private."""
+    prompt = TRAJ[:100]
+    ids = [rid() for _ in range(4)]
+    puts = [await store.put_segment(r, frame_for(prompt, 0)) for r in ids]
+    assert [p.shared for p in puts] == [True] * 4
+    assert [p.dedupe_hit for p in puts] == [False, True, True, True]
+    for i, r in enumerate(ids):
+        resp = synthetic_routing(20, len(LAYERS), E, K, seed=200 + i)
+        await store.put_segment(r, frame_for(resp, 100))
+        got = await store.get(r)
+        assert np.array_equal(np.sort(got.indices[:100], -1), np.sort(prompt, -1))
+        assert np.array_equal(np.sort(got.indices[100:], -1), np.sort(resp, -1))
+    st = await store.stat(ids[0])
+    # every segment with a token digest is shareable; only the prompt was actually shared
+    assert [s.shared for s in st.segments] == [True, True]
+    assert st.shared_bytes == st.stored_bytes
+    bare = await store.put_segment(rid(), encode_frame(prompt, num_experts=E, layer_ids=LAYERS))
+    assert not bare.shared  # no digest: nothing to share by
+    # same share key, different rows (non-deterministic numerics): a private copy, not a lie
+    other = np.roll(prompt, 1, axis=0)
+    res = await store.put_segment(rid(), frame_for(other, 0))
+    assert not res.shared
+
+
+async def test_shared_blob_lives_as_long_as_its_rollouts(store: SegmentStore) -> None:
+    a, b = rid(), rid()
+    await store.put_segment(a, frame_for(TRAJ[:50], 0), ttl_s=2)
+    await store.put_segment(b, frame_for(TRAJ[:50], 0), ttl_s=2)
+    await store.touch(b, ttl_s=0)  # b never expires now, so neither may its prompt rows
+    await asyncio.sleep(2.3)
+    with pytest.raises(RolloutNotFoundError):
+        await store.get(a)
+    got = await store.get(b)
+    assert np.array_equal(np.sort(got.indices, -1), np.sort(TRAJ[:50], -1))
+
+
+async def test_namespaces_are_isolated(store: SegmentStore) -> None:
+    tenant_a, tenant_b = store.for_namespace("tenant-a"), store.for_namespace("tenant-b")
+    r = rid()
+    await tenant_a.put_segment(r, frame_for(TRAJ[:10], 0))
+    with pytest.raises(RolloutNotFoundError):
+        await tenant_b.get(r)
+    # b can write the same id without touching a's data, and shares no blob with a
+    res = await tenant_b.put_segment(r, frame_for(TRAJ[:10], 0))
+    assert res.status == "stored"
+    assert not res.dedupe_hit
+    assert await tenant_b.delete(r)
+    assert (await tenant_a.get(r)).end == 10
+    with pytest.raises(InvalidRequestError, match="invalid namespace"):
+        store.for_namespace("A B")
+
+
+async def test_get_frame_returns_stored_bytes_or_a_deterministic_assembly(
+    store: SegmentStore,
+) -> None:
+    r = rid()
+    first = frame_for(TRAJ[:100], 0, codec="raw")
+    await store.put_segment(r, first)
+    assert await store.get_frame(r) == first  # untouched fast path
+    await store.put_segment(r, frame_for(TRAJ[100:300], 100))
+    whole = await store.get_frame(r)
+    assert whole == await store.get_frame(r)  # deterministic
+    dec = decode_frame(whole).routing
+    assert [(s.start, s.end) for s in dec.segments] == [(0, 100), (100, 300)]
+    assert np.array_equal(np.sort(dec.indices, -1), np.sort(TRAJ, -1))
+    part = decode_frame(await store.get_frame(r, start=90, end=110, layers=[3])).routing
+    assert (part.start, part.end, part.layer_ids) == (90, 110, (3,))

@@ -1,0 +1,12 @@
+-- Store a shareable segment frame once (GRPO prompt dedupe).
+-- KEYS[1]  blob hash  (<prefix>:blob:{<share key>})
+-- ARGV     frame, content digest, ttl_ms (0 = no expiry; later TTL changes: keep_blob.lua)
+-- Returns  "new" (stored now) | "same" (already there with this content) | "differs"
+local key = KEYS[1]
+local cur = redis.call('HGET', key, 'd')
+if cur == ARGV[2] then return 'same' end
+if cur then return 'differs' end
+redis.call('HSET', key, 'f', ARGV[1], 'd', ARGV[2])
+local ttl = tonumber(ARGV[3])
+if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+return 'new'
