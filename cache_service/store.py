@@ -68,7 +68,7 @@ from r3_client._sortnet import sort_rows
 
 __all__ = ["PutResult", "RolloutStat", "SegmentInfo", "SegmentStore", "StoreSettings"]
 
-_ROLLOUT_ID = re.compile(r"[A-Za-z0-9_.:@/+=-]{1,200}")
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9_.:@+=-]{1,200}")
 _NAMESPACE = re.compile(r"[a-z0-9_-]{1,64}")
 RedisClient = aioredis.Redis | RedisCluster
 
@@ -141,7 +141,7 @@ def check_rollout_id(rollout_id: str) -> str:
     if not isinstance(rollout_id, str) or not _ROLLOUT_ID.fullmatch(rollout_id):
         raise InvalidRequestError(
             f"invalid rollout id {rollout_id!r}: use 1-200 characters from "
-            "A-Z a-z 0-9 _ . : @ / + = -"
+            "A-Z a-z 0-9 _ . : @ + = -"
         )
     return rollout_id
 

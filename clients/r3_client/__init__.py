@@ -15,6 +15,7 @@ from r3_client._codec import (
     read_header,
 )
 from r3_client._exceptions import (
+    AuthError,
     ChecksumError,
     CodecError,
     DuplicateExpertError,
@@ -22,6 +23,7 @@ from r3_client._exceptions import (
     FormatError,
     FrameError,
     InvalidRequestError,
+    LimitExceededError,
     PartialRowError,
     R3Error,
     RolloutNotFoundError,
@@ -49,6 +51,7 @@ __all__ = [
     "MAGIC",
     "MAX_EXPERTS",
     "MAX_TOPK",
+    "AuthError",
     "ChecksumError",
     "CodecError",
     "DuplicateExpertError",
@@ -58,6 +61,7 @@ __all__ = [
     "FrameError",
     "FrameHeader",
     "InvalidRequestError",
+    "LimitExceededError",
     "PartialRowError",
     "R3Error",
     "RolloutNotFoundError",

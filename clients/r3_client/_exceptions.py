@@ -11,11 +11,13 @@
     │   ├── ChecksumError               the CRC does not match: corrupted in transit/at rest
     │   ├── UnsupportedFrameError       unknown magic, format version or codec id
     │   └── CodecError                  a codec cannot represent this data (e.g. C(E,K) ≥ 2^128)
-    └── StoreError                      the segment store refused or failed
-        ├── RolloutNotFoundError        no such rollout (or it expired)
-        ├── SegmentConflictError        a segment overlaps stored data and differs from it
-        ├── InvalidRequestError         a well-formed request that asks for the impossible
-        └── StoreUnavailableError       the backing Redis cannot be reached
+    ├── StoreError                      the segment store refused or failed
+    │   ├── RolloutNotFoundError        no such rollout (or it expired)
+    │   ├── SegmentConflictError        a segment overlaps stored data and differs from it
+    │   ├── InvalidRequestError         a well-formed request that asks for the impossible
+    │   └── StoreUnavailableError       the backing Redis cannot be reached
+    ├── AuthError                       missing or wrong API key
+    └── LimitExceededError              body, segment or batch larger than the service allows
 
 The service maps these to HTTP/gRPC statuses in one place; the client maps
 statuses back to the same classes, so callers catch one tree whatever the
@@ -25,6 +27,7 @@ transport.
 from __future__ import annotations
 
 __all__ = [
+    "AuthError",
     "ChecksumError",
     "CodecError",
     "DuplicateExpertError",
@@ -32,6 +35,7 @@ __all__ = [
     "FormatError",
     "FrameError",
     "InvalidRequestError",
+    "LimitExceededError",
     "PartialRowError",
     "R3Error",
     "RolloutNotFoundError",
@@ -144,3 +148,15 @@ class StoreUnavailableError(StoreError):
     """The backing Redis is unreachable or failing."""
 
     code = "store_unavailable"
+
+
+class AuthError(R3Error):
+    """The request carries no API key, or one the service does not know."""
+
+    code = "unauthenticated"
+
+
+class LimitExceededError(R3Error, ValueError):
+    """A body, segment or batch exceeds a configured service limit."""
+
+    code = "limit_exceeded"

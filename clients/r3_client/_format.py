@@ -322,6 +322,8 @@ class Routing:
     ) -> Routing:
         """Rows for absolute token positions ``[start, end)`` and absolute layer ids ``layers``.
 
+        Layers come back in ascending order, whatever order ``layers`` lists them in.
+
         Raises :class:`ShapeError` when the range leaves the held rows or a
         layer id is not one of ``layer_ids``.
         """
@@ -336,7 +338,7 @@ class Routing:
         if layers is not None:
             pos = layer_positions(self.layer_ids, layers)
             idx = idx[:, pos]
-            layer_ids = tuple(int(layers[i]) for i in range(len(pos)))
+            layer_ids = tuple(self.layer_ids[p] for p in pos)
         segs = tuple(s for s in self.segments if s.overlaps(lo, hi))
         out = np.ascontiguousarray(idx)
         out.flags.writeable = False
@@ -344,9 +346,11 @@ class Routing:
 
 
 def layer_positions(layer_ids: Sequence[int], wanted: Sequence[int]) -> list[int]:
-    """Positions of the absolute layer ids ``wanted`` inside ``layer_ids``.
+    """Positions, in ascending layer order, of the absolute layer ids ``wanted``.
 
-    Raises :class:`ShapeError` for an id that is not a stored MoE layer or for a
+    A subset always comes back in the stored (ascending) layer order whatever
+    order it was asked in, so the result is itself valid routing.  Raises
+    :class:`ShapeError` for an id that is not a stored MoE layer or for a
     repeated id.
     """
     where = {lid: i for i, lid in enumerate(layer_ids)}
@@ -358,4 +362,4 @@ def layer_positions(layer_ids: Sequence[int], wanted: Sequence[int]) -> list[int
     missing = [w for w in wanted if w not in where]
     if missing:
         raise ShapeError(f"layers {missing} are not MoE layers of this rollout {list(layer_ids)}")
-    return [where[w] for w in wanted]
+    return sorted(where[w] for w in wanted)

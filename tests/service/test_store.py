@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import uuid
 
 import numpy as np
 import pytest
+from _helpers import LAYERS, TRAJ, E, K, frame_for, rid
 
 from cache_service.redis_proc import free_port
 from cache_service.store import SegmentStore, StoreSettings
@@ -15,37 +15,12 @@ from r3_client import (
     ChecksumError,
     InvalidRequestError,
     RolloutNotFoundError,
-    Segment,
     SegmentConflictError,
     StoreUnavailableError,
     decode_frame,
     encode_frame,
-    token_digest,
 )
 from r3_client.testing import synthetic_routing
-
-E, K, LAYERS = 64, 4, (1, 3, 5)
-
-
-def rid() -> str:
-    return f"rollout-{uuid.uuid4().hex[:8]}"
-
-
-def frame_for(
-    idx: np.ndarray,
-    start: int,
-    *,
-    codec: str = "auto",
-    version: str = "v1",
-    layers: tuple[int, ...] = LAYERS,
-    e: int = E,
-) -> bytes:
-    end = start + idx.shape[0]
-    seg = Segment(start, end, "tiny-moe", version, token_digest(range(end)))
-    return encode_frame(idx, num_experts=e, layer_ids=layers, segment=seg, codec=codec)  # type: ignore[arg-type]
-
-
-TRAJ = synthetic_routing(300, len(LAYERS), E, K, skew=1.0, rho=0.7, seed=7)
 
 
 async def test_put_get_round_trip_over_turns(store: SegmentStore) -> None:
@@ -67,8 +42,8 @@ async def test_range_and_layer_subset_read_only_overlapping_rows(store: SegmentS
     await store.put_segment(r, frame_for(TRAJ[150:], 150))
     got = await store.get(r, start=140, end=160, layers=[5, 1])
     assert got.start == 140
-    assert got.layer_ids == (5, 1)
-    assert np.array_equal(np.sort(got.indices, -1), np.sort(TRAJ[140:160][:, [2, 0]], -1))
+    assert got.layer_ids == (1, 5)  # ascending, as stored
+    assert np.array_equal(np.sort(got.indices, -1), np.sort(TRAJ[140:160][:, [0, 2]], -1))
     assert [(s.start, s.end) for s in got.segments] == [(0, 150), (150, 300)]
     only_first = await store.get(r, start=0, end=10)
     assert [(s.start, s.end) for s in only_first.segments] == [(0, 150)]

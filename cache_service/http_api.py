@@ -1,0 +1,432 @@
+"""The HTTP front end: a FastAPI app from :func:`create_app`.
+
+Binary in, binary out: segments are PUT as routing frames
+(``application/x-r3-frame``), rollouts come back as frames or ``.npy``, batch
+gets as a length-prefixed frame stream (``application/x-r3-stream``).  Errors
+are JSON ``{"error": {"code": …, "message": …}}`` with a 4xx/503 status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal, TypedDict
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cache_service.auth import KeyRing, bearer_token
+from cache_service.errors import status_for
+from cache_service.logs import log_event
+from cache_service.metrics import Metrics
+from cache_service.service import RoutingService
+from cache_service.settings import ServiceSettings
+from cache_service.store import PutResult, RolloutStat, SegmentStore
+from r3_client import InvalidRequestError, LimitExceededError, R3Error, RolloutNotFoundError
+from r3_client._stream import (
+    STREAM_MEDIA_TYPE,
+    encode_error_item,
+    encode_frame_item,
+    encode_trailer,
+    stream_header,
+)
+
+__all__ = ["FRAME_MEDIA_TYPE", "NPY_MEDIA_TYPE", "create_app"]
+
+FRAME_MEDIA_TYPE = "application/x-r3-frame"
+NPY_MEDIA_TYPE = "application/x-npy"
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+
+
+class State(TypedDict):
+    """What the lifespan yields; handlers read it from ``request.state``."""
+
+    service: RoutingService
+    keys: KeyRing
+
+
+# ---- response and request models -------------------------------------------------------------
+class ErrorBody(BaseModel):
+    """``{"code": machine-readable, "message": for a person}``."""
+
+    code: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer."""
+
+    error: ErrorBody
+
+
+class SegmentModel(BaseModel):
+    """A segment: token rows ``[start, end)`` and who produced them."""
+
+    start: int
+    end: int
+    model_id: str = ""
+    weight_version: str = ""
+    tokens_digest: str = ""
+
+
+class PutResponse(BaseModel):
+    """Outcome of a segment PUT (201 stored, 200 duplicate)."""
+
+    status: Literal["stored", "duplicate"]
+    rollout_id: str
+    segment: SegmentModel
+    nbytes: int
+    shared: bool
+    dedupe_hit: bool
+
+    @classmethod
+    def of(cls, r: PutResult) -> PutResponse:
+        """From the store's result."""
+        return cls(
+            status=r.status,
+            rollout_id=r.rollout_id,
+            segment=SegmentModel(**r.segment.to_dict()),
+            nbytes=r.nbytes,
+            shared=r.shared,
+            dedupe_hit=r.dedupe_hit,
+        )
+
+
+class SegmentInfoModel(SegmentModel):
+    """A stored segment with its codec and size."""
+
+    codec: str
+    nbytes: int
+    shared: bool
+
+
+class StatResponse(BaseModel):
+    """What is stored for one rollout."""
+
+    rollout_id: str
+    num_experts: int
+    topk: int
+    layer_ids: list[int]
+    num_rows: int
+    stored_bytes: int
+    shared_bytes: int
+    memory_bytes: int | None
+    ttl_s: float | None
+    segments: list[SegmentInfoModel]
+
+    @classmethod
+    def of(cls, st: RolloutStat) -> StatResponse:
+        """From the store's stat."""
+        return cls(
+            rollout_id=st.rollout_id,
+            num_experts=st.num_experts,
+            topk=st.topk,
+            layer_ids=list(st.layer_ids),
+            num_rows=st.num_rows,
+            stored_bytes=st.stored_bytes,
+            shared_bytes=st.shared_bytes,
+            memory_bytes=st.memory_bytes,
+            ttl_s=st.ttl_s,
+            segments=[
+                SegmentInfoModel(
+                    **i.segment.to_dict(), codec=i.codec, nbytes=i.nbytes, shared=i.shared
+                )
+                for i in st.segments
+            ],
+        )
+
+
+class TouchRequest(BaseModel):
+    """New TTL in seconds (0 = never expire; omitted = the service default)."""
+
+    ttl_s: int | None = Field(default=None, ge=0, le=10 * 365 * 24 * 3600)
+
+
+class BatchGetRequest(BaseModel):
+    """Many rollouts at once, optionally the same token range and layers of each."""
+
+    rollout_ids: list[str] = Field(min_length=1)
+    start: int = Field(default=0, ge=0)
+    end: int | None = Field(default=None, ge=1)
+    layers: list[int] | None = None
+
+
+# ---- dependencies -------------------------------------------------------------------------------
+def _service(request: Request) -> RoutingService:
+    service: RoutingService = request.state.service
+    return service
+
+
+def _namespace(request: Request) -> str:
+    keys: KeyRing = request.state.keys
+    return keys.namespace(bearer_token(request.headers.get("authorization")))
+
+
+ServiceDep = Annotated[RoutingService, Depends(_service)]
+NamespaceDep = Annotated[str, Depends(_namespace)]
+StartQ = Annotated[int, Query(ge=0, description="first token row")]
+EndQ = Annotated[int | None, Query(ge=1, description="one past the last token row")]
+LayersQ = Annotated[
+    str | None, Query(description="comma-separated absolute MoE layer ids", max_length=8192)
+]
+
+
+def _parse_layers(layers: str | None) -> list[int] | None:
+    if layers is None:
+        return None
+    try:
+        return [int(x) for x in layers.split(",")]
+    except ValueError:
+        raise InvalidRequestError(
+            f"layers must be comma-separated integers, got {layers[:100]!r}"
+        ) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise LimitExceededError(f"body of {declared} bytes exceeds the {limit}-byte limit")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise LimitExceededError(f"body exceeds the {limit}-byte limit")
+    return bytes(buf)
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    s: {"model": ErrorResponse} for s in (400, 401, 404, 409, 413, 422, 503)
+}
+
+
+# ---- the app ----------------------------------------------------------------------------------
+def create_app(
+    settings: ServiceSettings,
+    service: RoutingService | None = None,
+    metrics: Metrics | None = None,
+) -> FastAPI:
+    """The HTTP app.
+
+    With ``service`` given (``r3 serve``, which shares it with gRPC) the app
+    uses it; otherwise the lifespan connects to ``settings.redis_url`` and
+    closes the pool on shutdown.
+    """
+    keys = KeyRing(settings.all_api_keys(), enabled=settings.auth_enabled())
+    metrics = metrics or (service.metrics if service else Metrics())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[State]:
+        if service is not None:
+            yield {"service": service, "keys": keys}
+            return
+        if settings.redis_url is None:
+            raise RuntimeError("create_app without a service needs settings.redis_url")
+        store = await SegmentStore.connect(settings.store_settings(settings.redis_url))
+        try:
+            yield {"service": RoutingService(store, settings, metrics), "keys": keys}
+        finally:
+            await store.close()
+
+    app = FastAPI(
+        title="sglang-r3 routing cache",
+        version="1",
+        description=(
+            "Stores MoE routing (per-token top-k experts per MoE layer) by rollout id. "
+            "Frames are the binary format of docs/format.md; send "
+            "`Authorization: Bearer <key>` when auth is on."
+        ),
+        lifespan=lifespan,
+        responses=_ERRORS,
+    )
+
+    @app.exception_handler(R3Error)
+    async def _on_r3(request: Request, exc: R3Error) -> JSONResponse:
+        return _error(status_for(exc).http, exc.code, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = [
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}"
+            for e in exc.errors()[:5]
+        ]
+        return _error(422, "invalid_request", "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _error(exc.status_code, code, str(exc.detail))
+
+    @app.middleware("http")
+    async def _observe(request: Request, call_next: Any) -> Response:
+        t0 = time.perf_counter()
+        response: Response = await call_next(request)
+        route = request.scope.get("route")
+        op = getattr(route, "name", "unknown")
+        status = response.status_code
+        metrics.requests.labels("http", op, str(status)).inc()
+        metrics.latency.labels("http", op).observe(time.perf_counter() - t0)
+        body_len = request.headers.get("content-length")
+        if body_len and body_len.isdigit():
+            metrics.bytes_in.labels("http").inc(int(body_len))
+        out_len = response.headers.get("content-length")
+        if out_len and out_len.isdigit():
+            metrics.bytes_out.labels("http").inc(int(out_len))
+        if op not in ("metrics", "healthz", "readyz"):
+            log_event(
+                "request",
+                logging.INFO if status < 500 else logging.ERROR,
+                transport="http",
+                op=op,
+                method=request.method,
+                path=request.url.path,
+                status=status,
+                ms=round((time.perf_counter() - t0) * 1e3, 2),
+            )
+        return response
+
+    @app.put(
+        "/v1/rollouts/{rollout_id}/segments",
+        name="put_segment",
+        status_code=201,
+        response_model=PutResponse,
+        responses={200: {"model": PutResponse, "description": "the same segment was stored"}},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "description": "one routing frame (docs/format.md) carrying the segment",
+                "content": {FRAME_MEDIA_TYPE: _BINARY, "application/octet-stream": _BINARY},
+            }
+        },
+    )
+    async def put_segment(
+        rollout_id: str, request: Request, svc: ServiceDep, ns: NamespaceDep
+    ) -> JSONResponse:
+        """Store one segment of a rollout. Idempotent; a differing overlap is a 409."""
+        body = await _read_body(request, settings.max_body_bytes)
+        res = await svc.put_segment(ns, rollout_id, body)
+        return JSONResponse(
+            PutResponse.of(res).model_dump(), status_code=201 if res.status == "stored" else 200
+        )
+
+    @app.get(
+        "/v1/rollouts/{rollout_id}",
+        name="get_rollout",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "the routing, as a frame or an .npy file",
+                "content": {FRAME_MEDIA_TYPE: _BINARY, NPY_MEDIA_TYPE: _BINARY},
+            }
+        },
+    )
+    async def get_rollout(
+        rollout_id: str,
+        svc: ServiceDep,
+        ns: NamespaceDep,
+        start: StartQ = 0,
+        end: EndQ = None,
+        layers: LayersQ = None,
+        fmt: Annotated[Literal["frame", "npy"], Query(alias="format")] = "frame",
+    ) -> Response:
+        """A rollout's routing, whole or a token range / layer subset."""
+        lay = _parse_layers(layers)
+        if fmt == "npy":
+            data = await svc.get_npy(ns, rollout_id, start=start, end=end, layers=lay)
+            return Response(data, media_type=NPY_MEDIA_TYPE)
+        data = await svc.get_frame(ns, rollout_id, start=start, end=end, layers=lay)
+        return Response(data, media_type=FRAME_MEDIA_TYPE)
+
+    @app.get("/v1/rollouts/{rollout_id}/stat", name="stat_rollout", response_model=StatResponse)
+    async def stat_rollout(rollout_id: str, svc: ServiceDep, ns: NamespaceDep) -> StatResponse:
+        """Segments, sizes and TTL of a rollout, without its rows."""
+        return StatResponse.of(await svc.stat(ns, rollout_id))
+
+    @app.delete(
+        "/v1/rollouts/{rollout_id}", name="delete_rollout", status_code=204, response_class=Response
+    )
+    async def delete_rollout(rollout_id: str, svc: ServiceDep, ns: NamespaceDep) -> Response:
+        """Delete a rollout (404 if there was none)."""
+        if not await svc.delete(ns, rollout_id):
+            raise RolloutNotFoundError(f"rollout {rollout_id} not found")
+        return Response(status_code=204)
+
+    @app.post(
+        "/v1/rollouts/{rollout_id}/touch",
+        name="touch_rollout",
+        status_code=204,
+        response_class=Response,
+    )
+    async def touch_rollout(
+        rollout_id: str, svc: ServiceDep, ns: NamespaceDep, body: TouchRequest | None = None
+    ) -> Response:
+        """Reset a rollout's TTL."""
+        await svc.touch(ns, rollout_id, body.ttl_s if body else None)
+        return Response(status_code=204)
+
+    @app.post(
+        "/v1/batch/get",
+        name="batch_get",
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "length-prefixed stream of frames / errors (docs/format.md)",
+                "content": {STREAM_MEDIA_TYPE: _BINARY},
+            }
+        },
+    )
+    async def batch_get(
+        req: BatchGetRequest, svc: ServiceDep, ns: NamespaceDep
+    ) -> StreamingResponse:
+        """Many rollouts in one streamed response, in request order, bounded memory."""
+        items = svc.batch_get(ns, req.rollout_ids, start=req.start, end=req.end, layers=req.layers)
+        first = await anext(items, None)  # a limit error still becomes a 413, not a cut stream
+
+        async def body() -> AsyncIterator[bytes]:
+            yield stream_header()
+            count = 0
+            pending = first
+            while pending is not None:
+                rid, res = pending
+                chunk = (
+                    encode_frame_item(rid, res)
+                    if isinstance(res, bytes)
+                    else encode_error_item(rid, res.code, str(res), status_for(res).http)
+                )
+                metrics.bytes_out.labels("http").inc(len(chunk))
+                count += 1
+                yield chunk
+                pending = await anext(items, None)
+            yield encode_trailer(count)
+
+        return StreamingResponse(body(), media_type=STREAM_MEDIA_TYPE)
+
+    @app.get("/healthz", name="healthz")
+    async def healthz() -> dict[str, str]:
+        """Liveness: the process serves requests."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", name="readyz", responses={503: {"model": ErrorResponse}})
+    async def readyz(svc: ServiceDep) -> dict[str, str]:
+        """Readiness: Redis answers PING."""
+        await svc.ready()
+        return {"status": "ready"}
+
+    @app.get("/metrics", name="metrics", response_class=Response)
+    async def metrics_endpoint(svc: ServiceDep) -> Response:
+        """Prometheus metrics."""
+        # On a Redis failure the gauges keep their last value: the scrape must not fail.
+        with contextlib.suppress(R3Error):
+            await svc.refresh_store_gauges()
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,68 @@
+"""Prometheus metrics of one service instance (own registry, so tests can run several)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics"]
+
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """Counters, histograms and gauges named ``r3_*``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "r3_requests",
+            "Requests by transport, operation and result code",
+            ["transport", "op", "code"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "r3_request_seconds",
+            "Request latency",
+            ["transport", "op"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.bytes_in = Counter("r3_bytes_in", "Frame bytes received", ["transport"], registry=r)
+        self.bytes_out = Counter("r3_bytes_out", "Bytes sent", ["transport"], registry=r)
+        self.dedupe_hits = Counter(
+            "r3_dedupe_hits", "Segments stored by reference to an existing copy", registry=r
+        )
+        self.dedupe_bytes = Counter(
+            "r3_dedupe_saved_bytes", "Frame bytes not stored thanks to dedupe", registry=r
+        )
+        self.store_memory = Gauge(
+            "r3_store_used_memory_bytes", "Redis used_memory, summed over primaries", registry=r
+        )
+        self.store_keys = Gauge("r3_store_keys", "Keys in Redis (all primaries)", registry=r)
+        self.batch_items = Counter(
+            "r3_batch_items", "Batch-get items by result", ["result"], registry=r
+        )
+
+    @contextmanager
+    def observe(self, transport: str, op: str) -> Iterator[dict[str, str]]:
+        """Time one request; the caller sets ``ctx["code"]`` (default ``ok``)."""
+        ctx = {"code": "ok"}
+        t0 = time.perf_counter()
+        try:
+            yield ctx
+        except BaseException:
+            if ctx["code"] == "ok":
+                ctx["code"] = "error"
+            raise
+        finally:
+            self.latency.labels(transport, op).observe(time.perf_counter() - t0)
+            self.requests.labels(transport, op, ctx["code"]).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

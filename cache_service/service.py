@@ -1,0 +1,156 @@
+"""The one service layer both front ends (HTTP and gRPC) call.
+
+Transports only translate: they authenticate (API key → namespace), parse
+their request, call a method here, and serialise the answer or the
+:class:`R3Error`.  Limits, dedupe accounting and batch streaming live here, so
+HTTP and gRPC behave, and answer with bytes, identically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+
+from cache_service.metrics import Metrics
+from cache_service.settings import ServiceSettings
+from cache_service.store import PutResult, RolloutStat, SegmentStore
+from r3_client import LimitExceededError, R3Error, read_header
+
+__all__ = ["RoutingService"]
+
+
+class RoutingService:
+    """Routing operations over a :class:`SegmentStore`, per tenant namespace."""
+
+    def __init__(self, store: SegmentStore, settings: ServiceSettings, metrics: Metrics) -> None:
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics
+        self._views: dict[str, SegmentStore] = {}
+
+    def _ns(self, namespace: str) -> SegmentStore:
+        view = self._views.get(namespace)
+        if view is None:
+            view = self._views[namespace] = self.store.for_namespace(namespace)
+        return view
+
+    async def put_segment(self, namespace: str, rollout_id: str, frame: bytes) -> PutResult:
+        """Validate limits, then store one segment frame (see :meth:`SegmentStore.put_segment`)."""
+        if len(frame) > self.settings.max_body_bytes:
+            raise LimitExceededError(
+                f"frame is {len(frame)} bytes; the limit is {self.settings.max_body_bytes}"
+            )
+        hdr = read_header(frame)
+        if hdr.num_rows > self.settings.max_tokens_per_segment:
+            raise LimitExceededError(
+                f"segment has {hdr.num_rows} token rows; the limit is "
+                f"{self.settings.max_tokens_per_segment} per segment"
+            )
+        res = await self._ns(namespace).put_segment(rollout_id, frame)
+        if res.dedupe_hit:
+            self.metrics.dedupe_hits.inc()
+            self.metrics.dedupe_bytes.inc(res.nbytes)
+        return res
+
+    async def get_frame(
+        self,
+        namespace: str,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> bytes:
+        """The rollout (or a slice) as one frame."""
+        return await self._ns(namespace).get_frame(rollout_id, start=start, end=end, layers=layers)
+
+    async def get_npy(
+        self,
+        namespace: str,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> bytes:
+        """The rollout (or a slice) as a ``.npy`` file of ``[rows, L, K]`` int16/int32."""
+        routing = await self._ns(namespace).get(rollout_id, start=start, end=end, layers=layers)
+        buf = io.BytesIO()
+        np.save(buf, routing.indices, allow_pickle=False)
+        return buf.getvalue()
+
+    async def stat(self, namespace: str, rollout_id: str) -> RolloutStat:
+        """What is stored for a rollout."""
+        return await self._ns(namespace).stat(rollout_id)
+
+    async def delete(self, namespace: str, rollout_id: str) -> bool:
+        """Delete a rollout; True if it existed."""
+        return await self._ns(namespace).delete(rollout_id)
+
+    async def touch(self, namespace: str, rollout_id: str, ttl_s: int | None) -> None:
+        """Reset a rollout's TTL."""
+        await self._ns(namespace).touch(rollout_id, ttl_s)
+
+    async def batch_get(
+        self,
+        namespace: str,
+        rollout_ids: Sequence[str],
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> AsyncIterator[tuple[str, bytes | R3Error]]:
+        """Frames of many rollouts, in request order, each a frame or the error it met.
+
+        At most ``batch_concurrency`` fetches run ahead of the consumer, so
+        memory stays bounded whatever the batch size; a slow reader slows the
+        fetches instead of piling frames up.
+        """
+        if len(rollout_ids) > self.settings.max_batch:
+            raise LimitExceededError(
+                f"batch of {len(rollout_ids)} rollouts; the limit is {self.settings.max_batch}"
+            )
+        view = self._ns(namespace)
+
+        async def one(rid: str) -> bytes | R3Error:
+            try:
+                return await view.get_frame(rid, start=start, end=end, layers=layers)
+            except R3Error as exc:
+                return exc
+
+        todo = iter(rollout_ids)
+        window: deque[tuple[str, asyncio.Task[bytes | R3Error]]] = deque()
+
+        def launch() -> None:
+            rid = next(todo, None)
+            if rid is not None:
+                window.append((rid, asyncio.ensure_future(one(rid))))
+
+        for _ in range(self.settings.batch_concurrency):
+            launch()
+        try:
+            while window:
+                rid, task = window.popleft()
+                result = await task
+                launch()
+                self.metrics.batch_items.labels(
+                    "ok" if isinstance(result, bytes) else result.code
+                ).inc()
+                yield rid, result
+        finally:
+            for _, task in window:  # the consumer went away: stop fetching
+                task.cancel()
+
+    async def ready(self) -> bool:
+        """True when Redis answers."""
+        return await self.store.ping()
+
+    async def refresh_store_gauges(self) -> None:
+        """Update the store size gauges (called on each /metrics scrape)."""
+        mem = await self.store.memory()
+        self.metrics.store_memory.set(mem["used_memory"])
+        self.metrics.store_keys.set(mem["keys"])

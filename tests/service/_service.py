@@ -1,0 +1,129 @@
+"""Running the real cache service in a subprocess, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+
+from cache_service.proto import r3_cache_pb2_grpc as pb_grpc
+from cache_service.redis_proc import free_port
+
+KEY_A = "key-tenant-a-0123456789abcdef"
+KEY_B = "key-tenant-b-0123456789abcdef"
+LIMITS = {
+    "R3_CACHE_MAX_BODY_BYTES": str(4 << 20),
+    "R3_CACHE_MAX_TOKENS_PER_SEGMENT": "20000",
+    "R3_CACHE_MAX_BATCH": "64",
+}
+
+
+@dataclass
+class Service:
+    """A running ``r3 serve`` process and how to reach it."""
+
+    http_url: str
+    grpc_target: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    redis_url: str
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def http(self, key: str | None = KEY_A, **kw: object) -> httpx.Client:
+        """An httpx client with the tenant's key (None: no key)."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.http_url, headers=headers, timeout=30, **kw)  # type: ignore[arg-type]
+
+    def stub(self) -> pb_grpc.RoutingCacheStub:
+        """A gRPC stub on a fresh channel."""
+        channel = grpc.insecure_channel(
+            self.grpc_target, options=[("grpc.max_receive_message_length", -1)]
+        )
+        return pb_grpc.RoutingCacheStub(channel)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop by PID and wait."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def grpc_md(key: str | None = KEY_A) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying the tenant's key."""
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def start_service(
+    tmp: Path,
+    redis_url: str | None,
+    *,
+    cluster: bool = False,
+    env: dict[str, str] | None = None,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+) -> Service:
+    """Start ``python -m cache_service serve`` and wait for /readyz."""
+    keys = tmp / "keys.json"
+    keys.write_text(json.dumps({KEY_A: "tenant-a", KEY_B: "tenant-b"}))
+    http_port = http_port or free_port()
+    grpc_port = grpc_port or free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "cache_service",
+        "serve",
+        "--http-port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--auth",
+        "on",
+        "--api-keys-file",
+        str(keys),
+        "--data-dir",
+        str(tmp / "data"),
+        "--log-level",
+        "WARNING",
+    ]
+    if redis_url:
+        args += ["--redis-url", redis_url]
+    if cluster:
+        args.append("--redis-cluster")
+    log = tmp / f"service-{http_port}.log"
+    proc = subprocess.Popen(
+        args,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **LIMITS, **(env or {})},
+    )
+    svc = Service(
+        f"http://127.0.0.1:{http_port}",
+        f"127.0.0.1:{grpc_port}",
+        proc,
+        log,
+        redis_url or "embedded",
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"service exited {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{svc.http_url}/readyz", timeout=1).status_code == 200:
+                return svc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    svc.stop()
+    raise RuntimeError(f"service did not become ready: {log.read_text()[-3000:]}")
