@@ -1,0 +1,155 @@
+"""Faults against the real service: Redis SIGKILLed under write load, service restarts, races."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from _helpers import LAYERS, frame_for, rid, same_sets
+from _service import KEY_A, Service, start_service
+
+from cache_service.redis_proc import RedisProcess, free_port
+from r3_client import decode_frame
+from r3_client.testing import synthetic_routing
+
+HEADERS = {"Authorization": f"Bearer {KEY_A}"}
+
+
+def _wait_ready(svc: Service, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{svc.http_url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("service did not become ready again")
+
+
+async def test_redis_sigkill_under_write_load_loses_no_acknowledged_write(tmp_path: Path) -> None:
+    redis = RedisProcess(free_port(), tmp_path / "redis", appendonly=True).start()
+    svc = start_service(tmp_path, redis.url)
+    routing = synthetic_routing(64, len(LAYERS), 64, 4, seed=1)
+    acked: dict[str, bytes] = {}
+    statuses: list[int] = []
+    stop = asyncio.Event()
+
+    async def writer(client: httpx.AsyncClient, n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            r = f"load-{n}-{i}"
+            frame = frame_for(np.roll(routing, i, axis=0), 0, digest=False)
+            try:
+                resp = await client.put(f"/v1/rollouts/{r}/segments", content=frame)
+                statuses.append(resp.status_code)
+                if resp.status_code == 201:
+                    acked[r] = frame
+            except httpx.HTTPError:
+                statuses.append(-1)  # connection-level failure: not acknowledged
+            i += 1
+
+    try:
+        async with httpx.AsyncClient(base_url=svc.http_url, headers=HEADERS, timeout=30) as c:
+            tasks = [asyncio.create_task(writer(c, n)) for n in range(8)]
+            await asyncio.sleep(1.5)
+            before_kill = len(acked)
+            redis.kill()  # SIGKILL: no shutdown, only what the AOF fsynced survives
+            await asyncio.sleep(1.5)
+            assert (await c.get("/readyz")).status_code == 503
+            redis.start()  # same port, same AOF
+            await asyncio.to_thread(_wait_ready, svc)  # the service recovers by itself
+            await asyncio.sleep(1.0)
+            stop.set()
+            await asyncio.gather(*tasks)
+            assert before_kill > 0
+            assert len(acked) > before_kill  # writes resumed after the restart
+            assert 503 in statuses  # the outage was seen…
+            assert set(statuses) <= {201, 503}  # …and reported as 503, never a 500
+            for r, frame in acked.items():  # every acknowledged write is still there
+                resp = await c.get(f"/v1/rollouts/{r}")
+                assert resp.status_code == 200, r
+                assert same_sets(
+                    decode_frame(resp.content).routing.indices, decode_frame(frame).routing.indices
+                )
+    finally:
+        svc.stop()
+        redis.stop()
+
+
+def test_service_restart_with_embedded_redis_loses_nothing(tmp_path: Path) -> None:
+    """`r3 serve --data-dir D` twice: the second process reads what the first stored."""
+    ports = {"http_port": free_port(), "grpc_port": free_port()}
+    frames = {
+        rid(): frame_for(synthetic_routing(50, len(LAYERS), 64, 4, seed=i), 0) for i in range(10)
+    }
+    svc = start_service(tmp_path, None, **ports)
+    try:
+        with svc.http() as c:
+            for r, f in frames.items():
+                assert c.put(f"/v1/rollouts/{r}/segments", content=f).status_code == 201
+    finally:
+        svc.stop(signal.SIGTERM)
+    assert svc.proc.returncode == 0
+    svc = start_service(tmp_path, None, **ports)
+    try:
+        with svc.http() as c:
+            for r, f in frames.items():
+                assert c.get(f"/v1/rollouts/{r}").content == f
+    finally:
+        svc.stop()
+
+
+def test_service_sigkill_and_restart_loses_nothing(
+    tmp_path: Path, redis_single: RedisProcess
+) -> None:
+    svc = start_service(tmp_path, redis_single.url)
+    frames = {
+        rid(): frame_for(synthetic_routing(40, len(LAYERS), 64, 4, seed=i), 0) for i in range(10)
+    }
+    try:
+        with svc.http() as c:
+            for r, f in frames.items():
+                assert c.put(f"/v1/rollouts/{r}/segments", content=f).status_code == 201
+    finally:
+        svc.stop(signal.SIGKILL)
+    svc = start_service(tmp_path, redis_single.url)
+    try:
+        with svc.http() as c:
+            for r, f in frames.items():
+                assert c.get(f"/v1/rollouts/{r}").content == f
+    finally:
+        svc.stop()
+
+
+async def test_concurrent_http_writers_on_one_rollout_stay_consistent(svc: Service) -> None:
+    r = rid()
+    n_seg, width = 30, 5
+    traj = synthetic_routing(n_seg * width, len(LAYERS), 64, 4, seed=9)
+    frames = [frame_for(traj[i * width : (i + 1) * width], i * width) for i in range(n_seg)]
+    rivals = [
+        frame_for(synthetic_routing(width, len(LAYERS), 64, 4, seed=50 + i), 0) for i in range(5)
+    ]  # compete with frames[0] for rows [0, 5)
+    jobs = frames * 3 + rivals
+    order = np.random.default_rng(3).permutation(len(jobs))
+    async with httpx.AsyncClient(base_url=svc.http_url, headers=HEADERS, timeout=30) as c:
+        resps = await asyncio.gather(
+            *(c.put(f"/v1/rollouts/{r}/segments", content=jobs[i]) for i in order)
+        )
+        codes = {int(i): resp.status_code for i, resp in zip(order, resps, strict=True)}
+        first_range = [codes[i] for i in range(len(jobs)) if i % n_seg == 0 and i < 3 * n_seg]
+        first_range += [codes[3 * n_seg + j] for j in range(len(rivals))]
+        assert first_range.count(201) == 1  # exactly one writer won rows [0, 5)
+        assert set(codes.values()) <= {200, 201, 409}
+        for i in range(1, n_seg):  # every other range: one 201, two 200 (duplicates)
+            assert sorted(codes[i + k * n_seg] for k in range(3)) == [200, 200, 201]
+        st = (await c.get(f"/v1/rollouts/{r}/stat")).json()
+        assert [(s["start"], s["end"]) for s in st["segments"]] == [
+            (i * width, (i + 1) * width) for i in range(n_seg)
+        ]
+        got = decode_frame((await c.get(f"/v1/rollouts/{r}", params={"start": 5})).content)
+        assert same_sets(got.routing.indices, traj[5:])
