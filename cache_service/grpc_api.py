@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from cache_service.auth import KeyRing, bearer_token
 from cache_service.errors import status_for
@@ -195,6 +196,55 @@ class RoutingCacheServicer(pb_grpc.RoutingCacheServicer):
                 yield pb.BatchItem(rollout_id=rid, error=err)
 
 
+async def _parse(cls: Any, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    """Deserialize a request ourselves: a malformed message is INVALID_ARGUMENT, not INTERNAL."""
+    try:
+        return cls.FromString(raw)
+    except DecodeError:
+        context.set_trailing_metadata((("r3-error-code", "invalid_request"),))
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request is not a valid {cls.DESCRIPTOR.full_name} protobuf message",
+        )
+
+
+def _handlers(servicer: RoutingCacheServicer) -> grpc.GenericRpcHandler:
+    """Method handlers built from the .proto's service descriptor.
+
+    Unlike the generated ``add_RoutingCacheServicer_to_server``, requests reach
+    us as raw bytes: gRPC's own deserializer turns a malformed message into
+    INTERNAL, which would read as a server bug.
+    """
+    service = pb.DESCRIPTOR.services_by_name["RoutingCache"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        req_cls = getattr(pb, method.input_type.name)
+        resp_cls = getattr(pb, method.output_type.name)
+        behavior = getattr(servicer, method.name)
+        if method.server_streaming:
+
+            async def stream(
+                raw: bytes, context: Any, behavior: Any = behavior, req_cls: Any = req_cls
+            ) -> AsyncIterator[Any]:
+                async for item in behavior(await _parse(req_cls, raw, context), context):
+                    yield item
+
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                stream, response_serializer=resp_cls.SerializeToString
+            )
+        else:
+
+            async def unary(
+                raw: bytes, context: Any, behavior: Any = behavior, req_cls: Any = req_cls
+            ) -> Any:
+                return await behavior(await _parse(req_cls, raw, context), context)
+
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                unary, response_serializer=resp_cls.SerializeToString
+            )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
 async def start_grpc_server(
     service: RoutingService, keys: KeyRing, host: str, port: int, max_message_bytes: int
 ) -> tuple[grpc.aio.Server, int]:
@@ -206,8 +256,7 @@ async def start_grpc_server(
             ("grpc.so_reuseport", 0),
         ]
     )
-    servicer = RoutingCacheServicer(service, keys)
-    pb_grpc.add_RoutingCacheServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    server.add_generic_rpc_handlers((_handlers(RoutingCacheServicer(service, keys)),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")
