@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-cache_service/proto}"
-.venv/bin/python -m grpc_tools.protoc -I cache_service/proto \
+"${PYTHON:-.venv/bin/python}" -m grpc_tools.protoc -I cache_service/proto \
   --python_out="$out" --grpc_python_out="$out" --pyi_out="$out" \
   cache_service/proto/r3_cache.proto
 # protoc emits a top-level import; make it package-relative.

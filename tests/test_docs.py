@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _service import KEY_A, Service
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -17,11 +18,29 @@ def _blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
 
 
-def test_readme_python_snippets_run() -> None:
+def test_readme_python_snippets_run(
+    service_single: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every python block, in order, in one namespace, against a real service."""
     snippets = _blocks("python")
-    assert snippets, "README has no python snippet"
+    assert len(snippets) >= 2, "README lost its snippets"
+    monkeypatch.setenv("R3_URL", service_single.http_url)
+    monkeypatch.setenv("R3_KEY", KEY_A)
+    namespace: dict[str, object] = {"__name__": "readme"}
     for code in snippets:
-        exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+        exec(compile(code, "README.md", "exec"), namespace)
+
+
+def test_readme_serve_flags_exist() -> None:
+    help_text = subprocess.run(
+        [sys.executable, "-m", "cache_service", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for line in _blocks("console"):
+        for flag in re.findall(r"(--[a-z-]+)", line):
+            assert flag in help_text, flag
 
 
 def test_readme_commands_are_the_make_targets_ci_runs() -> None:
