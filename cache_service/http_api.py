@@ -26,7 +26,7 @@ from cache_service.errors import status_for
 from cache_service.logs import log_event
 from cache_service.metrics import Metrics
 from cache_service.service import RoutingService
-from cache_service.settings import ServiceSettings
+from cache_service.settings import ServiceSettings, get_settings
 from cache_service.store import PutResult, RolloutStat, SegmentStore
 from r3_client import InvalidRequestError, LimitExceededError, R3Error, RolloutNotFoundError
 from r3_client._stream import (
@@ -211,7 +211,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 # ---- the app ----------------------------------------------------------------------------------
 def create_app(
-    settings: ServiceSettings,
+    settings: ServiceSettings | None = None,
     service: RoutingService | None = None,
     metrics: Metrics | None = None,
 ) -> FastAPI:
@@ -219,8 +219,11 @@ def create_app(
 
     With ``service`` given (``r3 serve``, which shares it with gRPC) the app
     uses it; otherwise the lifespan connects to ``settings.redis_url`` and
-    closes the pool on shutdown.
+    closes the pool on shutdown.  ``settings`` defaults to the environment
+    (:func:`get_settings`), so ``uvicorn --factory cache_service.http_api:create_app``
+    works for an HTTP-only deployment.
     """
+    settings = settings or get_settings()
     keys = KeyRing(settings.all_api_keys(), enabled=settings.auth_enabled())
     metrics = metrics or (service.metrics if service else Metrics())
 

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
+import time
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 from _helpers import LAYERS, TRAJ, frame_for, rid, same_sets
 from _service import KEY_A, KEY_B, Service, grpc_md
 
 from cache_service.proto import r3_cache_pb2 as pb
+from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import decode_frame, encode_frame
 from r3_client._stream import StreamDecoder
 from r3_client.testing import synthetic_routing
@@ -317,3 +323,43 @@ def test_assembled_frames_carry_segment_provenance(svc: Service) -> None:
         (100, 150, "v2"),
     ]
     assert encode_frame(got) == encode_frame(got)
+
+
+def test_http_only_deployment_via_uvicorn_factory(redis_single: RedisProcess) -> None:
+    """`uvicorn --factory cache_service.http_api:create_app`: settings from R3_CACHE_* env."""
+    port = free_port()
+    env = {**os.environ, "R3_CACHE_REDIS_URL": redis_single.url, "R3_CACHE_AUTH": "off"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--factory",
+            "cache_service.http_api:create_app",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        r = rid()
+        assert (
+            httpx.put(f"{url}/v1/rollouts/{r}/segments", content=frame_for(TRAJ[:5], 0)).status_code
+            == 201
+        )
+        assert httpx.get(f"{url}/v1/rollouts/{r}/stat").json()["num_rows"] == 5
+    finally:
+        proc.terminate()
+        proc.wait(20)
