@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cache_service.auth import KeyRing, bearer_token
 from cache_service.errors import status_for
@@ -209,6 +210,57 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+class _Observe:
+    """Pure ASGI middleware: request metrics and one JSON log line per request.
+
+    Wraps ``send`` only, so streamed bodies pass straight through (Starlette's
+    ``BaseHTTPMiddleware`` re-streams every chunk through an extra task: ~20% of
+    the service's CPU on a batch get, measured in bench/service_bench.py).
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status, sent = 500, 0
+
+        async def observed_send(message: Message) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed_send)
+        finally:
+            op = getattr(scope.get("route"), "name", "unknown")
+            m = self.metrics
+            m.requests.labels("http", op, str(status)).inc()
+            m.latency.labels("http", op).observe(time.perf_counter() - t0)
+            m.bytes_out.labels("http").inc(sent)
+            length = dict(scope.get("headers", ())).get(b"content-length", b"")
+            if length.isdigit():
+                m.bytes_in.labels("http").inc(int(length))
+            if op not in ("metrics", "healthz", "readyz"):
+                log_event(
+                    "request",
+                    logging.INFO if status < 500 else logging.ERROR,
+                    transport="http",
+                    op=op,
+                    method=scope.get("method"),
+                    path=scope.get("path"),
+                    status=status,
+                    ms=round((time.perf_counter() - t0) * 1e3, 2),
+                )
+
+
 # ---- the app ----------------------------------------------------------------------------------
 def create_app(
     settings: ServiceSettings | None = None,
@@ -269,33 +321,7 @@ def create_app(
         code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return _error(exc.status_code, code, str(exc.detail))
 
-    @app.middleware("http")
-    async def _observe(request: Request, call_next: Any) -> Response:
-        t0 = time.perf_counter()
-        response: Response = await call_next(request)
-        route = request.scope.get("route")
-        op = getattr(route, "name", "unknown")
-        status = response.status_code
-        metrics.requests.labels("http", op, str(status)).inc()
-        metrics.latency.labels("http", op).observe(time.perf_counter() - t0)
-        body_len = request.headers.get("content-length")
-        if body_len and body_len.isdigit():
-            metrics.bytes_in.labels("http").inc(int(body_len))
-        out_len = response.headers.get("content-length")
-        if out_len and out_len.isdigit():
-            metrics.bytes_out.labels("http").inc(int(out_len))
-        if op not in ("metrics", "healthz", "readyz"):
-            log_event(
-                "request",
-                logging.INFO if status < 500 else logging.ERROR,
-                transport="http",
-                op=op,
-                method=request.method,
-                path=request.url.path,
-                status=status,
-                ms=round((time.perf_counter() - t0) * 1e3, 2),
-            )
-        return response
+    app.add_middleware(_Observe, metrics=metrics)
 
     @app.put(
         "/v1/rollouts/{rollout_id}/segments",
@@ -405,7 +431,6 @@ def create_app(
                     if isinstance(res, bytes)
                     else encode_error_item(rid, res.code, str(res), status_for(res).http)
                 )
-                metrics.bytes_out.labels("http").inc(len(chunk))
                 count += 1
                 yield chunk
                 pending = await anext(items, None)

@@ -72,6 +72,9 @@ async def _serve(settings: ServiceSettings, service: RoutingService, keys: KeyRi
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=10,
+        # Idle keep-alive connections stay open 75 s: clients (httpx: 5 s) expire theirs
+        # first, so a request never races the server closing its connection.
+        timeout_keep_alive=75,
     )
     http = uvicorn.Server(config)
     # uvicorn captures SIGINT/SIGTERM while serving and re-raises them afterwards;

@@ -61,7 +61,6 @@ from r3_client import (
     decode_frame,
     encode_frame,
     index_dtype,
-    read_header,
 )
 from r3_client._format import layer_positions
 from r3_client._sortnet import sort_rows
@@ -186,7 +185,7 @@ class SegmentStore:
         self._r = client
         self.settings = settings
         self._put = client.register_script(_load("put_segment.lua"))
-        self._get = client.register_script(_load("get_segments.lua"))
+        self._fields = client.register_script(_load("segment_fields.lua"))
         self._stat = client.register_script(_load("stat_rollout.lua"))
         self._touch = client.register_script(_load("touch_rollout.lua"))
         self._put_blob = client.register_script(_load("put_blob.lua"))
@@ -376,26 +375,45 @@ class SegmentStore:
     # ---- reads -------------------------------------------------------------------------
     async def _fetch(
         self, rollout_id: str, start: int, end: int | None
-    ) -> tuple[tuple[int, int, tuple[int, ...]], list[bytes]]:
-        """Meta and the frames of segments overlapping ``[start, end)``, shared ones resolved."""
+    ) -> tuple[tuple[int, int, tuple[int, ...]], list[tuple[int, bytes]]]:
+        """Meta and ``(segment start, frame)`` of segments overlapping ``[start, end)``.
+
+        Sorted by start; shared segments resolved to their frames.  A whole-rollout
+        read is one ``HGETALL``; a range asks a script for the overlapping field
+        names and then ``HMGET``s them (segments are never rewritten in place, so
+        the two steps cannot mix versions; a rollout deleted in between reads as
+        not found).
+        """
         key = self.key(rollout_id)
         if start < 0 or (end is not None and end <= start):
             raise InvalidRequestError(f"token range [{start}, {end}) is empty or negative")
+        missing = RolloutNotFoundError(f"rollout {rollout_id} not found")
         async with _translate(self._limit):
-            res = await self._get(keys=[key], args=[start, -1 if end is None else end])
-            if not res:
-                raise RolloutNotFoundError(f"rollout {rollout_id} not found")
-            frames: list[bytes] = res[2::2]
-            for i, value in enumerate(frames):
+            if start == 0 and end is None:
+                fields: dict[Any, Any] = await self._r.hgetall(key)
+                meta = fields.get(b"m")
+                named = [(f, v) for f, v in fields.items() if f[:2] == b"s:"]
+            else:
+                res = await self._fields(keys=[key], args=[start, -1 if end is None else end])
+                meta = res[0] if res else None
+                names = res[1:]
+                values: list[Any] = await self._r.hmget(key, names) if names else []
+                if any(v is None for v in values):
+                    raise missing
+                named = list(zip(names, values, strict=True))
+            if meta is None:
+                raise missing
+            segments = sorted((int(f.split(b":")[1]), v) for f, v in named)
+            for i, (seg_start, value) in enumerate(segments):
                 if value[:1] == b"@":  # shared segment: one HGET in the blob's own slot
                     blob = await self._r.hget(value[1:].decode(), "f")
                     if not isinstance(blob, bytes):
                         raise StoreError(
                             f"rollout {rollout_id}: a shared segment's data has expired"
                         )
-                    frames[i] = blob
-        e, k, layer_ids = msgpack.unpackb(res[0])
-        return (e, k, tuple(layer_ids)), frames
+                    segments[i] = (seg_start, blob)
+        e, k, layer_ids = msgpack.unpackb(meta)
+        return (e, k, tuple(layer_ids)), segments
 
     async def get(
         self,
@@ -412,7 +430,8 @@ class SegmentStore:
         :class:`RolloutNotFoundError`, or :class:`InvalidRequestError` for a
         range outside ``[0, num_rows)`` or an unknown layer id.
         """
-        (e, k, layer_ids), frames = await self._fetch(rollout_id, start, end)
+        (e, k, layer_ids), segments = await self._fetch(rollout_id, start, end)
+        frames = [f for _, f in segments]
         return await asyncio.to_thread(
             self._assemble, rollout_id, e, k, layer_ids, frames, start, end, layers
         )
@@ -432,11 +451,11 @@ class SegmentStore:
         else is assembled and encoded with ``codec="auto"``, deterministically,
         so every transport returns identical bytes.
         """
-        meta, frames = await self._fetch(rollout_id, start, end)
-        if start == 0 and end is None and layers is None and len(frames) == 1:
-            hdr = read_header(frames[0], verify=False)
-            if hdr.start == 0:
-                return frames[0]
+        meta, segments = await self._fetch(rollout_id, start, end)
+        whole = start == 0 and end is None and layers is None
+        if whole and len(segments) == 1 and segments[0][0] == 0:
+            return segments[0][1]
+        frames = [f for _, f in segments]
         routing = await asyncio.to_thread(
             self._assemble, rollout_id, *meta, frames, start, end, layers
         )
