@@ -28,3 +28,4 @@ demo: bootstrap
 
 bench: bootstrap
 	$(PY) bench/codec_bench.py
+	$(PY) bench/service_bench.py

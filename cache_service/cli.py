@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ def serve_command(args: argparse.Namespace) -> int:
     """Build settings from env + flags and serve until interrupted."""
     from cache_service.server import serve
     from cache_service.settings import ServiceSettings
+    from r3_client import R3Error
 
     overrides: dict[str, Any] = {
         k: v
@@ -64,5 +66,9 @@ def serve_command(args: argparse.Namespace) -> int:
     }
     if args.host is not None:
         overrides["http_host"] = overrides["grpc_host"] = args.host
-    serve(ServiceSettings(**overrides))
+    try:
+        serve(ServiceSettings(**overrides))
+    except (ValueError, OSError, R3Error) as exc:  # bad config, ports, Redis: say so plainly
+        print(f"r3 serve: error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -69,23 +69,38 @@ def test_foundation_demo_runs() -> None:
     assert "re-sending turn 3: duplicate" in out
 
 
-@pytest.mark.parametrize("script", ["codec_bench.py"])
-def test_benchmark_runs_small(script: str) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / script),
-            "--tokens",
-            "300",
-            "--repeat",
-            "1",
-            "--shapes",
-            "Qwen3-30B-A3B",
-        ],
+def test_codec_benchmark_runs_small() -> None:
+    out = _run_bench(
+        "codec_bench.py", "--tokens", "300", "--repeat", "1", "--shapes", "Qwen3-30B-A3B"
+    )
+    assert "### targets" in out
+    assert "frame set-zstd" in out
+
+
+def test_service_benchmark_runs_small() -> None:
+    """bench/service_bench.py end to end on a tiny batch (it starts its own Redis and service)."""
+    out = _run_bench(
+        "service_bench.py",
+        "--rollouts",
+        "4",
+        "--tokens",
+        "256",
+        "--repeat",
+        "1",
+        "--load-seconds",
+        "1",
+        "--load-clients",
+        "2",
+    )
+    assert "HTTP POST /v1/batch/get" in out
+    assert "load run: 0 errors" in out
+
+
+def _run_bench(script: str, *args: str) -> str:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     ).stdout
-    assert "### targets" in out
-    assert "frame set-zstd" in out
