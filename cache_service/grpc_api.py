@@ -29,26 +29,19 @@ def _segment(seg: Segment) -> pb.Segment:
 
 
 def _stat(st: RolloutStat) -> pb.RolloutStat:
-    msg = pb.RolloutStat(
-        rollout_id=st.rollout_id,
-        num_experts=st.num_experts,
-        topk=st.topk,
-        layer_ids=list(st.layer_ids),
-        num_rows=st.num_rows,
-        stored_bytes=st.stored_bytes,
-        shared_bytes=st.shared_bytes,
-        segments=[
-            pb.SegmentInfo(
-                segment=_segment(i.segment), codec=i.codec, nbytes=i.nbytes, shared=i.shared
-            )
-            for i in st.segments
-        ],
-    )
-    if st.memory_bytes is not None:
-        msg.memory_bytes = st.memory_bytes
-    if st.ttl_s is not None:
-        msg.ttl_s = st.ttl_s
-    return msg
+    fields = st.to_dict()
+    segments = [
+        pb.SegmentInfo(
+            segment=pb.Segment(**{k: s[k] for k in pb.Segment.DESCRIPTOR.fields_by_name}),
+            codec=s["codec"],
+            nbytes=s["nbytes"],
+            shared=s["shared"],
+        )
+        for s in fields.pop("segments")
+    ]
+    # unset optional fields mean "unknown" (memory) and "no expiry" (ttl)
+    present = {k: v for k, v in fields.items() if v is not None}
+    return pb.RolloutStat(**present, segments=segments)
 
 
 class RoutingCacheServicer(pb_grpc.RoutingCacheServicer):

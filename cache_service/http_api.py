@@ -124,23 +124,7 @@ class StatResponse(BaseModel):
     @classmethod
     def of(cls, st: RolloutStat) -> StatResponse:
         """From the store's stat."""
-        return cls(
-            rollout_id=st.rollout_id,
-            num_experts=st.num_experts,
-            topk=st.topk,
-            layer_ids=list(st.layer_ids),
-            num_rows=st.num_rows,
-            stored_bytes=st.stored_bytes,
-            shared_bytes=st.shared_bytes,
-            memory_bytes=st.memory_bytes,
-            ttl_s=st.ttl_s,
-            segments=[
-                SegmentInfoModel(
-                    **i.segment.to_dict(), codec=i.codec, nbytes=i.nbytes, shared=i.shared
-                )
-                for i in st.segments
-            ],
-        )
+        return cls.model_validate(st.to_dict())
 
 
 class TouchRequest(BaseModel):

@@ -130,6 +130,16 @@ class RolloutStat:
     ttl_s: float | None  # None = no expiry
     segments: tuple[SegmentInfo, ...] = field(default=())
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form for the transports; each segment flattened with codec, bytes, shared."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "segments"}
+        out["layer_ids"] = list(self.layer_ids)
+        out["segments"] = [
+            {**i.segment.to_dict(), "codec": i.codec, "nbytes": i.nbytes, "shared": i.shared}
+            for i in self.segments
+        ]
+        return out
+
 
 def _load(name: str) -> str:
     return resources.files("cache_service").joinpath("lua", name).read_text()

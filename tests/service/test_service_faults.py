@@ -19,6 +19,18 @@ from r3_client.testing import synthetic_routing
 HEADERS = {"Authorization": f"Bearer {KEY_A}"}
 
 
+def _put_all(svc: Service, frames: dict[str, bytes]) -> None:
+    with svc.http() as c:
+        for r, f in frames.items():
+            assert c.put(f"/v1/rollouts/{r}/segments", content=f).status_code == 201
+
+
+def _assert_all_readable(svc: Service, frames: dict[str, bytes]) -> None:
+    with svc.http() as c:
+        for r, f in frames.items():
+            assert c.get(f"/v1/rollouts/{r}").content == f
+
+
 def _wait_ready(svc: Service, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -89,17 +101,13 @@ def test_service_restart_with_embedded_redis_loses_nothing(tmp_path: Path) -> No
     }
     svc = start_service(tmp_path, None, **ports)
     try:
-        with svc.http() as c:
-            for r, f in frames.items():
-                assert c.put(f"/v1/rollouts/{r}/segments", content=f).status_code == 201
+        _put_all(svc, frames)
     finally:
         svc.stop(signal.SIGTERM)
     assert svc.proc.returncode == 0
     svc = start_service(tmp_path, None, **ports)
     try:
-        with svc.http() as c:
-            for r, f in frames.items():
-                assert c.get(f"/v1/rollouts/{r}").content == f
+        _assert_all_readable(svc, frames)
     finally:
         svc.stop()
 
@@ -112,16 +120,12 @@ def test_service_sigkill_and_restart_loses_nothing(
         rid(): frame_for(synthetic_routing(40, len(LAYERS), 64, 4, seed=i), 0) for i in range(10)
     }
     try:
-        with svc.http() as c:
-            for r, f in frames.items():
-                assert c.put(f"/v1/rollouts/{r}/segments", content=f).status_code == 201
+        _put_all(svc, frames)
     finally:
         svc.stop(signal.SIGKILL)
     svc = start_service(tmp_path, redis_single.url)
     try:
-        with svc.http() as c:
-            for r, f in frames.items():
-                assert c.get(f"/v1/rollouts/{r}").content == f
+        _assert_all_readable(svc, frames)
     finally:
         svc.stop()
 
