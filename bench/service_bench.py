@@ -70,11 +70,11 @@ import httpx
 import numpy as np
 import redis.asyncio as aioredis
 
-from cache_service.proto import r3_cache_pb2 as pb
-from cache_service.proto import r3_cache_pb2_grpc as pb_grpc
 from cache_service.redis_proc import RedisProcess, free_port, redis_server_binary
 from cache_service.store import SegmentStore, StoreSettings
 from r3_client import Segment, encode_frame
+from r3_client._proto import r3_cache_pb2 as pb
+from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
 from r3_client._stream import StreamDecoder
 from r3_client.testing import synthetic_routing
 

@@ -13,11 +13,11 @@ from google.protobuf.message import DecodeError
 from cache_service.auth import KeyRing, bearer_token
 from cache_service.errors import status_for
 from cache_service.logs import log_event
-from cache_service.proto import r3_cache_pb2 as pb
-from cache_service.proto import r3_cache_pb2_grpc as pb_grpc
 from cache_service.service import RoutingService
 from cache_service.store import RolloutStat
 from r3_client import R3Error, Segment
+from r3_client._proto import r3_cache_pb2 as pb
+from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
 
 __all__ = ["RoutingCacheServicer", "start_grpc_server"]
 

@@ -4,7 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-EXTRAS="${R3_EXTRAS:-client,service,dev}"
+EXTRAS="${R3_EXTRAS:-client,service,torch,dev}"
+# The CPU build of torch (a local wheel on this project's machines; a plain range would
+# pull a multi-GB CUDA build). Override with R3_TORCH=torch==<version> elsewhere.
+TORCH="${R3_TORCH:-torch==2.13.0}"
 PYTHON="${PYTHON:-python3.11}"
 
 if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
@@ -20,11 +23,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 
-stamp=".venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)-${EXTRAS//,/_}"
+stamp=".venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)-${EXTRAS//,/_}-${TORCH}"
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing sglang-r3[$EXTRAS] into .venv" >&2
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+  .venv/bin/python -m pip install -q -e ".[$EXTRAS]" "$TORCH"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

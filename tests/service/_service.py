@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import httpx
 
-from cache_service.proto import r3_cache_pb2_grpc as pb_grpc
 from cache_service.redis_proc import free_port
+from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
 
 KEY_A = "key-tenant-a-0123456789abcdef"
 KEY_B = "key-tenant-b-0123456789abcdef"

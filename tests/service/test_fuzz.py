@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
-from cache_service.proto import r3_cache_pb2 as pb
+from r3_client._proto import r3_cache_pb2 as pb
 
 CASES: Counter[str] = Counter()
 STATUSES: Counter[int] = Counter()

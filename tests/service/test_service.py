@@ -16,9 +16,9 @@ import pytest
 from _helpers import LAYERS, TRAJ, frame_for, rid, same_sets
 from _service import KEY_A, KEY_B, Service, grpc_md
 
-from cache_service.proto import r3_cache_pb2 as pb
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import decode_frame, encode_frame
+from r3_client._proto import r3_cache_pb2 as pb
 from r3_client._stream import StreamDecoder
 from r3_client.testing import synthetic_routing
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from cache_service.proto import r3_cache_pb2 as r3__cache__pb2
+from r3_client._proto import r3_cache_pb2 as r3__cache__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -19,5 +19,5 @@ def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:
     )
     for name in ("r3_cache_pb2.py", "r3_cache_pb2.pyi", "r3_cache_pb2_grpc.py"):
         fresh = (tmp_path / name).read_text()
-        committed = (ROOT / "cache_service" / "proto" / name).read_text()
+        committed = (ROOT / "clients" / "r3_client" / "_proto" / name).read_text()
         assert fresh == committed, f"{name} is stale: run scripts/gen_proto.sh"
