@@ -1,9 +1,10 @@
-"""sglang-r3 client library: the routing format, its codec, and (later) fetch/stream clients.
+"""sglang-r3 client library: the routing format and codec, and clients of the routing cache.
 
 The format module owns the bytes: the cache service and the SGLang plugin
 import it from here and nothing else encodes or decodes routing.
 """
 
+from r3_client._client import AsyncRoutingClient, RoutingClient
 from r3_client._codec import (
     CODECS,
     FORMAT_VERSION,
@@ -14,10 +15,12 @@ from r3_client._codec import (
     encode_frame,
     read_header,
 )
+from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     AuthError,
     ChecksumError,
     CodecError,
+    ConnectError,
     DuplicateExpertError,
     ExpertIdError,
     FormatError,
@@ -25,12 +28,16 @@ from r3_client._exceptions import (
     InvalidRequestError,
     LimitExceededError,
     PartialRowError,
+    ProtocolError,
     R3Error,
+    RequestTimeoutError,
     RolloutNotFoundError,
     SegmentConflictError,
+    ServiceError,
     ShapeError,
     StoreError,
     StoreUnavailableError,
+    TransportError,
     TruncatedFrameError,
     UnsupportedFrameError,
 )
@@ -44,6 +51,7 @@ from r3_client._format import (
     token_digest,
     validate_indices,
 )
+from r3_client._models import PutResult, RolloutInfo, SegmentInfo
 
 __all__ = [
     "CODECS",
@@ -51,9 +59,11 @@ __all__ = [
     "MAGIC",
     "MAX_EXPERTS",
     "MAX_TOPK",
+    "AsyncRoutingClient",
     "AuthError",
     "ChecksumError",
     "CodecError",
+    "ConnectError",
     "DuplicateExpertError",
     "ExpertIdError",
     "FormatError",
@@ -63,14 +73,24 @@ __all__ = [
     "InvalidRequestError",
     "LimitExceededError",
     "PartialRowError",
+    "ProtocolError",
+    "PutResult",
     "R3Error",
+    "RequestTimeoutError",
+    "Retry",
+    "RolloutInfo",
     "RolloutNotFoundError",
     "Routing",
+    "RoutingClient",
     "Segment",
     "SegmentConflictError",
+    "SegmentInfo",
+    "ServiceError",
     "ShapeError",
     "StoreError",
     "StoreUnavailableError",
+    "Timeout",
+    "TransportError",
     "TruncatedFrameError",
     "UnsupportedFrameError",
     "canonical_rows",

@@ -17,11 +17,17 @@
     │   ├── InvalidRequestError         a well-formed request that asks for the impossible
     │   └── StoreUnavailableError       the backing Redis cannot be reached
     ├── AuthError                       missing or wrong API key
-    └── LimitExceededError              body, segment or batch larger than the service allows
+    ├── LimitExceededError              body, segment or batch larger than the service allows
+    ├── ServiceError                    an error answer with a code this library does not know
+    └── TransportError                  the request failed on the way (it may not have arrived)
+        ├── ConnectError                cannot connect (refused, DNS, TLS)
+        ├── RequestTimeoutError         no complete answer within the timeout
+        └── ProtocolError               an answer that is not what the API promises
 
 The service maps these to HTTP/gRPC statuses in one place; the client maps
-statuses back to the same classes, so callers catch one tree whatever the
-transport.
+error codes back to the same classes (:func:`error_for_code`) and translates
+every httpx / grpc exception into the ``TransportError`` branch in its
+transports, so callers catch one tree whatever the transport.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ __all__ = [
     "AuthError",
     "ChecksumError",
     "CodecError",
+    "ConnectError",
     "DuplicateExpertError",
     "ExpertIdError",
     "FormatError",
@@ -37,14 +44,19 @@ __all__ = [
     "InvalidRequestError",
     "LimitExceededError",
     "PartialRowError",
+    "ProtocolError",
     "R3Error",
+    "RequestTimeoutError",
     "RolloutNotFoundError",
     "SegmentConflictError",
+    "ServiceError",
     "ShapeError",
     "StoreError",
     "StoreUnavailableError",
+    "TransportError",
     "TruncatedFrameError",
     "UnsupportedFrameError",
+    "error_for_code",
 ]
 
 
@@ -160,3 +172,55 @@ class LimitExceededError(R3Error, ValueError):
     """A body, segment or batch exceeds a configured service limit."""
 
     code = "limit_exceeded"
+
+
+class ServiceError(R3Error):
+    """An error answer whose code this library does not know (a newer service?)."""
+
+    code = "service_error"
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        if code:
+            self.code = code
+
+
+class TransportError(R3Error):
+    """The request could not be completed; it may or may not have reached the service."""
+
+    code = "transport_error"
+
+
+class ConnectError(TransportError):
+    """No connection to the service (refused, unreachable, name resolution)."""
+
+    code = "connect_error"
+
+
+class RequestTimeoutError(TransportError):
+    """The service did not answer completely within the configured timeout."""
+
+    code = "timeout"
+
+
+class ProtocolError(TransportError):
+    """The answer does not follow the API (bad stream, unexpected content type)."""
+
+    code = "protocol_error"
+
+
+def _all_subclasses(cls: type[R3Error]) -> list[type[R3Error]]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def error_for_code(code: str, message: str, *, status: int | None = None) -> R3Error:
+    """The exception for an error ``code`` sent by the service (``ServiceError`` if unknown)."""
+    for cls in _all_subclasses(R3Error):
+        if cls.code == code and cls is not ServiceError:
+            return cls(message)
+    return ServiceError(message, status=status, code=code)

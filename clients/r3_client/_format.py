@@ -297,6 +297,16 @@ class Routing:
         """Experts per token per layer (``K``)."""
         return int(self.indices.shape[2])
 
+    def to_torch(self, dtype: Any = None) -> Any:
+        """The indices as a ``torch.Tensor`` (a copy; ``dtype`` e.g. ``torch.int64``).
+
+        Needs the ``torch`` extra.  -1 rows stay -1.
+        """
+        import torch  # lazy: the format itself does not need torch
+
+        tensor = torch.from_numpy(np.array(self.indices, copy=True))
+        return tensor if dtype is None else tensor.to(dtype)
+
     def sorted(self) -> Routing:
         """A copy with every row in ascending order (the canonical set form)."""
         srt = sort_rows(self.indices)

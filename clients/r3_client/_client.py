@@ -1,0 +1,421 @@
+"""``RoutingClient`` and ``AsyncRoutingClient``: one core, two thin shells.
+
+The core (:class:`_Core`) does no I/O: it validates arguments, builds frames,
+decides on retries, decodes answers.  The shells only drive a transport
+(HTTP or gRPC, chosen by the URL scheme) and sleep between retries.
+
+    with RoutingClient("http://cache:8080", api_key=KEY) as client:
+        client.put("rollout-1", routing)                     # Routing, array, or a frame
+        r = client.get("rollout-1", start=0, end=512, layers=[3, 5])  # server-side slice
+        for rid, routing in client.get_many(ids, progress=True): ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import TypeVar
+
+import numpy.typing as npt
+from tqdm import tqdm
+
+from r3_client._codec import CodecName, decode_frame, encode_frame, read_header
+from r3_client._config import Retry, Timeout
+from r3_client._exceptions import (
+    ConnectError,
+    R3Error,
+    RequestTimeoutError,
+    ShapeError,
+    StoreUnavailableError,
+    error_for_code,
+)
+from r3_client._format import Routing, Segment
+from r3_client._models import PutResult, RolloutInfo
+from r3_client._stream import StreamItem
+from r3_client._transports import (
+    AsyncGrpcTransport,
+    AsyncHTTPTransport,
+    AsyncTransport,
+    GrpcTransport,
+    HTTPTransport,
+    Transport,
+)
+
+__all__ = ["AsyncRoutingClient", "RoutingClient"]
+
+T = TypeVar("T")
+#: Failures that say nothing about the request: worth another try.
+RETRYABLE = (ConnectError, RequestTimeoutError, StoreUnavailableError)
+Result = tuple[str, Routing | R3Error]
+
+
+class _Core:
+    """Everything both clients share; no I/O."""
+
+    def __init__(self, retry: Retry) -> None:
+        self.retry = retry
+
+    @staticmethod
+    def frame(
+        routing: Routing | npt.ArrayLike | bytes,
+        *,
+        num_experts: int | None,
+        layer_ids: Sequence[int] | None,
+        start: int | None,
+        segment: Segment | None,
+        codec: CodecName,
+    ) -> bytes:
+        """The frame to send: bytes are checked and sent as they are, anything else encoded."""
+        if isinstance(routing, bytes | bytearray | memoryview):
+            read_header(routing)  # fail here, with the reason, rather than as a 400
+            return bytes(routing)
+        return encode_frame(
+            routing,
+            num_experts=num_experts,
+            layer_ids=layer_ids,
+            start=start,
+            segment=segment,
+            codec=codec,
+        )
+
+    @staticmethod
+    def check_range(start: int, end: int | None) -> None:
+        if start < 0 or (end is not None and end <= start):
+            raise ShapeError(f"token range [{start}, {end}) is empty or negative")
+
+    @staticmethod
+    def decode(frame: bytes) -> Routing:
+        return decode_frame(frame).routing
+
+    def result(self, item: StreamItem) -> Result:
+        if item.frame is not None:
+            return item.rollout_id, self.decode(item.frame)
+        err = error_for_code(
+            item.error_code or "service_error", item.error_message or "", status=item.status
+        )
+        return item.rollout_id, err
+
+    @staticmethod
+    def chunks(ids: Sequence[str], size: int) -> list[list[str]]:
+        if size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        ids = list(ids)
+        return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+def _sync_transport(url: str, api_key: str | None, timeout: Timeout) -> Transport:
+    if url.startswith("grpc://"):
+        return GrpcTransport(url, api_key=api_key, timeout=timeout)
+    if url.startswith(("http://", "https://")):
+        return HTTPTransport(url, api_key=api_key, timeout=timeout)
+    raise ValueError(f"unsupported URL {url!r}: use http://, https:// or grpc://")
+
+
+def _async_transport(url: str, api_key: str | None, timeout: Timeout) -> AsyncTransport:
+    if url.startswith("grpc://"):
+        return AsyncGrpcTransport(url, api_key=api_key, timeout=timeout)
+    if url.startswith(("http://", "https://")):
+        return AsyncHTTPTransport(url, api_key=api_key, timeout=timeout)
+    raise ValueError(f"unsupported URL {url!r}: use http://, https:// or grpc://")
+
+
+class RoutingClient:
+    """Blocking client of the routing cache.
+
+    ``url``: ``http://host:8080`` (HTTP) or ``grpc://host:50051`` (gRPC); the
+    API is identical.  ``api_key`` is sent as a bearer token.  Every call is
+    idempotent and retried per ``retry`` on connection failures, timeouts and
+    503s.  Errors are :class:`R3Error` subclasses whatever the transport.
+    """
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8080",
+        *,
+        api_key: str | None = None,
+        timeout: Timeout = Timeout(),
+        retry: Retry = Retry(),
+        transport: Transport | None = None,
+    ) -> None:
+        self._t = transport or _sync_transport(url, api_key, timeout)
+        self._core = _Core(retry)
+
+    def __enter__(self) -> RoutingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the transport's connections."""
+        self._t.close()
+
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        for attempt in range(self._core.retry.attempts):
+            try:
+                return fn()
+            except RETRYABLE:
+                if attempt + 1 == self._core.retry.attempts:
+                    raise
+                time.sleep(self._core.retry.delay(attempt))
+        raise AssertionError("unreachable")
+
+    def put(
+        self,
+        rollout_id: str,
+        routing: Routing | npt.ArrayLike | bytes,
+        *,
+        num_experts: int | None = None,
+        layer_ids: Sequence[int] | None = None,
+        start: int | None = None,
+        segment: Segment | None = None,
+        codec: CodecName = "auto",
+    ) -> PutResult:
+        """Store one segment: a :class:`Routing`, an array ``[rows, L, K]`` (with
+        ``num_experts`` and ``layer_ids``), or an encoded frame."""
+        frame = self._core.frame(
+            routing,
+            num_experts=num_experts,
+            layer_ids=layer_ids,
+            start=start,
+            segment=segment,
+            codec=codec,
+        )
+        return PutResult.from_dict(self._retrying(lambda: self._t.put(rollout_id, frame)))
+
+    def get_frame(
+        self,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> bytes:
+        """The rollout, or rows ``[start, end)`` of absolute MoE ``layers``, as a frame."""
+        self._core.check_range(start, end)
+        return self._retrying(lambda: self._t.get(rollout_id, start, end, layers))
+
+    def get(
+        self,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> Routing:
+        """The rollout's routing, sliced on the server when ``start``/``end``/``layers`` ask."""
+        return self._core.decode(self.get_frame(rollout_id, start=start, end=end, layers=layers))
+
+    def stat(self, rollout_id: str) -> RolloutInfo:
+        """What is stored for the rollout (no rows)."""
+        return RolloutInfo.from_dict(self._retrying(lambda: self._t.stat(rollout_id)))
+
+    def delete(self, rollout_id: str) -> bool:
+        """Delete the rollout; True if it existed."""
+        return self._retrying(lambda: self._t.delete(rollout_id))
+
+    def touch(self, rollout_id: str, ttl_s: int | None = None) -> None:
+        """Reset the rollout's TTL (None = the service default, 0 = never expire)."""
+        self._retrying(lambda: self._t.touch(rollout_id, ttl_s))
+
+    def get_many(
+        self,
+        rollout_ids: Sequence[str],
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+        chunk_size: int = 64,
+        progress: bool = False,
+        return_errors: bool = False,
+    ) -> Iterator[Result]:
+        """``(rollout_id, Routing)`` for each id, streamed in request order.
+
+        One batch request per ``chunk_size`` ids; memory holds one item at a
+        time.  A failed stream is resumed after the last delivered item.  A
+        rollout that cannot be served raises its error, or with
+        ``return_errors=True`` is yielded as ``(rollout_id, R3Error)``.
+        """
+        self._core.check_range(start, end)
+        bar = tqdm(total=len(rollout_ids), disable=not progress, unit="rollout", leave=False)
+        try:
+            for chunk in self._core.chunks(rollout_ids, chunk_size):
+                done, attempt = 0, 0
+                while done < len(chunk):
+                    try:
+                        for item in self._t.batch_get(chunk[done:], start, end, layers):
+                            rid, res = self._core.result(item)
+                            done += 1
+                            bar.update()
+                            if isinstance(res, R3Error) and not return_errors:
+                                raise res
+                            yield rid, res
+                    except RETRYABLE:
+                        attempt += 1
+                        if attempt >= self._core.retry.attempts:
+                            raise
+                        time.sleep(self._core.retry.delay(attempt - 1))
+        finally:
+            bar.close()
+
+
+class AsyncRoutingClient:
+    """Asyncio client of the routing cache: the same API as :class:`RoutingClient`."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8080",
+        *,
+        api_key: str | None = None,
+        timeout: Timeout = Timeout(),
+        retry: Retry = Retry(),
+        transport: AsyncTransport | None = None,
+    ) -> None:
+        self._t = transport or _async_transport(url, api_key, timeout)
+        self._core = _Core(retry)
+
+    async def __aenter__(self) -> AsyncRoutingClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the transport's connections."""
+        await self._t.aclose()
+
+    async def _retrying(self, fn: Callable[[], Awaitable[T]]) -> T:
+        for attempt in range(self._core.retry.attempts):
+            try:
+                return await fn()
+            except RETRYABLE:
+                if attempt + 1 == self._core.retry.attempts:
+                    raise
+                await asyncio.sleep(self._core.retry.delay(attempt))
+        raise AssertionError("unreachable")
+
+    async def put(
+        self,
+        rollout_id: str,
+        routing: Routing | npt.ArrayLike | bytes,
+        *,
+        num_experts: int | None = None,
+        layer_ids: Sequence[int] | None = None,
+        start: int | None = None,
+        segment: Segment | None = None,
+        codec: CodecName = "auto",
+    ) -> PutResult:
+        """See :meth:`RoutingClient.put`."""
+        frame = self._core.frame(
+            routing,
+            num_experts=num_experts,
+            layer_ids=layer_ids,
+            start=start,
+            segment=segment,
+            codec=codec,
+        )
+        return PutResult.from_dict(await self._retrying(lambda: self._t.put(rollout_id, frame)))
+
+    async def get_frame(
+        self,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> bytes:
+        """See :meth:`RoutingClient.get_frame`."""
+        self._core.check_range(start, end)
+        return await self._retrying(lambda: self._t.get(rollout_id, start, end, layers))
+
+    async def get(
+        self,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> Routing:
+        """See :meth:`RoutingClient.get`."""
+        frame = await self.get_frame(rollout_id, start=start, end=end, layers=layers)
+        return self._core.decode(frame)
+
+    async def stat(self, rollout_id: str) -> RolloutInfo:
+        """See :meth:`RoutingClient.stat`."""
+        return RolloutInfo.from_dict(await self._retrying(lambda: self._t.stat(rollout_id)))
+
+    async def delete(self, rollout_id: str) -> bool:
+        """See :meth:`RoutingClient.delete`."""
+        return await self._retrying(lambda: self._t.delete(rollout_id))
+
+    async def touch(self, rollout_id: str, ttl_s: int | None = None) -> None:
+        """See :meth:`RoutingClient.touch`."""
+        await self._retrying(lambda: self._t.touch(rollout_id, ttl_s))
+
+    async def _chunk(
+        self, chunk: list[str], start: int, end: int | None, layers: Sequence[int] | None
+    ) -> AsyncIterator[Result]:
+        done, attempt = 0, 0
+        while done < len(chunk):
+            try:
+                async for item in self._t.batch_get(chunk[done:], start, end, layers):
+                    done += 1
+                    yield self._core.result(item)
+            except RETRYABLE:
+                attempt += 1
+                if attempt >= self._core.retry.attempts:
+                    raise
+                await asyncio.sleep(self._core.retry.delay(attempt - 1))
+
+    async def get_many(
+        self,
+        rollout_ids: Sequence[str],
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+        chunk_size: int = 64,
+        concurrency: int = 4,
+        progress: bool = False,
+        return_errors: bool = False,
+    ) -> AsyncIterator[Result]:
+        """``(rollout_id, Routing)`` as they arrive, ``concurrency`` batch streams at once.
+
+        Order follows arrival (ids of one chunk stay in order).  At most
+        ``concurrency`` streams run and at most ``2 * chunk_size`` decoded
+        results wait for the consumer, so memory is bounded whatever the number
+        of ids.  Errors as in :meth:`RoutingClient.get_many`.
+        """
+        self._core.check_range(start, end)
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        chunks = self._core.chunks(rollout_ids, chunk_size)
+        queue: asyncio.Queue[Result | BaseException | None] = asyncio.Queue(2 * chunk_size)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def run(chunk: list[str]) -> None:
+            async with gate:
+                try:
+                    async for res in self._chunk(chunk, start, end, layers):
+                        await queue.put(res)
+                except BaseException as exc:  # handed to the consumer, which re-raises
+                    await queue.put(exc)
+
+        async def produce() -> None:
+            await asyncio.gather(*(run(c) for c in chunks))
+            await queue.put(None)
+
+        producer = asyncio.ensure_future(produce())
+        bar = tqdm(total=len(rollout_ids), disable=not progress, unit="rollout", leave=False)
+        try:
+            while (got := await queue.get()) is not None:
+                if isinstance(got, BaseException):
+                    raise got
+                bar.update()
+                if isinstance(got[1], R3Error) and not return_errors:
+                    raise got[1]
+                yield got
+        finally:
+            producer.cancel()
+            bar.close()

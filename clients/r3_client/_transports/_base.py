@@ -1,0 +1,95 @@
+"""The transport interface: one method per service operation, bytes and dicts only.
+
+A transport sends one request and translates every failure into the
+``r3_client`` exception tree; retries, validation and decoding live in the
+client core.  Implement these to plug in another transport (or a test double).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, Protocol
+
+from r3_client._stream import StreamItem
+
+__all__ = ["AsyncTransport", "Transport"]
+
+
+class Transport(Protocol):
+    """Blocking transport."""
+
+    def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+        """Store one segment frame; the service's receipt as a dict."""
+        ...
+
+    def get(
+        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+    ) -> bytes:
+        """One frame of the rollout (or the asked slice)."""
+        ...
+
+    def stat(self, rollout_id: str) -> dict[str, Any]:
+        """The rollout's description as a dict."""
+        ...
+
+    def delete(self, rollout_id: str) -> bool:
+        """Delete; True if it existed."""
+        ...
+
+    def touch(self, rollout_id: str, ttl_s: int | None) -> None:
+        """Reset the TTL."""
+        ...
+
+    def batch_get(
+        self,
+        rollout_ids: Sequence[str],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> Iterator[StreamItem]:
+        """Items in request order, as they arrive."""
+        ...
+
+    def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+class AsyncTransport(Protocol):
+    """Asyncio transport: the same operations."""
+
+    async def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+        """See :meth:`Transport.put`."""
+        ...
+
+    async def get(
+        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+    ) -> bytes:
+        """See :meth:`Transport.get`."""
+        ...
+
+    async def stat(self, rollout_id: str) -> dict[str, Any]:
+        """See :meth:`Transport.stat`."""
+        ...
+
+    async def delete(self, rollout_id: str) -> bool:
+        """See :meth:`Transport.delete`."""
+        ...
+
+    async def touch(self, rollout_id: str, ttl_s: int | None) -> None:
+        """See :meth:`Transport.touch`."""
+        ...
+
+    def batch_get(
+        self,
+        rollout_ids: Sequence[str],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> AsyncIterator[StreamItem]:
+        """See :meth:`Transport.batch_get`."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        ...

@@ -1,0 +1,247 @@
+"""gRPC transports (sync and grpc.aio) over the stubs in ``r3_client._proto``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from r3_client._config import Timeout
+from r3_client._exceptions import (
+    ConnectError,
+    ProtocolError,
+    R3Error,
+    RequestTimeoutError,
+    TransportError,
+    error_for_code,
+)
+from r3_client._proto import r3_cache_pb2 as pb
+from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
+from r3_client._stream import StreamItem
+
+__all__ = ["AsyncGrpcTransport", "GrpcTransport"]
+
+_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+
+def _translate_rpc(exc: grpc.RpcError) -> R3Error:
+    """The exception for a failed call: the service's r3 error code, else the gRPC status."""
+    call: Any = exc
+    md = dict(call.trailing_metadata() or ())
+    code, details = call.code(), call.details() or ""
+    if "r3-error-code" in md:
+        return error_for_code(str(md["r3-error-code"]), details)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ConnectError(f"cannot reach the routing service: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestTimeoutError(f"timed out talking to the routing service: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # gRPC's own message-size limit
+        return error_for_code("limit_exceeded", details)
+    return TransportError(f"gRPC call failed with {code.name}: {details}")
+
+
+def _dict(msg: Any) -> dict[str, Any]:
+    # Same shape as the HTTP JSON: snake_case names, default values included, and
+    # unset optional fields (memory_bytes, ttl_s) absent, which reads as None.
+    out: dict[str, Any] = MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    for key in ("nbytes", "num_rows", "stored_bytes", "shared_bytes", "memory_bytes"):
+        if key in out:  # int64 fields arrive as JSON strings
+            out[key] = int(out[key])
+    for seg in [out.get("segment"), *[s.get("segment") for s in out.get("segments", [])]]:
+        if seg:
+            seg["start"], seg["end"] = int(seg["start"]), int(seg["end"])
+    for s in out.get("segments", []):
+        s.update(s.pop("segment"))
+        s["nbytes"] = int(s["nbytes"])
+    return out
+
+
+def _get_request(
+    rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+) -> pb.GetRolloutRequest:
+    req = pb.GetRolloutRequest(
+        rollout_id=rollout_id, start=start, layers=[int(x) for x in layers or ()]
+    )
+    if end is not None:
+        req.end = end
+    return req
+
+
+def _batch_request(
+    ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+) -> pb.BatchGetRequest:
+    req = pb.BatchGetRequest(
+        rollout_ids=list(ids), start=start, layers=[int(x) for x in layers or ()]
+    )
+    if end is not None:
+        req.end = end
+    return req
+
+
+def _item(msg: pb.BatchItem) -> StreamItem:
+    which = msg.WhichOneof("result")
+    if which == "frame":
+        return StreamItem(msg.rollout_id, frame=msg.frame)
+    if which == "error":
+        e = msg.error
+        return StreamItem(msg.rollout_id, None, e.code, e.message, e.http_status)
+    raise ProtocolError(f"batch item for {msg.rollout_id!r} has neither frame nor error")
+
+
+def _target(url: str) -> str:
+    return url.removeprefix("grpc://")
+
+
+class GrpcTransport:
+    """Blocking gRPC transport (one channel)."""
+
+    def __init__(
+        self, url: str, *, api_key: str | None = None, timeout: Timeout = Timeout()
+    ) -> None:
+        self._channel = grpc.insecure_channel(_target(url), options=_OPTIONS)
+        self._stub = pb_grpc.RoutingCacheStub(self._channel)  # type: ignore[no-untyped-call]
+        self._md = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._timeout = timeout.read
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, metadata=self._md, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise _translate_rpc(exc) from None
+
+    def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        return _dict(
+            self._call(
+                self._stub.PutSegment, pb.PutSegmentRequest(rollout_id=rollout_id, frame=frame)
+            )
+        )
+
+    def get(
+        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+    ) -> bytes:
+        """See :class:`Transport`."""
+        msg = self._call(self._stub.GetRollout, _get_request(rollout_id, start, end, layers))
+        frame: bytes = msg.frame
+        return frame
+
+    def stat(self, rollout_id: str) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        return _dict(self._call(self._stub.StatRollout, pb.RolloutRef(rollout_id=rollout_id)))
+
+    def delete(self, rollout_id: str) -> bool:
+        """See :class:`Transport`."""
+        msg = self._call(self._stub.DeleteRollout, pb.RolloutRef(rollout_id=rollout_id))
+        return bool(msg.existed)
+
+    def touch(self, rollout_id: str, ttl_s: int | None) -> None:
+        """See :class:`Transport`."""
+        req = pb.TouchRequest(rollout_id=rollout_id)
+        if ttl_s is not None:
+            req.ttl_s = ttl_s
+        self._call(self._stub.TouchRollout, req)
+
+    def batch_get(
+        self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+    ) -> Iterator[StreamItem]:
+        """See :class:`Transport`."""
+        stream = self._stub.BatchGet(
+            _batch_request(rollout_ids, start, end, layers),
+            metadata=self._md,
+            timeout=self._timeout,
+        )
+        try:
+            for msg in stream:
+                yield _item(msg)
+        except grpc.RpcError as exc:
+            raise _translate_rpc(exc) from None
+        finally:
+            stream.cancel()
+
+    def close(self) -> None:
+        """See :class:`Transport`."""
+        self._channel.close()
+
+
+class AsyncGrpcTransport:
+    """grpc.aio transport (one channel, created lazily inside the running loop)."""
+
+    def __init__(
+        self, url: str, *, api_key: str | None = None, timeout: Timeout = Timeout()
+    ) -> None:
+        self._target = _target(url)
+        self._md = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._timeout = timeout.read
+        self._channel: grpc.aio.Channel | None = None
+        self._stub_: Any = None
+
+    @property
+    def _stub(self) -> Any:
+        if self._stub_ is None:
+            self._channel = grpc.aio.insecure_channel(self._target, options=_OPTIONS)
+            self._stub_ = pb_grpc.RoutingCacheStub(self._channel)  # type: ignore[no-untyped-call]
+        return self._stub_
+
+    async def _call(self, name: str, request: Any) -> Any:
+        try:
+            return await getattr(self._stub, name)(
+                request, metadata=self._md, timeout=self._timeout
+            )
+        except grpc.RpcError as exc:
+            raise _translate_rpc(exc) from None
+
+    async def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        return _dict(
+            await self._call("PutSegment", pb.PutSegmentRequest(rollout_id=rollout_id, frame=frame))
+        )
+
+    async def get(
+        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+    ) -> bytes:
+        """See :class:`Transport`."""
+        msg = await self._call("GetRollout", _get_request(rollout_id, start, end, layers))
+        frame: bytes = msg.frame
+        return frame
+
+    async def stat(self, rollout_id: str) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        return _dict(await self._call("StatRollout", pb.RolloutRef(rollout_id=rollout_id)))
+
+    async def delete(self, rollout_id: str) -> bool:
+        """See :class:`Transport`."""
+        msg = await self._call("DeleteRollout", pb.RolloutRef(rollout_id=rollout_id))
+        return bool(msg.existed)
+
+    async def touch(self, rollout_id: str, ttl_s: int | None) -> None:
+        """See :class:`Transport`."""
+        req = pb.TouchRequest(rollout_id=rollout_id)
+        if ttl_s is not None:
+            req.ttl_s = ttl_s
+        await self._call("TouchRollout", req)
+
+    async def batch_get(
+        self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+    ) -> AsyncIterator[StreamItem]:
+        """See :class:`Transport`."""
+        call = self._stub.BatchGet(
+            _batch_request(rollout_ids, start, end, layers),
+            metadata=self._md,
+            timeout=self._timeout,
+        )
+        try:
+            async for msg in call:
+                yield _item(msg)
+        except grpc.RpcError as exc:
+            raise _translate_rpc(exc) from None
+        finally:
+            call.cancel()
+
+    async def aclose(self) -> None:
+        """See :class:`AsyncTransport`."""
+        if self._channel is not None:
+            await self._channel.close()

@@ -1,0 +1,252 @@
+"""HTTP transports over httpx (sync and async), with httpx errors translated in one place."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import httpx
+
+from r3_client._config import Timeout
+from r3_client._exceptions import (
+    ConnectError,
+    ProtocolError,
+    R3Error,
+    RequestTimeoutError,
+    TransportError,
+    error_for_code,
+)
+from r3_client._stream import StreamDecoder, StreamItem
+
+__all__ = ["AsyncHTTPTransport", "HTTPTransport"]
+
+FRAME = "application/x-r3-frame"
+
+
+def _params(start: int, end: int | None, layers: Sequence[int] | None) -> dict[str, Any]:
+    p: dict[str, Any] = {}
+    if start:
+        p["start"] = start
+    if end is not None:
+        p["end"] = end
+    if layers is not None:
+        p["layers"] = ",".join(str(int(x)) for x in layers)
+    return p
+
+
+def _batch_body(
+    ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+) -> dict[str, Any]:
+    return {
+        "rollout_ids": list(ids),
+        "start": start,
+        "end": end,
+        "layers": None if layers is None else [int(x) for x in layers],
+    }
+
+
+def _error(resp: httpx.Response) -> R3Error:
+    """The exception for a non-2xx answer (its JSON error code, else the status)."""
+    try:
+        err = resp.json()["error"]
+        return error_for_code(str(err["code"]), str(err["message"]), status=resp.status_code)
+    except (ValueError, KeyError, TypeError):
+        return ProtocolError(f"HTTP {resp.status_code} without an r3 error body")
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code >= 400:
+        resp.read()
+        raise _error(resp)
+
+
+def _translate_exc(exc: httpx.HTTPError) -> TransportError:
+    if isinstance(exc, httpx.TimeoutException):
+        return RequestTimeoutError(f"timed out talking to the routing service: {exc!r}")
+    if isinstance(exc, httpx.ConnectError | httpx.NetworkError):
+        return ConnectError(f"cannot reach the routing service: {exc}")
+    return TransportError(f"HTTP transport failed: {exc!r}")
+
+
+@contextmanager
+def _translate() -> Iterator[None]:
+    try:
+        yield
+    except httpx.HTTPError as exc:
+        raise _translate_exc(exc) from exc
+
+
+@asynccontextmanager
+async def _atranslate() -> AsyncIterator[None]:
+    try:
+        yield
+    except httpx.HTTPError as exc:
+        raise _translate_exc(exc) from exc
+
+
+def _client_kwargs(url: str, api_key: str | None, timeout: Timeout) -> dict[str, Any]:
+    return {
+        "base_url": url,
+        "headers": {"Authorization": f"Bearer {api_key}"} if api_key else {},
+        "timeout": httpx.Timeout(timeout.read, connect=timeout.connect),
+    }
+
+
+class HTTPTransport:
+    """Blocking HTTP transport (one httpx.Client, connection pooling)."""
+
+    def __init__(
+        self, url: str, *, api_key: str | None = None, timeout: Timeout = Timeout()
+    ) -> None:
+        self._http = httpx.Client(**_client_kwargs(url, api_key, timeout))
+
+    def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        with _translate():
+            resp = self._http.put(
+                f"/v1/rollouts/{rollout_id}/segments",
+                content=frame,
+                headers={"Content-Type": FRAME},
+            )
+        _raise_for(resp)
+        out: dict[str, Any] = resp.json()
+        return out
+
+    def get(
+        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+    ) -> bytes:
+        """See :class:`Transport`."""
+        with _translate():
+            resp = self._http.get(f"/v1/rollouts/{rollout_id}", params=_params(start, end, layers))
+        _raise_for(resp)
+        return resp.content
+
+    def stat(self, rollout_id: str) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        with _translate():
+            resp = self._http.get(f"/v1/rollouts/{rollout_id}/stat")
+        _raise_for(resp)
+        out: dict[str, Any] = resp.json()
+        return out
+
+    def delete(self, rollout_id: str) -> bool:
+        """See :class:`Transport` (404 is "did not exist", not an error)."""
+        with _translate():
+            resp = self._http.delete(f"/v1/rollouts/{rollout_id}")
+        if resp.status_code == 404:
+            return False
+        _raise_for(resp)
+        return True
+
+    def touch(self, rollout_id: str, ttl_s: int | None) -> None:
+        """See :class:`Transport`."""
+        with _translate():
+            resp = self._http.post(f"/v1/rollouts/{rollout_id}/touch", json={"ttl_s": ttl_s})
+        _raise_for(resp)
+
+    def batch_get(
+        self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+    ) -> Iterator[StreamItem]:
+        """See :class:`Transport`."""
+        dec = StreamDecoder()
+        with (
+            _translate(),
+            self._http.stream(
+                "POST", "/v1/batch/get", json=_batch_body(rollout_ids, start, end, layers)
+            ) as resp,
+        ):
+            _raise_for(resp)
+            for chunk in resp.iter_raw(1 << 20):
+                yield from dec.feed(chunk)
+        dec.close()
+
+    def close(self) -> None:
+        """See :class:`Transport`."""
+        self._http.close()
+
+
+class AsyncHTTPTransport:
+    """Asyncio HTTP transport (one httpx.AsyncClient)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout: Timeout = Timeout(),
+        max_connections: int = 32,
+    ) -> None:
+        self._http = httpx.AsyncClient(
+            **_client_kwargs(url, api_key, timeout),
+            limits=httpx.Limits(max_connections=max_connections),
+        )
+
+    async def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        async with _atranslate():
+            resp = await self._http.put(
+                f"/v1/rollouts/{rollout_id}/segments",
+                content=frame,
+                headers={"Content-Type": FRAME},
+            )
+        _raise_for(resp)
+        out: dict[str, Any] = resp.json()
+        return out
+
+    async def get(
+        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+    ) -> bytes:
+        """See :class:`Transport`."""
+        async with _atranslate():
+            resp = await self._http.get(
+                f"/v1/rollouts/{rollout_id}", params=_params(start, end, layers)
+            )
+        _raise_for(resp)
+        return resp.content
+
+    async def stat(self, rollout_id: str) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        async with _atranslate():
+            resp = await self._http.get(f"/v1/rollouts/{rollout_id}/stat")
+        _raise_for(resp)
+        out: dict[str, Any] = resp.json()
+        return out
+
+    async def delete(self, rollout_id: str) -> bool:
+        """See :class:`Transport`."""
+        async with _atranslate():
+            resp = await self._http.delete(f"/v1/rollouts/{rollout_id}")
+        if resp.status_code == 404:
+            return False
+        _raise_for(resp)
+        return True
+
+    async def touch(self, rollout_id: str, ttl_s: int | None) -> None:
+        """See :class:`Transport`."""
+        async with _atranslate():
+            resp = await self._http.post(f"/v1/rollouts/{rollout_id}/touch", json={"ttl_s": ttl_s})
+        _raise_for(resp)
+
+    async def batch_get(
+        self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+    ) -> AsyncIterator[StreamItem]:
+        """See :class:`Transport`."""
+        dec = StreamDecoder()
+        async with (
+            _atranslate(),
+            self._http.stream(
+                "POST", "/v1/batch/get", json=_batch_body(rollout_ids, start, end, layers)
+            ) as resp,
+        ):
+            if resp.status_code >= 400:
+                await resp.aread()
+                raise _error(resp)
+            async for chunk in resp.aiter_raw(1 << 20):
+                for item in dec.feed(chunk):
+                    yield item
+        dec.close()
+
+    async def aclose(self) -> None:
+        """See :class:`AsyncTransport`."""
+        await self._http.aclose()
