@@ -1,17 +1,126 @@
-"""The ``r3`` command.  Subcommands: ``serve`` (needs the ``service`` extra)."""
+"""The ``r3`` command.
+
+    r3 get <rollout_id> -o out.npy [--start N] [--end N] [--layers 1,3,5]
+    r3 stat <rollout_id>
+    r3 get-many ids.txt -o dir/          # one .npy per rollout, with a progress bar
+    r3 serve ...                         # the cache service (needs the service extra)
+
+``--url`` (env ``R3_URL``, default ``http://127.0.0.1:8080``; ``grpc://host:port``
+for gRPC) and ``--api-key`` (env ``R3_API_KEY``) select the service.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from r3_client._client import RoutingClient
+from r3_client._exceptions import R3Error
 
 __all__ = ["main"]
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--layers wants comma-separated ints, got {text!r}"
+        ) from None
+
+
+def _client(args: argparse.Namespace) -> RoutingClient:
+    return RoutingClient(args.url, api_key=args.api_key)
+
+
+def _get(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        routing = c.get(args.rollout_id, start=args.start, end=args.end, layers=args.layers)
+    np.save(args.output, routing.indices, allow_pickle=False)
+    print(
+        f"{args.rollout_id}: rows [{routing.start}, {routing.end}) x layers "
+        f"{list(routing.layer_ids)} x top-{routing.topk} -> {args.output}"
+    )
+    return 0
+
+
+def _stat(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        info = c.stat(args.rollout_id)
+    print(json.dumps(asdict(info), indent=2, default=str))
+    return 0
+
+
+def _get_many(args: argparse.Namespace) -> int:
+    ids = [ln.strip() for ln in Path(args.ids).read_text().splitlines() if ln.strip()]
+    args.output.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    with _client(args) as c:
+        for rid, res in c.get_many(
+            ids,
+            start=args.start,
+            end=args.end,
+            layers=args.layers,
+            progress=True,
+            return_errors=True,
+        ):
+            if isinstance(res, R3Error):
+                failed += 1
+                print(f"{rid}: {res.code}: {res}", file=sys.stderr)
+            else:
+                np.save(args.output / f"{rid}.npy", res.indices, allow_pickle=False)
+    print(f"{len(ids) - failed} of {len(ids)} rollouts written to {args.output}")
+    return 1 if failed else 0
+
+
+def _add_client_commands(sub: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url",
+        default=os.environ.get("R3_URL", "http://127.0.0.1:8080"),
+        help="http://host:port or grpc://host:port (env R3_URL)",
+    )
+    common.add_argument(
+        "--api-key", default=os.environ.get("R3_API_KEY"), help="bearer API key (env R3_API_KEY)"
+    )
+    rows = argparse.ArgumentParser(add_help=False)
+    rows.add_argument("--start", type=int, default=0, help="first token row")
+    rows.add_argument("--end", type=int, default=None, help="one past the last token row")
+    rows.add_argument(
+        "--layers", type=_layers, default=None, help="absolute MoE layer ids, e.g. 1,3,5"
+    )
+
+    p = sub.add_parser("get", parents=[common, rows], help="fetch one rollout into a .npy")
+    p.add_argument("rollout_id")
+    p.add_argument("-o", "--output", type=Path, required=True, help="output .npy path")
+    p.set_defaults(func=_get)
+
+    p = sub.add_parser("stat", parents=[common], help="describe a stored rollout (JSON)")
+    p.add_argument("rollout_id")
+    p.set_defaults(func=_stat)
+
+    p = sub.add_parser(
+        "get-many",
+        parents=[common, rows],
+        help="fetch the rollouts listed in a file (one id per line)",
+    )
+    p.add_argument("ids", help="text file, one rollout id per line")
+    p.add_argument("-o", "--output", type=Path, required=True, help="output directory")
+    p.set_defaults(func=_get_many)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``r3``."""
     parser = argparse.ArgumentParser(prog="r3", description="sglang-r3 routing tools")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_client_commands(sub)
     try:
         from cache_service.cli import add_serve_parser
     except ImportError:  # client-only install
@@ -19,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         add_serve_parser(sub)
     args = parser.parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except R3Error as exc:
+        print(f"r3 {args.command}: error: {exc.code}: {exc}", file=sys.stderr)
+        return 1
     return code
 
 
