@@ -1,0 +1,468 @@
+"""Collate per-rollout routing into each trainer's batch layout.
+
+Every function here takes one or more rollouts' routing, each ``[T-1, L, K]``
+(a :class:`~r3_client.Routing` starting at token 0, or a plain integer array),
+and places routing row ``t`` at the position where the trainer puts token
+``t``.  Three rules hold for every layout:
+
+* **last token** -- a rollout of ``T`` tokens has rows for tokens ``0 .. T-2``
+  only (token ``T-1`` never went through a forward pass), so the last token's
+  position holds ``-1``;
+* **padding** -- every padding position holds ``-1``, never ``0`` (``0`` is a
+  real expert, and repeated zeros crash Megatron's all-to-all);
+* **rows are sets** -- rows are copied as they are; order within a row is
+  never relied upon.
+
+``-1`` tells the replay adapters "no recorded route: use the router's own
+choice here".  Numpy layouts are ``int16`` (``int32`` when an expert id does
+not fit in int16); the Megatron layout is ``int64``, which
+``RouterReplay.set_replay_data`` wants.  See ``docs/layouts.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from r3_client._exceptions import ShapeError
+from r3_client._format import Routing, check_layer_ids
+
+__all__ = [
+    "MegatronReplayBatch",
+    "RoutingLike",
+    "hf_layout",
+    "megatron_layout",
+    "slime_layout",
+    "verl_layout",
+]
+
+#: One rollout's routing: a :class:`Routing` (``start == 0``) or an integer array ``[T-1, L, K]``.
+RoutingLike: TypeAlias = "Routing | npt.NDArray[np.integer[Any]]"
+
+_I16 = np.iinfo(np.int16)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Validated rows of a batch of rollouts (all share ``L`` and ``K``)."""
+
+    arrays: list[npt.NDArray[np.integer[Any]]]
+    layer_ids: tuple[int, ...] | None  # from Routing inputs, when any were given
+    num_layers: int
+    topk: int
+    max_id: int
+
+    @property
+    def out_dtype(self) -> np.dtype[Any]:
+        """int16 while every id fits, else int32."""
+        return np.dtype(np.int16) if self.max_id <= _I16.max else np.dtype(np.int32)
+
+    def lengths(self) -> npt.NDArray[np.int64]:
+        return np.array([a.shape[0] for a in self.arrays], dtype=np.int64)
+
+
+def _as_numpy(x: Any) -> npt.NDArray[Any]:
+    """A numpy view of a numpy array, array-like, or (CPU or GPU) torch tensor."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        return np.asarray(x.detach().cpu().numpy())
+    return np.asarray(x)
+
+
+def _one(routing: RoutingLike, name: str) -> tuple[npt.NDArray[Any], tuple[int, ...] | None]:
+    """Validate one rollout's routing; return its ``[T-1, L, K]`` array and layer ids."""
+    layer_ids: tuple[int, ...] | None = None
+    if isinstance(routing, Routing):
+        if routing.start != 0:
+            raise ShapeError(
+                f"{name} starts at token {routing.start}; layouts need the whole rollout's rows "
+                "from token 0 (fetch it without start=, or select(start=0))"
+            )
+        arr = routing.indices
+        layer_ids = routing.layer_ids
+    else:
+        arr = _as_numpy(routing)
+    if arr.ndim != 3:
+        raise ShapeError(f"{name} must be [tokens-1, layers, topk], got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ShapeError(f"{name} must hold integer expert ids, got dtype {arr.dtype}")
+    if arr.shape[1] < 1 or arr.shape[2] < 1:
+        raise ShapeError(f"{name} has an empty layer or top-k axis: shape {arr.shape}")
+    return arr, layer_ids
+
+
+def _collect(routings: Sequence[RoutingLike] | RoutingLike, what: str) -> _Rows:
+    """Validate a batch: each rollout well-formed, all with the same L, K (and layer ids)."""
+    if isinstance(routings, Routing) or (isinstance(routings, np.ndarray) and routings.ndim == 3):
+        raise ShapeError(f"{what} takes a list of rollouts (one per sample), not one routing")
+    items = list(routings)
+    if not items:
+        raise ShapeError(f"{what} needs at least one sample")
+    arrays: list[npt.NDArray[Any]] = []
+    layer_ids: tuple[int, ...] | None = None
+    lo, hi = 0, -1
+    for i, item in enumerate(items):
+        arr, ids = _one(item, f"sample {i}'s routing")
+        if arrays and arr.shape[1:] != arrays[0].shape[1:]:
+            raise ShapeError(
+                f"sample {i}'s routing has [layers, topk] = {list(arr.shape[1:])}, "
+                f"but sample 0 has {list(arrays[0].shape[1:])}"
+            )
+        if ids is not None:
+            if layer_ids is not None and ids != layer_ids:
+                raise ShapeError(
+                    f"sample {i}'s routing covers MoE layers {list(ids)}, "
+                    f"an earlier sample covers {list(layer_ids)}"
+                )
+            layer_ids = ids
+        if arr.size:
+            lo, hi = min(lo, int(arr.min())), max(hi, int(arr.max()))
+        arrays.append(arr)
+    if lo < -1:
+        raise ShapeError(f"routing holds expert id {lo}; ids are >= 0, and -1 marks 'no route'")
+    if hi > np.iinfo(np.int32).max:
+        raise ShapeError(f"routing holds expert id {hi}, which does not fit in int32")
+    return _Rows(arrays, layer_ids, arrays[0].shape[1], arrays[0].shape[2], hi)
+
+
+def _lengths(values: Sequence[int] | npt.ArrayLike, name: str, n: int) -> npt.NDArray[np.int64]:
+    """A 1-D vector of ``n`` non-negative integer lengths."""
+    arr = _as_numpy(values)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ShapeError(f"{name} must list one length per sample ({n}), got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ShapeError(f"{name} must be integers, got dtype {arr.dtype}")
+    out = arr.astype(np.int64)
+    if (out < 0).any():
+        raise ShapeError(f"{name} must be non-negative, got {out.tolist()}")
+    return out
+
+
+def _check_rows(rows: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], how: str) -> None:
+    """Every sample must have exactly ``tokens - 1`` routing rows."""
+    bad = np.flatnonzero(rows != tokens - 1)
+    if bad.size:
+        i = int(bad[0])
+        if tokens[i] < 1:
+            raise ShapeError(f"sample {i} has no tokens ({how}); every sample needs >= 1 token")
+        raise ShapeError(
+            f"sample {i}: routing has {rows[i]} rows but the sample has {tokens[i]} tokens "
+            f"({how}); expected {tokens[i] - 1} rows (one per token except the last)"
+        )
+
+
+def verl_layout(
+    routings: Sequence[RoutingLike],
+    prompt_lens: Sequence[int] | npt.ArrayLike,
+    response_lens: Sequence[int] | npt.ArrayLike,
+    *,
+    prompt_len: int | None = None,
+    response_len: int | None = None,
+) -> npt.NDArray[np.integer[Any]]:
+    """verl's ``batch["routed_experts"]``: ``[bs, prompt_len + response_len, L, K]``.
+
+    Use it when building a verl ``DataProto`` whose ``prompts`` are left-padded
+    to ``prompt_len`` and ``responses`` right-padded to ``response_len``.
+    Sample ``i`` has ``P_i = prompt_lens[i]`` prompt and ``R_i = response_lens[i]``
+    response tokens and ``P_i + R_i - 1`` routing rows.  Token ``t < P_i`` sits
+    at column ``prompt_len - P_i + t``, token ``t >= P_i`` at
+    ``prompt_len + t - P_i``.  ``prompt_len`` / ``response_len`` default to
+    the batch maxima.  Raises :class:`ShapeError` when a sample's row count
+    is not ``P_i + R_i - 1`` or it does not fit the given lengths::
+
+        P_i=3, R_i=2, prompt_len=5, response_len=4   (r_t = routing row t)
+
+        column:  0   1   2   3   4 | 5   6   7   8
+                 pad pad r0  r1  r2| r3  -1  pad pad
+                 <-- prompt, left- | response, right-padded -->
+        every pad and the last token (-1 after r3) hold -1 in all L x K slots
+    """
+    batch = _collect(routings, "verl_layout")
+    n = len(batch.arrays)
+    p = _lengths(prompt_lens, "prompt_lens", n)
+    r = _lengths(response_lens, "response_lens", n)
+    _check_rows(batch.lengths(), p + r, "prompt + response")
+    plen = int(p.max()) if prompt_len is None else int(prompt_len)
+    rlen = int(r.max()) if response_len is None else int(response_len)
+    for name, have, cap in (("prompt", p, plen), ("response", r, rlen)):
+        over = np.flatnonzero(have > cap)
+        if over.size:
+            i = int(over[0])
+            raise ShapeError(f"sample {i} has {have[i]} {name} tokens, more than {name}_len={cap}")
+    out = np.full((n, plen + rlen, batch.num_layers, batch.topk), -1, dtype=batch.out_dtype)
+    for i, arr in enumerate(batch.arrays):
+        pi, rows = int(p[i]), arr.shape[0]
+        in_prompt = min(pi, rows)
+        out[i, plen - pi : plen - pi + in_prompt] = arr[:in_prompt]
+        out[i, plen : plen + rows - in_prompt] = arr[in_prompt:]
+    return out
+
+
+def slime_layout(
+    routing: RoutingLike, num_tokens: int, *, pad_last: bool = False
+) -> npt.NDArray[np.integer[Any]]:
+    """slime / miles ``Sample.rollout_routed_experts`` for one sample of ``num_tokens`` tokens.
+
+    Use it when filling a slime ``Sample``: without ``pad_last`` the result is
+    the routing itself, checked to have ``num_tokens - 1`` rows; with
+    ``pad_last=True`` one ``-1`` row is appended for the last token (the row
+    the trainer adds; miles' convention), so it aligns with ``tokens``::
+
+        num_tokens = 4
+        pad_last=False:  [r0, r1, r2]         shape [3, L, K] = [num_tokens-1, L, K]
+        pad_last=True:   [r0, r1, r2, -1]     shape [4, L, K] = [num_tokens,   L, K]
+        token index:      0   1   2   3
+    """
+    batch = _collect([routing], "slime_layout")
+    arr = batch.arrays[0]
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer):
+        raise ShapeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+    if num_tokens < 1 or arr.shape[0] != num_tokens - 1:
+        raise ShapeError(
+            f"routing has {arr.shape[0]} rows but the sample has {num_tokens} tokens; "
+            f"expected {max(num_tokens - 1, 0)} rows (one per token except the last)"
+        )
+    rows = arr.shape[0]
+    out = np.full((rows + int(pad_last), *arr.shape[1:]), -1, dtype=batch.out_dtype)
+    out[:rows] = arr
+    return out
+
+
+def hf_layout(
+    routings: Sequence[RoutingLike],
+    attention_mask: Any,
+    *,
+    as_torch: bool = False,
+    dtype: Any = None,
+) -> Any:
+    """Routing aligned with HF ``input_ids`` / ``attention_mask`` ``[B, T]``: ``[B, T, L, K]``.
+
+    Use it with the HF transformers replay adapter.  ``attention_mask`` is a
+    numpy array or torch tensor (nonzero = attended); padding may sit on
+    either side or anywhere.  The k-th attended position of row ``b`` holds
+    routing row ``k`` of sample ``b``; the last attended position and every
+    masked position hold ``-1``.  Raises :class:`ShapeError` when sample ``b``
+    attends to a number of positions other than its routing rows + 1::
+
+        attention_mask[b] = 0 0 1 1 1 1      (left padding; 4 tokens, rows r0..r2)
+        out[b]            = - - r0 r1 r2 -   ("-" = -1 in all L x K slots)
+
+        attention_mask[b] = 1 1 1 0 0 0      (right padding; 3 tokens, rows r0, r1)
+        out[b]            = r0 r1 - - - -
+
+    Returns ``int16`` numpy (``int32`` for ids beyond int16), or with
+    ``as_torch=True`` a CPU ``torch.Tensor``.  ``dtype`` overrides the result
+    dtype (a numpy dtype, or a torch dtype with ``as_torch``, e.g.
+    ``torch.int64``).
+    """
+    mask = _as_numpy(attention_mask)
+    if mask.ndim != 2:
+        raise ShapeError(f"attention_mask must be [batch, seq_len], got shape {mask.shape}")
+    batch = _collect(routings, "hf_layout")
+    n, seq = mask.shape
+    if len(batch.arrays) != n:
+        raise ShapeError(f"attention_mask has {n} rows but {len(batch.arrays)} routings were given")
+    attended = mask != 0
+    _check_rows(batch.lengths(), attended.sum(axis=1).astype(np.int64), "attended positions")
+    out = np.full((n, seq, batch.num_layers, batch.topk), -1, dtype=batch.out_dtype)
+    for b, arr in enumerate(batch.arrays):
+        out[b, np.flatnonzero(attended[b])[:-1]] = arr
+    if as_torch:
+        import torch  # lazy: numpy users need not install torch
+
+        tensor = torch.from_numpy(out)
+        return tensor if dtype is None else tensor.to(dtype)
+    return out if dtype is None else out.astype(dtype)
+
+
+@dataclass(frozen=True)
+class MegatronReplayBatch:
+    """What :func:`megatron_layout` returns for one micro-batch on one rank.
+
+    ``per_layer``   one ``[local_tokens, K]`` int64 array (or tensor) per local MoE
+                    layer, in ``layer_ids`` order: pass it to
+                    ``RouterReplay.set_replay_data(batch.per_layer)``.
+    ``layer_ids``   the absolute MoE layer ids of ``per_layer`` (ascending).
+    ``cu_seqlens``  ``[n + 1]`` int32 cumulative *padded* sequence lengths of the
+                    whole packed batch (before the CP/SP split), i.e. the
+                    ``cu_seqlens_padded`` of Megatron's ``PackedSeqParams``.
+    ``seqlens``     ``[n]`` int32 true token counts ``T_i`` (routing rows + 1).
+    ``positions``   ``[local_tokens]`` int64: for each local token, its index in
+                    the padded packed batch (to slice other per-token tensors
+                    the same way).
+    """
+
+    per_layer: list[Any]
+    layer_ids: tuple[int, ...]
+    cu_seqlens: npt.NDArray[np.int32]
+    seqlens: npt.NDArray[np.int32]
+    positions: npt.NDArray[np.int64]
+
+    @property
+    def num_local_tokens(self) -> int:
+        """Tokens this rank's routers see (``local_tokens``)."""
+        return int(self.positions.shape[0])
+
+
+def _check_rank(size: int, rank: int, name: str) -> None:
+    if size < 1:
+        raise ShapeError(f"{name}_size must be >= 1, got {size}")
+    if not 0 <= rank < size:
+        raise ShapeError(f"{name}_rank must be in [0, {size}), got {rank}")
+
+
+def _cp_positions(
+    cu: npt.NDArray[np.int64], padded: npt.NDArray[np.int64], cp_size: int, cp_rank: int
+) -> npt.NDArray[np.int64]:
+    """Packed-batch positions CP rank ``cp_rank`` keeps: per sequence, two zigzag chunks."""
+    if cp_size == 1:
+        return np.arange(int(cu[-1]), dtype=np.int64)
+    chunk = padded // (2 * cp_size)
+    firsts = (cu[:-1] + cp_rank * chunk, cu[:-1] + (2 * cp_size - 1 - cp_rank) * chunk)
+    # Sequence i contributes [first_a, first_a + chunk) then [first_b, first_b + chunk).
+    starts = np.stack(firsts, axis=1).reshape(-1)
+    lens = np.repeat(chunk, 2)
+    offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    return np.repeat(starts, lens) + offsets
+
+
+def megatron_layout(
+    routings: Sequence[RoutingLike],
+    *,
+    layer_ids: Sequence[int] | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    sequence_parallel: bool = False,
+    stage_layers: Sequence[int] | None = None,
+    pad_to_multiple: int | None = None,
+    as_torch: bool = False,
+) -> MegatronReplayBatch:
+    """Per-local-MoE-layer ``[local_tokens, K]`` int64 routing for ``RouterReplay``.
+
+    Call it once per micro-batch on every rank, with that rank's TP / CP
+    coordinates and its pipeline stage's MoE layers, right before the
+    forward pass; then ``RouterReplay.set_replay_data(batch.per_layer)``.
+    ``layer_ids`` are the absolute MoE layer ids of the routing's ``L`` axis
+    (required for plain arrays; taken from :class:`Routing` inputs).
+
+    **Packing (THD).**  Sample ``i`` has ``T_i`` tokens: its ``T_i - 1`` rows
+    plus one ``-1`` row for its last token, then ``-1`` rows up to a multiple of
+    ``pad_to_multiple`` (default ``2 * tp_size * cp_size`` when ``cp_size > 1``,
+    else ``tp_size`` with ``sequence_parallel``, else 1; pass the multiple your
+    trainer packs with if it differs -- verl pads to ``tp_size`` whenever
+    ``cp_size == 1``).  Samples are concatenated; the padded lengths give
+    ``cu_seqlens``::
+
+        sample 0: T=5, sample 1: T=3, pad_to_multiple=4
+        packed:   a0 a1 a2 a3 -  -  -  - | b0 b1 -  -        cu_seqlens = [0, 8, 12]
+                  (a4 is the last token: -1; then 3 pad rows; b2 last: -1, 1 pad row)
+
+    **Context parallel** (``cp_size > 1``).  Each padded sequence is cut into
+    ``2 * cp_size`` equal chunks; CP rank ``r`` keeps chunks ``r`` and
+    ``2*cp_size - 1 - r`` (Megatron's load-balanced zigzag), sequence by
+    sequence::
+
+        cp_size=2, one sequence of 8:   c0 c1 | c2 c3 | c4 c5 | c6 c7
+                                        chunk0  chunk1  chunk2  chunk3
+        cp_rank 0 keeps chunk0 + chunk3 = c0 c1 c6 c7
+        cp_rank 1 keeps chunk1 + chunk2 = c2 c3 c4 c5
+
+    **Sequence parallel.**  The CP-local token axis is split into ``tp_size``
+    equal contiguous parts; TP rank ``t`` keeps part ``t`` (without sequence
+    parallel every TP rank's router sees all CP-local tokens)::
+
+        CP-local tokens  x0 x1 x2 x3 x4 x5 x6 x7,  tp_size=2
+        tp_rank 0: x0 x1 x2 x3      tp_rank 1: x4 x5 x6 x7
+
+    **Pipeline.**  ``stage_layers`` lists the absolute MoE layer ids this
+    stage (all its virtual-pipeline chunks) owns, default all of
+    ``layer_ids``; ``per_layer`` holds those layers in ascending order.
+
+    Raises :class:`ShapeError` for inconsistent routing, a padded length not
+    divisible by ``2 * cp_size``, a CP-local token count not divisible by
+    ``tp_size`` under sequence parallel, or a stage layer that is not in
+    ``layer_ids``.  ``as_torch=True`` returns CPU ``torch.int64`` tensors.
+    """
+    batch = _collect(routings, "megatron_layout")
+    _check_rank(tp_size, tp_rank, "tp")
+    _check_rank(cp_size, cp_rank, "cp")
+    if layer_ids is None:
+        if batch.layer_ids is None:
+            raise ShapeError("megatron_layout needs layer_ids= for plain-array routing")
+        ids = batch.layer_ids
+    else:
+        ids = check_layer_ids(layer_ids)
+        if batch.layer_ids is not None and batch.layer_ids != ids:
+            raise ShapeError(
+                f"layer_ids={list(ids)} but the routing covers MoE layers {list(batch.layer_ids)}"
+            )
+    if len(ids) != batch.num_layers:
+        raise ShapeError(
+            f"routing has {batch.num_layers} MoE layers but layer_ids names {len(ids)}: {list(ids)}"
+        )
+    if stage_layers is None:
+        local_ids = ids
+    else:
+        wanted = [int(s) for s in stage_layers]
+        missing = [s for s in wanted if s not in ids]
+        if missing:
+            raise ShapeError(f"stage layers {missing} are not among the MoE layer_ids {list(ids)}")
+        if not wanted or len(set(wanted)) != len(wanted):
+            raise ShapeError(f"stage_layers must be non-empty without repeats, got {wanted}")
+        local_ids = tuple(sorted(wanted))
+    layer_pos = [ids.index(lid) for lid in local_ids]
+
+    if pad_to_multiple is None:
+        multiple = 2 * tp_size * cp_size if cp_size > 1 else (tp_size if sequence_parallel else 1)
+    else:
+        multiple = int(pad_to_multiple)
+        if multiple < 1:
+            raise ShapeError(f"pad_to_multiple must be >= 1, got {multiple}")
+    rows = batch.lengths()
+    tokens = rows + 1
+    padded = -(-tokens // multiple) * multiple
+    if cp_size > 1 and (padded % (2 * cp_size)).any():
+        raise ShapeError(
+            f"context parallel needs every padded sequence divisible by 2*cp_size={2 * cp_size}; "
+            f"pad_to_multiple={multiple} gives lengths {padded.tolist()}"
+        )
+    cu = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
+
+    positions = _cp_positions(cu, padded, cp_size, cp_rank)
+    if sequence_parallel:
+        n_cp = positions.shape[0]
+        if n_cp % tp_size:
+            raise ShapeError(
+                f"sequence parallel splits the {n_cp} CP-local tokens over tp_size={tp_size} "
+                "ranks, which does not divide evenly; raise pad_to_multiple"
+            )
+        part = n_cp // tp_size
+        positions = positions[tp_rank * part : (tp_rank + 1) * part]
+
+    # Gather from the unpadded rows plus one -1 sentinel row instead of building the padded batch.
+    rows_cu = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    sample = np.searchsorted(cu, positions, side="right") - 1
+    offset = positions - cu[sample]
+    sentinel = int(rows_cu[-1])
+    source = np.where(offset < rows[sample], rows_cu[sample] + offset, sentinel)
+    src = np.full((sentinel + 1, len(layer_pos), batch.topk), -1, dtype=batch.out_dtype)
+    for i, arr in enumerate(batch.arrays):
+        src[rows_cu[i] : rows_cu[i + 1]] = arr[:, layer_pos]
+    local = src[source]  # still int16: widen per layer, only the local tokens
+    per_layer: list[Any] = [local[:, j].astype(np.int64) for j in range(len(layer_pos))]
+    if as_torch:
+        import torch  # lazy: numpy users need not install torch
+
+        per_layer = [torch.from_numpy(a) for a in per_layer]
+    return MegatronReplayBatch(
+        per_layer=per_layer,
+        layer_ids=local_ids,
+        cu_seqlens=cu.astype(np.int32),
+        seqlens=tokens.astype(np.int32),
+        positions=positions,
+    )

@@ -1,0 +1,365 @@
+"""Trainer layouts: hand-computed cases, -1 everywhere a row is missing, and CP/SP/PP slicing
+checked against an independent reference written with plain lists."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+
+from r3_client import Routing, ShapeError
+from r3_client.layouts import hf_layout, megatron_layout, slime_layout, verl_layout
+
+N = -1  # "no route", for readable literals
+
+
+def rows(*sets: list[int]) -> npt.NDArray[np.int16]:
+    """``[len(sets), 1, K]`` routing with one MoE layer."""
+    return np.array([[s] for s in sets], dtype=np.int16)
+
+
+def assert_rows_are_sets(arr: npt.NDArray[Any], topk: int) -> None:
+    """Every row is all -1, or valid expert ids without a repeat (no 0-padding)."""
+    flat = np.sort(np.asarray(arr).reshape(-1, topk), axis=1)
+    empty = (flat == -1).all(axis=1)
+    real = ~empty
+    assert (flat[real] >= 0).all(), "a row mixes -1 with expert ids"
+    assert (np.diff(flat[real], axis=1) != 0).all(), "a row repeats an expert id"
+
+
+# --------------------------------------------------------------------------- verl
+
+
+def test_verl_hand_computed() -> None:
+    # sample 0: P=3, R=2 (T=5, rows r0..r3); sample 1: P=1, R=3 (T=4, rows r0..r2)
+    s0 = rows([0, 1], [2, 3], [4, 5], [6, 7])
+    s1 = rows([1, 0], [3, 2], [5, 4])
+    out = verl_layout([s0, s1], [3, 1], [2, 3])
+    assert out.dtype == np.int16 and out.shape == (2, 6, 1, 2)
+    expected = [
+        # prompt_len = 3        | response_len = 3
+        [[0, 1], [2, 3], [4, 5], [6, 7], [N, N], [N, N]],
+        [[N, N], [N, N], [1, 0], [3, 2], [5, 4], [N, N]],
+    ]
+    assert out[:, :, 0].tolist() == expected
+
+
+def test_verl_explicit_lengths_and_empty_response() -> None:
+    s0 = rows([3, 4], [5, 6])  # P=3, R=0: only prompt tokens, the last one has no row
+    s1 = rows([7, 0])  # P=1, R=1
+    out = verl_layout([s0, s1], [3, 1], [0, 1], prompt_len=4, response_len=2)
+    expected = [
+        [[N, N], [3, 4], [5, 6], [N, N], [N, N], [N, N]],
+        [[N, N], [N, N], [N, N], [7, 0], [N, N], [N, N]],
+    ]
+    assert out[:, :, 0].tolist() == expected
+
+
+def test_verl_accepts_routing_objects_and_keeps_layers() -> None:
+    rng = np.random.default_rng(0)
+    arr = np.stack([rng.permutation(16)[:4].reshape(2, 2) for _ in range(6)]).astype(np.int16)
+    r = Routing.from_array(arr, num_experts=16, layer_ids=[1, 5])
+    out = verl_layout([r], [4], [3], prompt_len=5, response_len=4)
+    assert out.shape == (1, 9, 2, 2)
+    np.testing.assert_array_equal(out[0, 1:5], arr[:4])  # prompt tokens 0..3 at columns 1..4
+    np.testing.assert_array_equal(out[0, 5:7], arr[4:6])  # response tokens 4, 5
+    assert (out[0, [0, 7, 8]] == -1).all()  # left pad, last token (6), right pad
+    assert_rows_are_sets(out, 2)
+
+
+@pytest.mark.parametrize(
+    ("prompt_lens", "response_lens", "kwargs", "msg"),
+    [
+        ([3], [2], {}, "sample 0: routing has 3 rows but the sample has 5 tokens"),
+        ([3], [1], {"prompt_len": 2}, "3 prompt tokens, more than prompt_len=2"),
+        ([3], [1], {"response_len": 0}, "1 response tokens, more than response_len=0"),
+        ([3, 1], [1], {}, "one length per sample (1)"),
+        ([-1], [5], {}, "non-negative"),
+    ],
+)
+def test_verl_errors(
+    prompt_lens: list[int], response_lens: list[int], kwargs: dict[str, int], msg: str
+) -> None:
+    with pytest.raises(ShapeError, match=re.escape(msg)):
+        verl_layout([rows([0, 1], [2, 3], [4, 5])], prompt_lens, response_lens, **kwargs)
+
+
+def test_verl_row_count_message_names_expected_rows() -> None:
+    with pytest.raises(ShapeError, match=r"9 rows but the sample has 12 tokens.*expected 11"):
+        verl_layout([np.tile(rows([0, 1]), (9, 1, 1))], [4], [8])
+
+
+def test_layouts_reject_bad_routing() -> None:
+    good = rows([0, 1], [2, 3])
+    with pytest.raises(ShapeError, match=r"\[layers, topk\] = \[1, 3\]"):
+        verl_layout([good, np.zeros((2, 1, 3), dtype=np.int16)], [2, 2], [1, 1])
+    with pytest.raises(ShapeError, match="expert id -2"):
+        verl_layout([np.array([[[-2, 1]]])], [1], [1])
+    with pytest.raises(ShapeError, match="integer expert ids"):
+        verl_layout([good.astype(np.float32)], [2], [1])
+    with pytest.raises(ShapeError, match="list of rollouts"):
+        verl_layout(good, [3], [0])  # type: ignore[arg-type]
+    with pytest.raises(ShapeError, match="at least one sample"):
+        verl_layout([], [], [])
+    sliced = Routing.from_array(good, num_experts=4, layer_ids=[0], start=3)
+    with pytest.raises(ShapeError, match="starts at token 3"):
+        verl_layout([sliced], [2], [1])
+
+
+# --------------------------------------------------------------------------- slime
+
+
+def test_slime_hand_computed() -> None:
+    r = rows([0, 1], [2, 3], [4, 5])
+    plain = slime_layout(r, 4)
+    assert plain.shape == (3, 1, 2) and plain[:, 0].tolist() == [[0, 1], [2, 3], [4, 5]]
+    padded = slime_layout(r, 4, pad_last=True)
+    assert padded.dtype == np.int16
+    assert padded[:, 0].tolist() == [[0, 1], [2, 3], [4, 5], [N, N]]
+    single = slime_layout(np.zeros((0, 1, 2), dtype=np.int32), 1, pad_last=True)
+    assert single.tolist() == [[[N, N]]]
+
+
+def test_slime_errors() -> None:
+    r = np.tile(np.array([[[0, 1]]], dtype=np.int16), (9, 1, 1))
+    with pytest.raises(ShapeError, match="9 rows but the sample has 12 tokens; expected 11"):
+        slime_layout(r, 12)
+    with pytest.raises(ShapeError, match="expected 0 rows"):
+        slime_layout(r, 0)
+    with pytest.raises(ShapeError, match=r"\[tokens-1, layers, topk\]"):
+        slime_layout(r[:, 0], 10)
+
+
+# --------------------------------------------------------------------------- HF
+
+
+def test_hf_hand_computed_any_padding() -> None:
+    left = rows([0, 1], [2, 3], [4, 5])  # 4 tokens
+    right = rows([6, 7], [1, 2])  # 3 tokens
+    holes = rows([3, 5], [6, 0], [7, 4])  # 4 tokens, padding in between
+    mask = np.array(
+        [
+            [0, 0, 1, 1, 1, 1],
+            [1, 1, 1, 0, 0, 0],
+            [1, 0, 1, 1, 0, 1],
+        ]
+    )
+    out = hf_layout([left, right, holes], mask)
+    assert out.dtype == np.int16 and out.shape == (3, 6, 1, 2)
+    expected = [
+        [[N, N], [N, N], [0, 1], [2, 3], [4, 5], [N, N]],
+        [[6, 7], [1, 2], [N, N], [N, N], [N, N], [N, N]],
+        [[3, 5], [N, N], [6, 0], [7, 4], [N, N], [N, N]],
+    ]
+    assert out[:, :, 0].tolist() == expected
+    assert_rows_are_sets(out, 2)
+
+
+def test_hf_torch_mask_and_torch_output() -> None:
+    r = rows([0, 1], [2, 3])
+    mask = torch.tensor([[0, 1, 1, 1]], dtype=torch.bool)
+    out = hf_layout([r], mask, as_torch=True, dtype=torch.int64)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.int64
+    assert out[0, :, 0].tolist() == [[N, N], [0, 1], [2, 3], [N, N]]
+    assert hf_layout([r], mask, as_torch=True).dtype == torch.int16
+    assert hf_layout([r], mask.numpy(), dtype=np.int64).dtype == np.int64
+
+
+def test_hf_errors() -> None:
+    r = rows([0, 1], [2, 3])
+    with pytest.raises(ShapeError, match=r"2 rows but the sample has 4 tokens.*expected 3"):
+        hf_layout([r], np.array([[1, 1, 1, 1]]))
+    with pytest.raises(ShapeError, match="2 rows but the sample has 2 tokens"):
+        hf_layout([r], np.array([[1, 0, 0, 1]]))
+    with pytest.raises(ShapeError, match="sample 1 has no tokens"):
+        hf_layout([r, r], np.array([[1, 1, 1], [0, 0, 0]]))
+    with pytest.raises(ShapeError, match="2 rows but 1 routings"):
+        hf_layout([r], np.ones((2, 3)))
+    with pytest.raises(ShapeError, match=r"\[batch, seq_len\]"):
+        hf_layout([r], np.ones(3))
+
+
+# --------------------------------------------------------------------------- Megatron
+
+
+def two_layer(*sets: tuple[list[int], list[int]]) -> npt.NDArray[np.int16]:
+    return np.array(sets, dtype=np.int16)
+
+
+A = two_layer(([0, 1], [4, 5]), ([2, 3], [6, 7]), ([1, 2], [5, 6]), ([3, 0], [7, 4]))  # T=5
+B = two_layer(([7, 6], [3, 2]), ([5, 4], [1, 0]))  # T=3
+
+
+def test_megatron_packing_hand_computed() -> None:
+    batch = megatron_layout([A, B], layer_ids=[1, 3], pad_to_multiple=4)
+    assert batch.layer_ids == (1, 3)
+    assert batch.cu_seqlens.tolist() == [0, 8, 12] and batch.seqlens.tolist() == [5, 3]
+    assert [a.dtype for a in batch.per_layer] == [np.int64, np.int64]
+    # a0 a1 a2 a3 (a4 last) pad pad pad | b0 b1 (b2 last) pad
+    assert batch.per_layer[0].tolist() == [
+        [0, 1], [2, 3], [1, 2], [3, 0], [N, N], [N, N], [N, N], [N, N],
+        [7, 6], [5, 4], [N, N], [N, N],
+    ]  # fmt: skip
+    assert batch.per_layer[1].tolist() == [
+        [4, 5], [6, 7], [5, 6], [7, 4], [N, N], [N, N], [N, N], [N, N],
+        [3, 2], [1, 0], [N, N], [N, N],
+    ]  # fmt: skip
+    assert batch.num_local_tokens == 12
+
+
+def test_megatron_default_is_unpadded_thd() -> None:
+    batch = megatron_layout([A, B], layer_ids=[1, 3])
+    assert batch.cu_seqlens.tolist() == [0, 5, 8]
+    assert batch.per_layer[0][:, 0].tolist() == [0, 2, 1, 3, N, 7, 5, N]
+
+
+def test_megatron_context_parallel_hand_computed() -> None:
+    # cp=2 pads to 2*tp*cp = 4: A -> 8 (chunks of 2), B -> 4 (chunks of 1).
+    r0 = megatron_layout([A, B], layer_ids=[1, 3], cp_size=2, cp_rank=0)
+    r1 = megatron_layout([A, B], layer_ids=[1, 3], cp_size=2, cp_rank=1)
+    assert r0.cu_seqlens.tolist() == [0, 8, 12]
+    # rank 0: A chunks 0 and 3, B chunks 0 and 3; rank 1: chunks 1 and 2 of each.
+    assert r0.per_layer[0].tolist() == [[0, 1], [2, 3], [N, N], [N, N], [7, 6], [N, N]]
+    assert r1.per_layer[0].tolist() == [[1, 2], [3, 0], [N, N], [N, N], [5, 4], [N, N]]
+    assert r0.positions.tolist() == [0, 1, 6, 7, 8, 11]
+    assert r1.positions.tolist() == [2, 3, 4, 5, 9, 10]
+
+
+def test_megatron_sequence_parallel_hand_computed() -> None:
+    # tp=2 + SP pads to 2: A -> 6, B -> 4; 10 tokens split 5 | 5.
+    t0 = megatron_layout([A, B], layer_ids=[1, 3], tp_size=2, tp_rank=0, sequence_parallel=True)
+    t1 = megatron_layout([A, B], layer_ids=[1, 3], tp_size=2, tp_rank=1, sequence_parallel=True)
+    assert t0.cu_seqlens.tolist() == [0, 6, 10]
+    assert t0.per_layer[1].tolist() == [[4, 5], [6, 7], [5, 6], [7, 4], [N, N]]
+    assert t1.per_layer[1].tolist() == [[N, N], [3, 2], [1, 0], [N, N], [N, N]]
+    # Without SP every TP rank's router sees every token.
+    no_sp = megatron_layout([A, B], layer_ids=[1, 3], tp_size=2, tp_rank=1)
+    assert no_sp.num_local_tokens == 8
+
+
+def test_megatron_pipeline_stage_layers() -> None:
+    full = megatron_layout([A, B], layer_ids=[1, 3])
+    stage = megatron_layout([A, B], layer_ids=[1, 3], stage_layers=[3])
+    assert stage.layer_ids == (3,) and len(stage.per_layer) == 1
+    np.testing.assert_array_equal(stage.per_layer[0], full.per_layer[1])
+    with pytest.raises(ShapeError, match=r"stage layers \[2\] are not among"):
+        megatron_layout([A, B], layer_ids=[1, 3], stage_layers=[2])
+    with pytest.raises(ShapeError, match="without repeats"):
+        megatron_layout([A, B], layer_ids=[1, 3], stage_layers=[3, 3])
+
+
+def test_megatron_routing_objects_and_torch() -> None:
+    ra = Routing.from_array(A, num_experts=8, layer_ids=[1, 3])
+    rb = Routing.from_array(B, num_experts=8, layer_ids=[1, 3])
+    batch = megatron_layout([ra, rb], as_torch=True)  # layer ids from the Routing objects
+    assert batch.layer_ids == (1, 3)
+    assert all(isinstance(t, torch.Tensor) and t.dtype == torch.int64 for t in batch.per_layer)
+    assert batch.per_layer[0][:, 0].tolist() == [0, 2, 1, 3, N, 7, 5, N]
+    with pytest.raises(ShapeError, match="covers MoE layers"):
+        megatron_layout([ra], layer_ids=[1, 4])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "msg"),
+    [
+        ({}, "needs layer_ids="),
+        ({"layer_ids": [1, 3, 5]}, "2 MoE layers but layer_ids names 3"),
+        ({"layer_ids": [1, 3], "tp_size": 2, "tp_rank": 2}, r"tp_rank must be in \[0, 2\)"),
+        ({"layer_ids": [1, 3], "cp_size": 0}, "cp_size must be >= 1"),
+        ({"layer_ids": [1, 3], "cp_size": 2, "pad_to_multiple": 3}, "divisible by 2\\*cp_size=4"),
+        (
+            {"layer_ids": [1, 3], "tp_size": 2, "sequence_parallel": True, "pad_to_multiple": 1},
+            "11 CP-local tokens over tp_size=2",
+        ),
+        ({"layer_ids": [1, 3], "pad_to_multiple": 0}, "pad_to_multiple must be >= 1"),
+    ],
+)
+def test_megatron_errors(kwargs: dict[str, Any], msg: str) -> None:
+    with pytest.raises(ShapeError, match=msg):
+        megatron_layout([A, B, B], **kwargs)
+
+
+# ---- independent reference for CP/SP: positions as plain Python lists, then indexing
+
+
+def reference_positions(
+    padded: list[int], cp_size: int, cp_rank: int, tp_size: int, tp_rank: int, sp: bool
+) -> list[int]:
+    local: list[int] = []
+    offset = 0
+    for length in padded:
+        seq = list(range(offset, offset + length))
+        offset += length
+        if cp_size == 1:
+            local += seq
+            continue
+        c = length // (2 * cp_size)
+        chunks = [seq[j * c : (j + 1) * c] for j in range(2 * cp_size)]
+        local += chunks[cp_rank] + chunks[2 * cp_size - 1 - cp_rank]
+    if sp:
+        part = len(local) // tp_size
+        local = local[tp_rank * part : (tp_rank + 1) * part]
+    return local
+
+
+def unique_routing(lengths: list[int], num_layers: int) -> list[npt.NDArray[np.int16]]:
+    """Rollouts whose every (sample, token, layer) row is a distinct set {2c, 2c+1}."""
+    out, code = [], 0
+    for t in lengths:
+        codes = code + np.arange((t - 1) * num_layers).reshape(t - 1, num_layers)
+        code += (t - 1) * num_layers
+        out.append(np.stack([2 * codes, 2 * codes + 1], axis=-1).astype(np.int16))
+    return out
+
+
+GRID = [
+    (tp, cp, sp, lengths)
+    for tp, cp, sp in itertools.product([1, 2, 4], [1, 2, 3], [False, True])
+    for lengths in ([1], [5, 3], [7, 1, 12], [16, 9, 2, 33])
+]
+
+
+@pytest.mark.parametrize(("tp", "cp", "sp", "lengths"), GRID)
+def test_megatron_matches_reference(tp: int, cp: int, sp: bool, lengths: list[int]) -> None:
+    layer_ids = [0, 2, 7]
+    routing = unique_routing(lengths, len(layer_ids))
+    multiple = 2 * tp * cp if cp > 1 else (tp if sp else 1)
+    padded = [-(-t // multiple) * multiple for t in lengths]
+    packed: list[list[list[int]]] = []  # [token][layer] -> row, built token by token
+    for arr, length in zip(routing, padded, strict=True):
+        for t in range(length):
+            packed.append(arr[t].tolist() if t < arr.shape[0] else [[N, N]] * len(layer_ids))
+    total = len(packed)
+
+    seen: list[int] = []
+    seen_rows: list[tuple[int, ...]] = []
+    for cp_rank, tp_rank in itertools.product(range(cp), range(tp)):
+        batch = megatron_layout(
+            routing,
+            layer_ids=layer_ids,
+            tp_size=tp,
+            tp_rank=tp_rank,
+            cp_size=cp,
+            cp_rank=cp_rank,
+            sequence_parallel=sp,
+            stage_layers=[2, 7],
+        )
+        want = reference_positions(padded, cp, cp_rank, tp, tp_rank, sp)
+        assert batch.cu_seqlens.tolist() == np.cumsum([0, *padded]).tolist()
+        assert batch.positions.tolist() == want
+        for j, layer in enumerate((1, 2)):  # stage layers 2, 7 are positions 1, 2
+            assert batch.per_layer[j].shape == (len(want), 2)
+            assert batch.per_layer[j].tolist() == [packed[p][layer] for p in want]
+            assert_rows_are_sets(batch.per_layer[j], 2)
+        if sp or tp_rank == 0:  # without SP the TP ranks hold identical copies
+            seen += want
+            seen_rows += [tuple(r) for r in np.concatenate(batch.per_layer, axis=1).tolist()]
+    assert sorted(seen) == list(range(total))  # every padded token on exactly one rank
+    real = [r for r in seen_rows if r[0] != N]
+    n_real = sum(t - 1 for t in lengths)
+    assert len(real) == len(set(real)) == n_real  # every recorded row exactly once
