@@ -29,3 +29,4 @@ demo: bootstrap
 bench: bootstrap
 	$(PY) bench/codec_bench.py
 	$(PY) bench/service_bench.py
+	$(PY) bench/client_bench.py

@@ -96,6 +96,25 @@ def test_service_benchmark_runs_small() -> None:
     assert "load run: 0 errors" in out
 
 
+def test_client_benchmark_runs_small() -> None:
+    """bench/client_bench.py on 4 small rollouts: both paths agree, numbers printed."""
+    out = _run_bench(
+        "client_bench.py",
+        "--rollouts",
+        "4",
+        "--prompt",
+        "16",
+        "--response",
+        "48",
+        "--repeat",
+        "1",
+        "--distinct",
+        "2",
+    )
+    assert "speed-up" in out
+    assert "identical (as sets)" in out
+
+
 def _run_bench(script: str, *args: str) -> str:
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
