@@ -48,6 +48,8 @@ T = TypeVar("T")
 #: Failures that say nothing about the request: worth another try.
 RETRYABLE = (ConnectError, RequestTimeoutError, StoreUnavailableError)
 Result = tuple[str, Routing | R3Error]
+#: Frames above this size are decoded off the event loop (AsyncRoutingClient.get_many).
+_THREAD_DECODE_BYTES = 64 << 10
 
 
 class _Core:
@@ -361,7 +363,12 @@ class AsyncRoutingClient:
             try:
                 async for item in self._t.batch_get(chunk[done:], start, end, layers):
                     done += 1
-                    yield self._core.result(item)
+                    # Big frames decode in a worker thread (zstd and numpy release the
+                    # GIL), so concurrent streams decode in parallel with the event loop.
+                    if item.frame is not None and len(item.frame) > _THREAD_DECODE_BYTES:
+                        yield await asyncio.to_thread(self._core.result, item)
+                    else:
+                        yield self._core.result(item)
             except RETRYABLE:
                 attempt += 1
                 if attempt >= self._core.retry.attempts:

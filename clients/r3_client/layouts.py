@@ -192,12 +192,17 @@ def verl_layout(
         if over.size:
             i = int(over[0])
             raise ShapeError(f"sample {i} has {have[i]} {name} tokens, more than {name}_len={cap}")
-    out = np.full((n, plen + rlen, batch.num_layers, batch.topk), -1, dtype=batch.out_dtype)
+    # np.empty, then every position written exactly once (rows or -1): a batch is
+    # hundreds of MB, and a full -1 pre-fill would double the memory traffic.
+    out = np.empty((n, plen + rlen, batch.num_layers, batch.topk), dtype=batch.out_dtype)
     for i, arr in enumerate(batch.arrays):
         pi, rows = int(p[i]), arr.shape[0]
         in_prompt = min(pi, rows)
+        out[i, : plen - pi] = -1
         out[i, plen - pi : plen - pi + in_prompt] = arr[:in_prompt]
+        out[i, plen - pi + in_prompt : plen] = -1
         out[i, plen : plen + rows - in_prompt] = arr[in_prompt:]
+        out[i, plen + rows - in_prompt :] = -1
     return out
 
 
