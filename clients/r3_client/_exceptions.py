@@ -25,12 +25,14 @@
         └── ProtocolError               an answer that is not what the API promises
 
 The service maps these to HTTP/gRPC statuses in one place; the client maps
-error codes back to the same classes (:func:`error_for_code`) and translates
-every httpx / grpc exception into the ``TransportError`` branch in its
-transports, so callers catch one tree whatever the transport.
+error codes back to the same classes (:func:`error_for_code`), and every httpx
+and grpc exception is translated here too (:func:`from_httpx`,
+:func:`from_grpc`), so callers catch one tree whatever the transport.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "AuthError",
@@ -57,6 +59,8 @@ __all__ = [
     "TruncatedFrameError",
     "UnsupportedFrameError",
     "error_for_code",
+    "from_grpc",
+    "from_httpx",
 ]
 
 
@@ -224,3 +228,32 @@ def error_for_code(code: str, message: str, *, status: int | None = None) -> R3E
         if cls.code == code and cls is not ServiceError:
             return cls(message)
     return ServiceError(message, status=status, code=code)
+
+
+def from_httpx(exc: Exception) -> TransportError:
+    """The r3 error for an ``httpx.HTTPError`` raised while talking to the service."""
+    import httpx  # lazy: the format does not need the HTTP stack
+
+    if isinstance(exc, httpx.TimeoutException):
+        return RequestTimeoutError(f"timed out talking to the routing service: {exc!r}")
+    if isinstance(exc, httpx.ConnectError | httpx.NetworkError):
+        return ConnectError(f"cannot reach the routing service: {exc}")
+    return TransportError(f"HTTP transport failed: {exc!r}")
+
+
+def from_grpc(exc: Exception) -> R3Error:
+    """The r3 error for a failed gRPC call: the service's error code, else its status."""
+    import grpc  # lazy, as above
+
+    call: Any = exc
+    md = dict(call.trailing_metadata() or ())
+    code, details = call.code(), call.details() or ""
+    if "r3-error-code" in md:
+        return error_for_code(str(md["r3-error-code"]), details)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ConnectError(f"cannot reach the routing service: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestTimeoutError(f"timed out talking to the routing service: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # gRPC's own message-size limit
+        return error_for_code("limit_exceeded", details)
+    return TransportError(f"gRPC call failed with {code.name}: {details}")

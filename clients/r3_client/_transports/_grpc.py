@@ -9,14 +9,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from r3_client._config import Timeout
-from r3_client._exceptions import (
-    ConnectError,
-    ProtocolError,
-    R3Error,
-    RequestTimeoutError,
-    TransportError,
-    error_for_code,
-)
+from r3_client._exceptions import ProtocolError, from_grpc
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
 from r3_client._stream import StreamItem
@@ -24,22 +17,6 @@ from r3_client._stream import StreamItem
 __all__ = ["AsyncGrpcTransport", "GrpcTransport"]
 
 _OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-
-
-def _translate_rpc(exc: grpc.RpcError) -> R3Error:
-    """The exception for a failed call: the service's r3 error code, else the gRPC status."""
-    call: Any = exc
-    md = dict(call.trailing_metadata() or ())
-    code, details = call.code(), call.details() or ""
-    if "r3-error-code" in md:
-        return error_for_code(str(md["r3-error-code"]), details)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return ConnectError(f"cannot reach the routing service: {details}")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return RequestTimeoutError(f"timed out talking to the routing service: {details}")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # gRPC's own message-size limit
-        return error_for_code("limit_exceeded", details)
-    return TransportError(f"gRPC call failed with {code.name}: {details}")
 
 
 def _dict(msg: Any) -> dict[str, Any]:
@@ -111,7 +88,7 @@ class GrpcTransport:
         try:
             return method(request, metadata=self._md, timeout=self._timeout)
         except grpc.RpcError as exc:
-            raise _translate_rpc(exc) from None
+            raise from_grpc(exc) from None
 
     def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
         """See :class:`Transport`."""
@@ -158,7 +135,7 @@ class GrpcTransport:
             for msg in stream:
                 yield _item(msg)
         except grpc.RpcError as exc:
-            raise _translate_rpc(exc) from None
+            raise from_grpc(exc) from None
         finally:
             stream.cancel()
 
@@ -192,7 +169,7 @@ class AsyncGrpcTransport:
                 request, metadata=self._md, timeout=self._timeout
             )
         except grpc.RpcError as exc:
-            raise _translate_rpc(exc) from None
+            raise from_grpc(exc) from None
 
     async def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
         """See :class:`Transport`."""
@@ -237,7 +214,7 @@ class AsyncGrpcTransport:
             async for msg in call:
                 yield _item(msg)
         except grpc.RpcError as exc:
-            raise _translate_rpc(exc) from None
+            raise from_grpc(exc) from None
         finally:
             call.cancel()
 

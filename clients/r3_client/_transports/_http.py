@@ -9,14 +9,7 @@ from typing import Any
 import httpx
 
 from r3_client._config import Timeout
-from r3_client._exceptions import (
-    ConnectError,
-    ProtocolError,
-    R3Error,
-    RequestTimeoutError,
-    TransportError,
-    error_for_code,
-)
+from r3_client._exceptions import ProtocolError, R3Error, error_for_code, from_httpx
 from r3_client._stream import StreamDecoder, StreamItem
 
 __all__ = ["AsyncHTTPTransport", "HTTPTransport"]
@@ -61,20 +54,12 @@ def _raise_for(resp: httpx.Response) -> None:
         raise _error(resp)
 
 
-def _translate_exc(exc: httpx.HTTPError) -> TransportError:
-    if isinstance(exc, httpx.TimeoutException):
-        return RequestTimeoutError(f"timed out talking to the routing service: {exc!r}")
-    if isinstance(exc, httpx.ConnectError | httpx.NetworkError):
-        return ConnectError(f"cannot reach the routing service: {exc}")
-    return TransportError(f"HTTP transport failed: {exc!r}")
-
-
 @contextmanager
 def _translate() -> Iterator[None]:
     try:
         yield
     except httpx.HTTPError as exc:
-        raise _translate_exc(exc) from exc
+        raise from_httpx(exc) from exc
 
 
 @asynccontextmanager
@@ -82,7 +67,7 @@ async def _atranslate() -> AsyncIterator[None]:
     try:
         yield
     except httpx.HTTPError as exc:
-        raise _translate_exc(exc) from exc
+        raise from_httpx(exc) from exc
 
 
 def _client_kwargs(url: str, api_key: str | None, timeout: Timeout) -> dict[str, Any]:
