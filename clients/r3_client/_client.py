@@ -58,6 +58,15 @@ class _Core:
     def __init__(self, retry: Retry) -> None:
         self.retry = retry
 
+    def backoff(self, exc: Exception, failures: int) -> float:
+        """Seconds to wait before trying again after the ``failures``-th failure.
+
+        Re-raises ``exc`` when it is not worth retrying or the attempts are spent.
+        """
+        if not isinstance(exc, RETRYABLE) or failures >= self.retry.attempts:
+            raise exc
+        return self.retry.delay(failures - 1)
+
     @staticmethod
     def frame(
         routing: Routing | npt.ArrayLike | bytes,
@@ -154,14 +163,13 @@ class RoutingClient:
         self._t.close()
 
     def _retrying(self, fn: Callable[[], T]) -> T:
-        for attempt in range(self._core.retry.attempts):
+        failures = 0
+        while True:
             try:
                 return fn()
-            except RETRYABLE:
-                if attempt + 1 == self._core.retry.attempts:
-                    raise
-                time.sleep(self._core.retry.delay(attempt))
-        raise AssertionError("unreachable")
+            except RETRYABLE as exc:
+                failures += 1
+                time.sleep(self._core.backoff(exc, failures))
 
     def put(
         self,
@@ -243,7 +251,7 @@ class RoutingClient:
         bar = tqdm(total=len(rollout_ids), disable=not progress, unit="rollout", leave=False)
         try:
             for chunk in self._core.chunks(rollout_ids, chunk_size):
-                done, attempt = 0, 0
+                done, failures = 0, 0
                 while done < len(chunk):
                     try:
                         for item in self._t.batch_get(chunk[done:], start, end, layers):
@@ -253,11 +261,9 @@ class RoutingClient:
                             if isinstance(res, R3Error) and not return_errors:
                                 raise res
                             yield rid, res
-                    except RETRYABLE:
-                        attempt += 1
-                        if attempt >= self._core.retry.attempts:
-                            raise
-                        time.sleep(self._core.retry.delay(attempt - 1))
+                    except RETRYABLE as exc:
+                        failures += 1
+                        time.sleep(self._core.backoff(exc, failures))
         finally:
             bar.close()
 
@@ -288,14 +294,13 @@ class AsyncRoutingClient:
         await self._t.aclose()
 
     async def _retrying(self, fn: Callable[[], Awaitable[T]]) -> T:
-        for attempt in range(self._core.retry.attempts):
+        failures = 0
+        while True:
             try:
                 return await fn()
-            except RETRYABLE:
-                if attempt + 1 == self._core.retry.attempts:
-                    raise
-                await asyncio.sleep(self._core.retry.delay(attempt))
-        raise AssertionError("unreachable")
+            except RETRYABLE as exc:
+                failures += 1
+                await asyncio.sleep(self._core.backoff(exc, failures))
 
     async def put(
         self,
@@ -358,7 +363,7 @@ class AsyncRoutingClient:
     async def _chunk(
         self, chunk: list[str], start: int, end: int | None, layers: Sequence[int] | None
     ) -> AsyncIterator[Result]:
-        done, attempt = 0, 0
+        done, failures = 0, 0
         while done < len(chunk):
             try:
                 async for item in self._t.batch_get(chunk[done:], start, end, layers):
@@ -369,11 +374,9 @@ class AsyncRoutingClient:
                         yield await asyncio.to_thread(self._core.result, item)
                     else:
                         yield self._core.result(item)
-            except RETRYABLE:
-                attempt += 1
-                if attempt >= self._core.retry.attempts:
-                    raise
-                await asyncio.sleep(self._core.retry.delay(attempt - 1))
+            except RETRYABLE as exc:
+                failures += 1
+                await asyncio.sleep(self._core.backoff(exc, failures))
 
     async def get_many(
         self,
