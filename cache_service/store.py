@@ -457,7 +457,8 @@ class SegmentStore:
         """Like :meth:`get`, as one frame.
 
         A whole-rollout read of a rollout stored as one segment starting at row 0
-        returns the stored bytes untouched (no decode, no re-encode); anything
+        returns the stored bytes untouched (no decode, no re-encode; for a shared
+        segment, the first writer's frame); anything
         else is assembled and encoded with ``codec="auto"``, deterministically,
         so every transport returns identical bytes.
         """
