@@ -1,5 +1,5 @@
-"""Cache service for R3 routing: the Redis segment store (and, later, its HTTP/gRPC front)."""
+"""Cache service for R3 routing: the Redis segment store and its HTTP/gRPC front."""
 
-from cache_service.store import RolloutStat, SegmentStore, StoreSettings
+from cache_service.store import SegmentStore, StoreSettings
 
-__all__ = ["RolloutStat", "SegmentStore", "StoreSettings"]
+__all__ = ["SegmentStore", "StoreSettings"]

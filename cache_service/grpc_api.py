@@ -14,8 +14,7 @@ from cache_service.auth import KeyRing, bearer_token
 from cache_service.errors import status_for
 from cache_service.logs import log_event
 from cache_service.service import RoutingService
-from cache_service.store import RolloutStat
-from r3_client import R3Error, Segment
+from r3_client import R3Error, RolloutInfo, Segment
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
 
@@ -28,7 +27,7 @@ def _segment(seg: Segment) -> pb.Segment:
     return pb.Segment(**seg.to_dict())
 
 
-def _stat(st: RolloutStat) -> pb.RolloutStat:
+def _stat(st: RolloutInfo) -> pb.RolloutStat:
     fields = st.to_dict()
     segments = [
         pb.SegmentInfo(

@@ -28,8 +28,15 @@ from cache_service.logs import log_event
 from cache_service.metrics import Metrics
 from cache_service.service import RoutingService
 from cache_service.settings import ServiceSettings, get_settings
-from cache_service.store import PutResult, RolloutStat, SegmentStore
-from r3_client import InvalidRequestError, LimitExceededError, R3Error, RolloutNotFoundError
+from cache_service.store import SegmentStore
+from r3_client import (
+    InvalidRequestError,
+    LimitExceededError,
+    PutResult,
+    R3Error,
+    RolloutInfo,
+    RolloutNotFoundError,
+)
 from r3_client._stream import (
     STREAM_MEDIA_TYPE,
     encode_error_item,
@@ -122,7 +129,7 @@ class StatResponse(BaseModel):
     segments: list[SegmentInfoModel]
 
     @classmethod
-    def of(cls, st: RolloutStat) -> StatResponse:
+    def of(cls, st: RolloutInfo) -> StatResponse:
         """From the store's stat."""
         return cls.model_validate(st.to_dict())
 

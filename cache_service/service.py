@@ -17,8 +17,8 @@ import numpy as np
 
 from cache_service.metrics import Metrics
 from cache_service.settings import ServiceSettings
-from cache_service.store import PutResult, RolloutStat, SegmentStore
-from r3_client import LimitExceededError, R3Error, read_header
+from cache_service.store import SegmentStore
+from r3_client import LimitExceededError, PutResult, R3Error, RolloutInfo, read_header
 
 __all__ = ["RoutingService"]
 
@@ -83,7 +83,7 @@ class RoutingService:
         np.save(buf, routing.indices, allow_pickle=False)
         return buf.getvalue()
 
-    async def stat(self, namespace: str, rollout_id: str) -> RolloutStat:
+    async def stat(self, namespace: str, rollout_id: str) -> RolloutInfo:
         """What is stored for a rollout."""
         return await self._ns(namespace).stat(rollout_id)
 

@@ -38,9 +38,9 @@ import hashlib
 import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Literal
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -63,9 +63,10 @@ from r3_client import (
     index_dtype,
 )
 from r3_client._format import layer_positions
+from r3_client._models import PutResult, RolloutInfo, SegmentInfo
 from r3_client._sortnet import sort_rows
 
-__all__ = ["PutResult", "RolloutStat", "SegmentInfo", "SegmentStore", "StoreSettings"]
+__all__ = ["SegmentStore", "StoreSettings"]
 
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9_.:@+=-]{1,200}")
 _NAMESPACE = re.compile(r"[a-z0-9_-]{1,64}")
@@ -91,54 +92,6 @@ class StoreSettings:
     max_connections: int = 64
     dedupe: bool = True
     socket_timeout_s: float = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentInfo:
-    """A stored segment as :meth:`SegmentStore.stat` reports it."""
-
-    segment: Segment
-    codec: str
-    nbytes: int
-    shared: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    """Outcome of :meth:`SegmentStore.put_segment`."""
-
-    status: Literal["stored", "duplicate"]
-    rollout_id: str
-    segment: Segment
-    nbytes: int
-    shared: bool = False  # the frame is kept once and shared with other rollouts
-    dedupe_hit: bool = False  # …and another rollout had already stored it
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutStat:
-    """What is stored for one rollout, without its rows."""
-
-    rollout_id: str
-    num_experts: int
-    topk: int
-    layer_ids: tuple[int, ...]
-    num_rows: int  # one past the last stored row; gaps read as -1
-    stored_bytes: int  # sum of its segments' frame sizes (shared ones included)
-    shared_bytes: int  # the part of stored_bytes held in shared (deduplicated) blobs
-    memory_bytes: int | None  # Redis MEMORY USAGE of the rollout's key, when available
-    ttl_s: float | None  # None = no expiry
-    segments: tuple[SegmentInfo, ...] = field(default=())
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain form for the transports; each segment flattened with codec, bytes, shared."""
-        out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "segments"}
-        out["layer_ids"] = list(self.layer_ids)
-        out["segments"] = [
-            {**i.segment.to_dict(), "codec": i.codec, "nbytes": i.nbytes, "shared": i.shared}
-            for i in self.segments
-        ]
-        return out
 
 
 def _load(name: str) -> str:
@@ -518,7 +471,7 @@ class SegmentStore:
         except FormatError as exc:  # cannot happen for frames that decoded
             raise StoreError(f"stored routing is inconsistent: {exc}") from exc
 
-    async def stat(self, rollout_id: str) -> RolloutStat:
+    async def stat(self, rollout_id: str) -> RolloutInfo:
         """Meta, segments, sizes and TTL of a rollout; :class:`RolloutNotFoundError` if absent."""
         key = self.key(rollout_id)
         async with _translate(self._limit):
@@ -536,7 +489,7 @@ class SegmentStore:
             infos.append(SegmentInfo(Segment.from_dict(seg), codec, nbytes, shared))
         infos.sort(key=lambda i: i.segment.start)
         pttl = int(res[3])
-        return RolloutStat(
+        return RolloutInfo(
             rollout_id=rollout_id,
             num_experts=e,
             topk=k,

@@ -25,8 +25,8 @@ class PutResult:
     rollout_id: str
     segment: Segment
     nbytes: int
-    shared: bool
-    dedupe_hit: bool
+    shared: bool  # the frame is kept once and shared with other rollouts
+    dedupe_hit: bool  # ...and another rollout had already stored it
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PutResult:
@@ -62,12 +62,22 @@ class RolloutInfo:
     num_experts: int
     topk: int
     layer_ids: tuple[int, ...]
-    num_rows: int
-    stored_bytes: int
-    shared_bytes: int
-    memory_bytes: int | None
-    ttl_s: float | None
+    num_rows: int  # one past the last stored row; gaps read as -1
+    stored_bytes: int  # sum of its segments' frame sizes (shared ones included)
+    shared_bytes: int  # the part of stored_bytes held in shared (deduplicated) blobs
+    memory_bytes: int | None  # Redis MEMORY USAGE of the rollout's key, when available
+    ttl_s: float | None  # None = no expiry
     segments: tuple[SegmentInfo, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form (the service's answers); inverse of :meth:`from_dict`."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "segments"}
+        out["layer_ids"] = list(self.layer_ids)
+        out["segments"] = [
+            {**i.segment.to_dict(), "codec": i.codec, "nbytes": i.nbytes, "shared": i.shared}
+            for i in self.segments
+        ]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RolloutInfo:
