@@ -4,18 +4,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-EXTRAS="${R3_EXTRAS:-client,service,torch,dev}"
+EXTRAS="${R3_EXTRAS:-all}"
 # The CPU build of torch (a local wheel on this project's machines; a plain range would
 # pull a multi-GB CUDA build). Override with R3_TORCH=torch==<version> elsewhere.
-TORCH="${R3_TORCH:-torch==2.13.0}"
+TORCH="${R3_TORCH:-torch==2.14.1}"
 PYTHON="${PYTHON:-python3.11}"
 
-if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
-  echo "bootstrap: installing redis-server and redis-tools from Debian" >&2
+# gcc builds the stub libcuda.so.1 that lets SGLang's kernels load on a CPU-only machine.
+pkgs=""
+command -v redis-server >/dev/null 2>&1 || pkgs="$pkgs redis-server"
+command -v redis-cli >/dev/null 2>&1 || pkgs="$pkgs redis-tools"
+command -v gcc >/dev/null 2>&1 || pkgs="$pkgs gcc libc6-dev"
+if [ -n "$pkgs" ]; then
+  echo "bootstrap: installing$pkgs from Debian" >&2
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $pkgs >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

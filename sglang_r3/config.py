@@ -1,0 +1,106 @@
+"""Engine-side configuration of the extension, read from the environment.
+
+SGLang calls the plugin before it parses its command line, in every process it
+spawns, so the launcher (:mod:`sglang_r3.launch_server`) passes its flags down as
+``SGLANG_R3_*`` environment variables, which spawned children inherit.  The same
+variables configure a plain ``python -m sglang.launch_server`` run with the plugin
+installed (``--enable-return-routed-experts`` must then be passed by hand).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+ENV_CACHE = "SGLANG_R3_ROUTING_CACHE"
+ENV_API_KEY = "SGLANG_R3_API_KEY"
+ENV_ON_CACHE_ERROR = "SGLANG_R3_ON_CACHE_ERROR"
+ENV_ON_RETRACTION = "SGLANG_R3_ON_RETRACTION"
+ENV_ATTEMPTS = "SGLANG_R3_PUT_ATTEMPTS"
+ENV_TIMEOUT = "SGLANG_R3_PUT_TIMEOUT_S"
+ENV_MODEL_ID = "SGLANG_R3_MODEL_ID"
+ENV_MAX_OUTPUTS = "SGLANG_R3_MAX_OUTPUTS"
+
+CacheErrorPolicy = Literal["fail", "inline"]
+RetractionPolicy = Literal["mark", "fail"]
+
+
+class ConfigError(ValueError):
+    """An ``SGLANG_R3_*`` variable has a value the extension cannot use."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What the extension does with routing once a tagged request finishes.
+
+    ``routing_cache``: the cache service URL (``http://`` or ``grpc://``); empty
+    means the extension is off and tagged requests are refused with a 400.
+    ``on_cache_error``: after ``put_attempts`` tries fail, ``fail`` answers 503,
+    ``inline`` answers with upstream's base64 routing and ``stored: false``.
+    ``on_retraction``: a request the scheduler retracted may carry re-prefilled
+    rows (miles#3277); ``mark`` stores them and says so, ``fail`` answers 503.
+    """
+
+    routing_cache: str = ""
+    api_key: str | None = None
+    on_cache_error: CacheErrorPolicy = "fail"
+    on_retraction: RetractionPolicy = "mark"
+    put_attempts: int = 3
+    put_timeout_s: float = 10.0
+    model_id: str = ""
+    max_outputs: int = 1024
+
+    @property
+    def enabled(self) -> bool:
+        """True when tagged requests are shipped to a cache."""
+        return bool(self.routing_cache)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EngineConfig:
+        """Read and check the ``SGLANG_R3_*`` variables."""
+        env = os.environ if env is None else env
+        url = env.get(ENV_CACHE, "").strip()
+        if url and not url.startswith(("http://", "https://", "grpc://")):
+            raise ConfigError(f"{ENV_CACHE}={url!r}: use an http://, https:// or grpc:// URL")
+        on_err = env.get(ENV_ON_CACHE_ERROR, "fail")
+        if on_err not in ("fail", "inline"):
+            raise ConfigError(f"{ENV_ON_CACHE_ERROR}={on_err!r}: use fail or inline")
+        on_ret = env.get(ENV_ON_RETRACTION, "mark")
+        if on_ret not in ("mark", "fail"):
+            raise ConfigError(f"{ENV_ON_RETRACTION}={on_ret!r}: use mark or fail")
+        try:
+            attempts = int(env.get(ENV_ATTEMPTS, "3"))
+            timeout = float(env.get(ENV_TIMEOUT, "10"))
+            max_outputs = int(env.get(ENV_MAX_OUTPUTS, "1024"))
+        except ValueError as exc:
+            raise ConfigError(f"bad number in SGLANG_R3_* settings: {exc}") from None
+        if attempts < 1 or timeout <= 0 or max_outputs < 1:
+            raise ConfigError("put attempts, timeout and max outputs must be positive")
+        return cls(
+            routing_cache=url,
+            api_key=env.get(ENV_API_KEY) or None,
+            on_cache_error=on_err,  # type: ignore[arg-type]
+            on_retraction=on_ret,  # type: ignore[arg-type]
+            put_attempts=attempts,
+            put_timeout_s=timeout,
+            model_id=env.get(ENV_MODEL_ID, ""),
+            max_outputs=max_outputs,
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that reproduce this configuration in a child process."""
+        out = {
+            ENV_CACHE: self.routing_cache,
+            ENV_ON_CACHE_ERROR: self.on_cache_error,
+            ENV_ON_RETRACTION: self.on_retraction,
+            ENV_ATTEMPTS: str(self.put_attempts),
+            ENV_TIMEOUT: str(self.put_timeout_s),
+            ENV_MAX_OUTPUTS: str(self.max_outputs),
+        }
+        if self.api_key:
+            out[ENV_API_KEY] = self.api_key
+        if self.model_id:
+            out[ENV_MODEL_ID] = self.model_id
+        return out

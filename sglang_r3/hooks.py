@@ -1,0 +1,507 @@
+"""The hooks the plugin registers with SGLang's ``HookRegistry``, and their checks.
+
+Every SGLang internal this extension touches is named in :data:`HOOKS` (and, for
+attributes it reads, in :data:`UPSTREAM_FIELDS`); the canary test resolves all of
+them against the installed SGLang, so an upgrade that moves one fails loudly.
+
+Where the work happens (all in SGLang's HTTP process unless noted):
+
+- ``TokenizerManager.generate_request`` (AROUND): every ``/generate`` and OpenAI
+  request passes here.  Tagged requests get capture switched on, their rollouts
+  looked up in the cache, and each finished output's rows shipped before the
+  output is released.  Untagged requests go straight to upstream.
+- ``TokenizerManager._send_one_request`` / ``_send_batch_request`` (AROUND): the
+  tokenized prompt is known here, so a continued rollout's prefix is checked
+  against the stored trajectory and ``routed_experts_start_len`` set per request.
+- ``OpenAIServingBase.handle_request`` (AROUND): puts the references into the
+  OpenAI response (``sglext.r3``), streaming or not.
+- ``http_server.launch_server`` (BEFORE): verifies the hooks of this process,
+  refuses unsupported options, adds ``/r3/metrics`` and ``/r3/info``.
+- ``Scheduler.__init__`` (AROUND, scheduler process): the same verification and
+  refusal there, and the CPU allocator check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import pkgutil
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_r3 import metrics
+from sglang_r3.config import EngineConfig
+from sglang_r3.errors import R3RequestError, bad_request
+from sglang_r3.layers import MoeShape, moe_shape
+from sglang_r3.shipping import Continuation, Shipper
+from sglang_r3.tagging import OutputTag, output_tags, request_shape
+
+log = logging.getLogger("sglang_r3")
+
+SGLANG_VERSION = "0.5.23"
+
+_TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+T_GENERATE = f"{_TM}.generate_request"
+T_SEND_ONE = f"{_TM}._send_one_request"
+T_SEND_BATCH = f"{_TM}._send_batch_request"
+T_OPENAI = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
+T_LAUNCH = "sglang.srt.entrypoints.http_server.launch_server"
+T_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler.__init__"
+
+# Attributes of upstream objects the hooks read or write (canary-tested).
+UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
+    "sglang.srt.managers.io_struct.GenerateReqInput": (
+        "text",
+        "input_ids",
+        "sampling_params",
+        "rid",
+        "stream",
+        "return_routed_experts",
+        "routed_experts_start_len",
+        "return_prompt_token_ids",
+    ),
+    "sglang.srt.managers.io_struct.TokenizedGenerateReqInput": (
+        "rid",
+        "input_ids",
+        "routed_experts_start_len",
+        "return_routed_experts",
+    ),
+    "sglang.srt.server_args.ServerArgs": (
+        "enable_return_routed_experts",
+        "enable_hierarchical_cache",
+        "hicache_storage_backend",
+        "enable_lmcache",
+        "enable_flexkv",
+        "disaggregation_mode",
+        "tokenizer_worker_num",
+        "speculative_algorithm",
+        "enable_hisparse",
+        "device",
+        "served_model_name",
+        "model_path",
+    ),
+}
+
+
+# ---------------------------------------------------------------- per process
+
+
+@dataclass
+class _Runtime:
+    config: EngineConfig
+    shipper: Shipper | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+_RUNTIME: _Runtime | None = None
+
+
+def engine_config() -> EngineConfig:
+    """This process's configuration (read from the environment once)."""
+    global _RUNTIME
+    if _RUNTIME is None:
+        _RUNTIME = _Runtime(EngineConfig.from_env())
+    return _RUNTIME.config
+
+
+def _shape_of(tokenizer_manager: Any) -> MoeShape:
+    mc = tokenizer_manager.model_config
+    return moe_shape(getattr(mc, "hf_text_config", None) or mc.hf_config)
+
+
+def _shipper(tokenizer_manager: Any) -> Shipper:
+    """The process's shipper, created on first use on the running loop."""
+    engine_config()
+    assert _RUNTIME is not None
+    loop = asyncio.get_running_loop()
+    if _RUNTIME.shipper is None or _RUNTIME.loop is not loop:
+        name = getattr(tokenizer_manager, "served_model_name", None) or ""
+        _RUNTIME.shipper = Shipper(_RUNTIME.config, _shape_of(tokenizer_manager), str(name))
+        _RUNTIME.loop = loop
+    return _RUNTIME.shipper
+
+
+# ---------------------------------------------------------------- generate
+
+
+def _is_tagged(sampling_params: Any) -> bool:
+    """Cheap test run on every request: does any sampling_params carry ``r3``?"""
+    if isinstance(sampling_params, Mapping):
+        cp = sampling_params.get("custom_params")
+        return isinstance(cp, Mapping) and "r3" in cp
+    if isinstance(sampling_params, list):
+        return any(_is_tagged(sp) for sp in sampling_params)
+    return False
+
+
+def _refs_holder(request: Any) -> list[dict[str, Any]] | None:
+    """The list an OpenAI handler left on the raw request for our references."""
+    scope = getattr(request, "scope", None)
+    state = scope.get("state") if isinstance(scope, dict) else None
+    holder = state.get("r3_refs") if isinstance(state, dict) else None
+    return holder if isinstance(holder, list) else None
+
+
+def _send_rids(obj: Any, batch: int, single: bool) -> list[str]:
+    """Fix the request ids now (as SGLang would) so a per-request plan can find them."""
+    if single:
+        if obj.rid is None:
+            obj.rid = uuid.uuid4().hex
+        return [obj.rid]
+    if obj.rid is None:
+        obj.rid = [uuid.uuid4().hex for _ in range(batch)]
+    if isinstance(obj.rid, str):
+        return [f"{obj.rid}_{i}" for i in range(batch)]
+    return list(obj.rid)
+
+
+async def around_generate_request(
+    original: Callable[..., AsyncIterator[Any]], self: Any, obj: Any, request: Any = None
+) -> AsyncIterator[Any]:
+    """AROUND ``TokenizerManager.generate_request``: ship tagged outputs' routing."""
+    if not _is_tagged(getattr(obj, "sampling_params", None)):
+        async for out in original(self, obj, request):
+            yield out
+        return
+    async for out in _tagged_generate(original, self, obj, request):
+        yield out
+
+
+async def _tagged_generate(
+    original: Callable[..., AsyncIterator[Any]], tm: Any, obj: Any, request: Any
+) -> AsyncIterator[Any]:
+    config = engine_config()
+    if not config.enabled:
+        raise bad_request(
+            "this server does not ship routing; launch it with `python -m "
+            "sglang_r3.launch_server ... --return-routed-experts --routing-cache URL`"
+        )
+    if not hasattr(obj, "return_routed_experts"):
+        raise bad_request("only generation requests can be tagged")
+    batch, n, single = request_shape(obj.text, obj.input_ids, obj.sampling_params)
+    tags = output_tags(obj.sampling_params, batch_size=batch, n=n, max_outputs=config.max_outputs)
+    assert tags is not None  # _is_tagged said so
+    if obj.routed_experts_start_len:
+        raise bad_request(
+            "routed_experts_start_len is managed by r3 for tagged requests; leave it 0"
+        )
+    shipper = _shipper(tm)
+    conts: list[Continuation | None] = list(
+        await asyncio.gather(*(shipper.continuation(t.rollout_id) for t in tags))
+    )
+    if n > 1:
+        taken = [t.rollout_id for t, c in zip(tags, conts, strict=True) if c is not None]
+        if taken:
+            raise R3RequestError(
+                409,
+                f"r3: rollout {taken[0]!r} already has stored rows, and n>1 samples start new "
+                "rollouts; continue each sample with its own request",
+            )
+    user_wants_prompt_ids = bool(obj.return_prompt_token_ids)
+    obj.return_routed_experts = True
+    obj.return_prompt_token_ids = True
+
+    plans: dict[str, tuple[OutputTag, Continuation]] = getattr(tm, "_r3_send_plans", None) or {}
+    tm._r3_send_plans = plans
+    planned: list[str] = []
+    if any(c is not None for c in conts):
+        for rid, tag, cont in zip(_send_rids(obj, batch, single), tags, conts, strict=True):
+            if cont is not None:
+                plans[rid] = (tag, cont)
+                planned.append(rid)
+    starts = [c.end if c is not None else 0 for c in conts]
+    incremental = bool(getattr(obj, "stream", False)) and bool(
+        getattr(tm, "incremental_streaming_output", False)
+    )
+    streamed_ids: dict[int, list[int]] = {}
+    holder = _refs_holder(request)
+
+    async def finish(k: int, out: dict[str, Any]) -> None:
+        meta = out.get("meta_info") or {}
+        if incremental:
+            streamed_ids.setdefault(k, []).extend(out.get("output_ids") or [])
+        if meta.get("finish_reason") is None:
+            if not user_wants_prompt_ids:
+                out.pop("prompt_token_ids", None)
+            return
+        tag = tags[k]
+        b64 = meta.pop("routed_experts", None)
+        prompt_ids = out.get("prompt_token_ids") or []
+        output_ids = streamed_ids.get(k, []) if incremental else out.get("output_ids") or []
+        ref = await shipper.ship(tag, starts[k], b64, prompt_ids, output_ids, meta)
+        ref["index"] = k
+        meta["r3"] = ref
+        if b64 is not None and (tag.inline or ref.get("inline")):
+            meta["routed_experts"] = b64
+        if not user_wants_prompt_ids:
+            out.pop("prompt_token_ids", None)
+        if holder is not None:
+            holder.append(ref)
+
+    try:
+        async for out in original(tm, obj, request):
+            if isinstance(out, list):
+                await asyncio.gather(*(finish(k, o) for k, o in enumerate(out)))
+            elif isinstance(out, dict):
+                await finish(int(out.get("index", 0)), out)
+            yield out
+    finally:
+        for rid in planned:
+            plans.pop(rid, None)
+
+
+def _apply_plan(tm: Any, tokenized: Any) -> None:
+    plans = getattr(tm, "_r3_send_plans", None)
+    if not plans:
+        return
+    plan = plans.get(getattr(tokenized, "rid", None))
+    if plan is None:
+        return
+    tag, cont = plan
+    Shipper.check_prefix(tag, cont, tokenized.input_ids)
+    tokenized.routed_experts_start_len = cont.end
+
+
+async def around_send_one_request(original: Callable[..., Any], self: Any, tokenized: Any) -> Any:
+    """AROUND ``_send_one_request``: check a continued rollout's prefix, set its start."""
+    _apply_plan(self, tokenized)
+    return await original(self, tokenized)
+
+
+async def around_send_batch_request(
+    original: Callable[..., Any], self: Any, tokenized_objs: Any
+) -> Any:
+    """AROUND ``_send_batch_request``: :func:`around_send_one_request` per item."""
+    for tokenized in tokenized_objs:
+        _apply_plan(self, tokenized)
+    return await original(self, tokenized_objs)
+
+
+# ---------------------------------------------------------------- OpenAI
+
+
+def _openai_tagged(request: Any) -> bool:
+    cp = getattr(request, "custom_params", None)
+    return isinstance(cp, Mapping) and "r3" in cp
+
+
+async def around_openai_handle_request(
+    original: Callable[..., Any], self: Any, request: Any, raw_request: Any = None
+) -> Any:
+    """AROUND ``OpenAIServingBase.handle_request``: add ``sglext.r3`` to the answer.
+
+    Upstream's OpenAI answers carry routing for the first choice only; the
+    references here cover every choice, ordered by choice index.
+    """
+    if raw_request is None or not _openai_tagged(request):
+        return await original(self, request, raw_request)
+    from fastapi.responses import ORJSONResponse, StreamingResponse
+    from pydantic import BaseModel
+
+    holder: list[dict[str, Any]] = []
+    raw_request.state.r3_refs = holder
+    response = await original(self, request, raw_request)
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _inject_stream_refs(aiter(response.body_iterator), holder)
+        return response
+    if isinstance(response, BaseModel) and holder:
+        body = json.loads(response.model_dump_json(by_alias=True))
+        ext = body.get("sglext") or {}
+        ext["r3"] = sorted(holder, key=lambda r: r["index"])
+        body["sglext"] = ext
+        return ORJSONResponse(body)
+    return response
+
+
+async def _inject_stream_refs(
+    chunks: AsyncIterator[Any], holder: list[dict[str, Any]]
+) -> AsyncIterator[Any]:
+    """Pass SSE chunks through; before ``[DONE]``, one chunk carrying the references."""
+    head: dict[str, Any] = {}
+    async for chunk in chunks:
+        text = chunk.decode() if isinstance(chunk, bytes | bytearray) else str(chunk)
+        if text.startswith("data: [DONE]") and holder:
+            extra = {
+                **head,
+                "choices": [],
+                "sglext": {"r3": sorted(holder, key=lambda r: r["index"])},
+            }
+            yield f"data: {json.dumps(extra)}\n\n"
+        elif not head and text.startswith("data: {"):
+            try:
+                first = json.loads(text[len("data: ") :])
+                head = {k: first[k] for k in ("id", "object", "created", "model") if k in first}
+            except ValueError:
+                pass
+        yield chunk
+
+
+# ---------------------------------------------------------------- checks
+
+
+def unsupported_options(server_args: Any, config: EngineConfig) -> list[str]:
+    """Options under which shipped routing could be wrong; empty when all is well."""
+    if not config.enabled:
+        return []
+
+    def on(name: str) -> Any:
+        return getattr(server_args, name, None)
+
+    problems = []
+    if not on("enable_return_routed_experts"):
+        problems.append(
+            "--enable-return-routed-experts is off, so the engine records nothing "
+            "(the sglang_r3 launcher adds it)"
+        )
+    if on("enable_hierarchical_cache") or on("hicache_storage_backend"):
+        problems.append(
+            "HiCache (--enable-hierarchical-cache / --hicache-storage-backend) loads KV "
+            "without a forward pass, so routing rows of those tokens would be stale (sglang#26975)"
+        )
+    if on("enable_lmcache") or on("enable_flexkv"):
+        problems.append(
+            "--enable-lmcache / --enable-flexkv restore KV without recomputing it; "
+            "routing rows of restored tokens would be stale"
+        )
+    if on("disaggregation_mode") == "decode":
+        problems.append(
+            "--disaggregation-mode decode receives prompt KV from the prefill node, "
+            "so prompt rows are never computed here"
+        )
+    if (on("tokenizer_worker_num") or 1) > 1:
+        problems.append(
+            "--tokenizer-worker-num > 1 serves HTTP from processes SGLang loads no plugins in"
+        )
+    if on("speculative_algorithm"):
+        problems.append("speculative decoding: upstream capture does not cover verify tokens")
+    if on("enable_hisparse"):
+        problems.append("--enable-hisparse restores KV without recomputing it")
+    return problems
+
+
+def _resolve(target: str) -> Any:
+    owner, _, attr = target.rpartition(".")
+    return getattr(pkgutil.resolve_name(owner), attr)
+
+
+def verify_hooks(targets: list[str]) -> list[str]:
+    """Problems with our hooks on ``targets`` in this process (empty: all took effect)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    problems = []
+    ours = {t: h for t, h, _ in HOOKS}
+    for target in targets:
+        registered = [h for _, h, _ in HookRegistry._hooks.get(target, [])]
+        if ours[target] not in registered:
+            problems.append(f"{target}: hook not registered")
+            continue
+        if target not in HookRegistry._patched:
+            problems.append(f"{target}: SGLang did not apply the hook (see its log for why)")
+            continue
+        try:
+            fn = _resolve(target)
+        except (AttributeError, ImportError, ValueError) as exc:
+            problems.append(f"{target}: cannot resolve ({exc})")
+            continue
+        if getattr(fn, "__wrapped__", None) is None:
+            problems.append(f"{target}: attribute is not the patched wrapper")
+    return problems
+
+
+HTTP_TARGETS = [T_GENERATE, T_SEND_ONE, T_SEND_BATCH, T_OPENAI, T_LAUNCH]
+SCHEDULER_TARGETS = [T_SCHEDULER]
+
+
+class StartupError(RuntimeError):
+    """The extension refuses to start: a hook did not take or an option is unsafe."""
+
+
+def check_startup(targets: list[str], server_args: Any | None) -> None:
+    """Raise :class:`StartupError` listing every problem, if there is any."""
+    config = engine_config()
+    problems = verify_hooks(targets)
+    if server_args is not None:
+        problems += unsupported_options(server_args, config)
+        if str(getattr(server_args, "device", "")) == "cpu":
+            from sglang_r3.cpu import allocator_installed
+
+            if not allocator_installed():
+                problems.append("--device cpu without the CPU host allocator (plugin not loaded?)")
+    if problems:
+        raise StartupError(
+            "sglang_r3 cannot start:\n  - "
+            + "\n  - ".join(problems)
+            + f"\n(sglang_r3 supports sglang=={SGLANG_VERSION} exactly)"
+        )
+
+
+def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``http_server.launch_server``: verify, refuse, add the ``/r3`` routes."""
+    check_startup(HTTP_TARGETS, server_args)
+    _add_routes()
+    return None
+
+
+def around_scheduler_init(
+    original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``Scheduler.__init__``: the scheduler process's start-up check."""
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    check_startup(SCHEDULER_TARGETS, server_args)
+    return original(self, *args, **kwargs)
+
+
+def _add_routes() -> None:
+    from fastapi import Response
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from sglang.srt.entrypoints import http_server
+
+    app = http_server.app
+    if any(getattr(r, "path", None) == "/r3/metrics" for r in app.router.routes):
+        return
+
+    async def r3_metrics() -> Response:
+        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    async def r3_info() -> dict[str, Any]:
+        config = engine_config()
+        return {
+            "enabled": config.enabled,
+            "routing_cache": config.routing_cache,
+            "on_cache_error": config.on_cache_error,
+            "on_retraction": config.on_retraction,
+            "sglang": SGLANG_VERSION,
+            "hooks": HTTP_TARGETS,
+        }
+
+    app.add_api_route("/r3/metrics", r3_metrics, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/r3/info", r3_info, methods=["GET"], include_in_schema=False)
+
+
+def _hook_type(name: str) -> Any:
+    from sglang.srt.plugins.hook_registry import HookType
+
+    return getattr(HookType, name)
+
+
+# (target, hook, HookType name).  The canary test walks this list.
+HOOKS: list[tuple[str, Callable[..., Any], str]] = [
+    (T_GENERATE, around_generate_request, "AROUND"),
+    (T_SEND_ONE, around_send_one_request, "AROUND"),
+    (T_SEND_BATCH, around_send_batch_request, "AROUND"),
+    (T_OPENAI, around_openai_handle_request, "AROUND"),
+    (T_LAUNCH, before_launch_server, "BEFORE"),
+    (T_SCHEDULER, around_scheduler_init, "AROUND"),
+]
+
+
+def register_hooks() -> None:
+    """Register every hook in :data:`HOOKS` (SGLang applies them after all plugins ran)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for target, hook, kind in HOOKS:
+        if hook not in [h for _, h, _ in HookRegistry._hooks.get(target, [])]:
+            HookRegistry.register(target, hook, _hook_type(kind))

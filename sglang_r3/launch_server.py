@@ -1,0 +1,150 @@
+"""``python -m sglang_r3.launch_server``: SGLang's launcher with routing shipped by rollout id.
+
+Takes every ``python -m sglang.launch_server`` argument plus::
+
+    --return-routed-experts          record routing and ship it (turns on upstream's
+                                     --enable-return-routed-experts underneath)
+    --routing-cache URL              cache service (http://host:8080 or grpc://host:50051)
+    --routing-api-key KEY            its API key (or SGLANG_R3_API_KEY)
+    --routing-on-cache-error {fail,inline}
+    --routing-on-retraction {mark,fail}
+
+``--device cpu`` also prepares the CPU recipe (stub libcuda, CPU engine) and
+re-executes itself so the dynamic loader sees it.  Exit status 2 means the
+configuration was refused before SGLang started, with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from sglang_r3.config import ConfigError, EngineConfig
+
+_REEXEC = "SGLANG_R3_REEXEC"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_r3.launch_server",
+        add_help=False,
+        description="SGLang with R3 routing capture; all other arguments go to SGLang.",
+    )
+    p.add_argument("--return-routed-experts", action="store_true")
+    p.add_argument("--routing-cache", default=os.environ.get("SGLANG_R3_ROUTING_CACHE", ""))
+    p.add_argument("--routing-api-key", default=os.environ.get("SGLANG_R3_API_KEY"))
+    p.add_argument("--routing-on-cache-error", choices=["fail", "inline"], default="fail")
+    p.add_argument("--routing-on-retraction", choices=["mark", "fail"], default="mark")
+    p.add_argument("--routing-put-attempts", type=int, default=3)
+    p.add_argument("--routing-put-timeout", type=float, default=10.0)
+    return p
+
+
+def _device(rest: Sequence[str]) -> str | None:
+    for i, arg in enumerate(rest):
+        if arg == "--device" and i + 1 < len(rest):
+            return rest[i + 1]
+        if arg.startswith("--device="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _fail(message: str) -> int:
+    print(f"sglang_r3.launch_server: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_cache(config: EngineConfig) -> str | None:
+    """Reach the cache with the key; an error message, or None when usable or merely down."""
+    from r3_client import AuthError, Retry, RolloutNotFoundError, RoutingClient, TransportError
+
+    try:
+        with RoutingClient(
+            config.routing_cache, api_key=config.api_key, retry=Retry(attempts=1)
+        ) as c:
+            c.stat("r3-launcher-probe")
+    except RolloutNotFoundError:
+        return None
+    except AuthError as exc:
+        return f"the routing cache refused the API key: {exc}"
+    except TransportError as exc:
+        print(
+            f"sglang_r3.launch_server: warning: routing cache {config.routing_cache} "
+            f"unreachable now ({exc}); requests follow --routing-on-cache-error until it is up",
+            file=sys.stderr,
+        )
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, prepare the environment, verify the plugin, run SGLang's server."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, rest = _parser().parse_known_args(argv)
+    if ours.routing_cache and not ours.return_routed_experts:
+        return _fail("--routing-cache needs --return-routed-experts")
+    if ours.return_routed_experts and not ours.routing_cache:
+        return _fail("--return-routed-experts needs --routing-cache URL (the cache service)")
+    env = dict(os.environ)
+    if ours.return_routed_experts:
+        try:
+            config = EngineConfig(
+                routing_cache=ours.routing_cache,
+                api_key=ours.routing_api_key,
+                on_cache_error=ours.routing_on_cache_error,
+                on_retraction=ours.routing_on_retraction,
+                put_attempts=ours.routing_put_attempts,
+                put_timeout_s=ours.routing_put_timeout,
+            )
+            EngineConfig.from_env(config.to_env())  # the same checks children will run
+        except ConfigError as exc:
+            return _fail(str(exc))
+        env.update(config.to_env())
+        if "--enable-return-routed-experts" not in rest:
+            rest.append("--enable-return-routed-experts")
+    plugins = env.get("SGLANG_PLUGINS", "")
+    if plugins and "r3" not in plugins.split(","):
+        return _fail(f"SGLANG_PLUGINS={plugins!r} excludes this extension's plugin 'r3'")
+    if _device(rest) == "cpu" and env.get(_REEXEC) != "1":
+        from sglang_r3.cpu import CpuSetupError, prepare_env
+
+        try:
+            env = prepare_env(env)
+        except CpuSetupError as exc:
+            return _fail(str(exc))
+        env[_REEXEC] = "1"
+        # The dynamic loader reads LD_LIBRARY_PATH at process start: start again.
+        os.execve(sys.executable, [sys.executable, "-m", "sglang_r3.launch_server", *argv], env)
+    os.environ.update(env)
+    return _run(rest)
+
+
+def _run(rest: list[str]) -> int:
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    from sglang_r3.hooks import HTTP_TARGETS, StartupError, check_startup, engine_config
+
+    load_plugins()
+    server_args = prepare_server_args(rest)
+    try:
+        check_startup(HTTP_TARGETS, server_args)
+    except StartupError as exc:
+        return _fail(str(exc))
+    config = engine_config()
+    if config.enabled:
+        problem = _check_cache(config)
+        if problem:
+            return _fail(problem)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The SGLang plugin: entry point ``r3`` in the ``sglang.srt.plugins`` group.
+
+SGLang calls :func:`register` once in each of its processes (launcher, scheduler,
+detokenizer, DP controller) before applying hooks.  SGLang only *logs* an exception
+raised here or a hook that fails to apply, so the hooks verify themselves at start-up
+(:func:`sglang_r3.hooks.check_startup`) and stop the server with a clear message.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def register() -> None:
+    """Install the CPU allocator (on CPU) and register the hooks."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        from sglang_r3.cpu import install_allocator
+
+        install_allocator()
+    from sglang_r3.hooks import register_hooks
+
+    register_hooks()
+    extra = os.environ.get("SGLANG_R3_TEST_BOGUS_HOOK")
+    if extra:
+        # Test-only: a hook on a target that does not exist, to prove that the
+        # start-up check stops the server instead of running without it.
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        from sglang_r3 import hooks
+
+        def _noop(*args: object, **kwargs: object) -> None:
+            return None
+
+        hooks.HOOKS.append((extra, _noop, "BEFORE"))
+        hooks.HTTP_TARGETS.append(extra)
+        HookRegistry.register(extra, _noop, HookType.BEFORE)

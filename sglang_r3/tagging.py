@@ -1,0 +1,155 @@
+"""How a request names its rollout, and which output gets which rollout id.
+
+A request is tagged through SGLang's own ``custom_params`` carrier, which every
+endpoint passes to the engine untouched (decision, docs/engine.md):
+
+- ``/generate``: ``"sampling_params": {..., "custom_params": {"r3": TAG}}``, or one
+  tag per prompt with a list of ``sampling_params``;
+- ``/v1/completions`` and ``/v1/chat/completions``: top-level ``"custom_params": {"r3": TAG}``.
+
+``TAG`` is ``{"rollout_id": str | [str, ...], "weight_version": str?, "inline": bool?,
+"share_prompt": bool?}``.  Outputs are numbered prompt-major (``k = i * n + j`` for
+prompt ``i``, sample ``j``), as SGLang returns them.  One string id with a single
+output names that output; with several outputs, output ``k`` gets ``f"{id}-{k}"``
+(a per-prompt tag: ``f"{id}-{j}"``).  A list names the outputs one by one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_r3.errors import bad_request
+
+# The cache service's rule (cache_service/store.py), checked here so a bad id fails
+# before any generation work is done.
+ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9_.:@+=-]{1,200}")
+_TAG_KEYS = {"rollout_id", "weight_version", "inline", "share_prompt"}
+
+
+@dataclass(frozen=True, slots=True)
+class OutputTag:
+    """The rollout one output of a request belongs to."""
+
+    index: int  # position in SGLang's output order
+    prompt_index: int
+    rollout_id: str
+    weight_version: str
+    inline: bool
+    share_prompt: bool
+
+
+def _tag_of(custom_params: Any) -> Mapping[str, Any] | None:
+    if not isinstance(custom_params, Mapping) or "r3" not in custom_params:
+        return None
+    tag = custom_params["r3"]
+    if not isinstance(tag, Mapping):
+        raise bad_request('custom_params["r3"] must be an object like {"rollout_id": "..."}')
+    unknown = set(tag) - _TAG_KEYS
+    if unknown:
+        raise bad_request(
+            f"unknown field(s) {sorted(map(str, unknown))}; known: {sorted(_TAG_KEYS)}"
+        )
+    if "rollout_id" not in tag:
+        raise bad_request("rollout_id is required")
+    return tag
+
+
+def _ids(value: Any, count: int, what: str) -> list[str]:
+    if isinstance(value, str):
+        return [value] if count == 1 else [f"{value}-{k}" for k in range(count)]
+    if isinstance(value, Sequence) and not isinstance(value, bytes | bytearray):
+        ids = list(value)
+        if len(ids) != count:
+            raise bad_request(f"{what} lists {len(ids)} rollout ids for {count} outputs")
+        return ids
+    raise bad_request(
+        f"rollout_id must be a string or a list of strings, got {type(value).__name__}"
+    )
+
+
+def _flag(tag: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = tag.get(key, default)
+    if not isinstance(value, bool):
+        raise bad_request(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def output_tags(
+    sampling_params: Any, *, batch_size: int, n: int, max_outputs: int
+) -> list[OutputTag] | None:
+    """The tag of every output, or None when the request is not tagged at all.
+
+    ``batch_size`` prompts with ``n`` samples each give ``batch_size * n`` outputs.
+    Raises a 400 :class:`~sglang_r3.errors.R3RequestError` for a malformed tag,
+    a bad or repeated rollout id, or a request only partly tagged.
+    """
+    if isinstance(sampling_params, list):
+        tags = [
+            _tag_of(sp.get("custom_params") if isinstance(sp, Mapping) else None)
+            for sp in sampling_params
+        ]
+        if all(t is None for t in tags):
+            return None
+        if any(t is None for t in tags) or len(tags) != batch_size:
+            raise bad_request(
+                "tag every prompt of a batch, or tag it once in a shared sampling_params"
+            )
+        per_prompt: list[tuple[Mapping[str, Any], list[str]]] = [
+            (t, _ids(t["rollout_id"], n, f"prompt {i}"))
+            for i, t in enumerate(tags)
+            if t is not None
+        ]
+    else:
+        cp = sampling_params.get("custom_params") if isinstance(sampling_params, Mapping) else None
+        tag = _tag_of(cp)
+        if tag is None:
+            return None
+        ids = _ids(tag["rollout_id"], batch_size * n, "the request")
+        per_prompt = [(tag, ids[i * n : (i + 1) * n]) for i in range(batch_size)]
+    total = batch_size * n
+    if total > max_outputs:
+        raise bad_request(f"{total} outputs in one request exceed the limit of {max_outputs}")
+    out: list[OutputTag] = []
+    for i, (tag, ids) in enumerate(per_prompt):
+        wv = tag.get("weight_version", "")
+        if not isinstance(wv, str) or len(wv) > 200:
+            raise bad_request("weight_version must be a string of at most 200 characters")
+        inline = _flag(tag, "inline", False)
+        share = _flag(tag, "share_prompt", n > 1)
+        for j, rid in enumerate(ids):
+            if not isinstance(rid, str) or not ROLLOUT_ID_RE.fullmatch(rid):
+                raise bad_request(
+                    f"invalid rollout id {rid!r}: use 1-200 characters from "
+                    "A-Z a-z 0-9 _ . : @ + = -"
+                )
+            out.append(OutputTag(i * n + j, i, rid, wv, inline, share))
+    seen: set[str] = set()
+    for t in out:
+        if t.rollout_id in seen:
+            raise bad_request(f"rollout id {t.rollout_id!r} names two outputs of one request")
+        seen.add(t.rollout_id)
+    return out
+
+
+def request_shape(text: Any, input_ids: Any, sampling_params: Any) -> tuple[int, int, bool]:
+    """``(batch_size, n, is_single)`` of a ``GenerateReqInput`` before SGLang normalises it."""
+    if text is not None:
+        single = isinstance(text, str)
+        batch = 1 if single else len(text)
+    elif input_ids is not None:
+        single = len(input_ids) == 0 or isinstance(input_ids[0], int)
+        batch = 1 if single else len(input_ids)
+    else:
+        raise bad_request("routing capture needs text or input_ids (embeddings carry no tokens)")
+    first = (
+        sampling_params[0]
+        if isinstance(sampling_params, list) and sampling_params
+        else sampling_params
+    )
+    n = first.get("n", 1) if isinstance(first, Mapping) else 1
+    if not isinstance(n, int) or n < 1:
+        raise bad_request(f"n must be a positive integer, got {n!r}")
+    return batch, n, single and n == 1

@@ -1,0 +1,217 @@
+"""Tiny MoE models and a managed SGLang server, for tests, benchmarks and the demo.
+
+Nothing is downloaded: models are random, built from ``transformers`` configs with a
+fixed seed, with a word-level tokenizer (``w3 w4 ...``) and a plain chat template.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("qwen3_moe", "glm4_moe", "olmoe", "mixtral")
+VOCAB = 1024
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w3 {% endif %}"
+)
+
+
+def _config(family: str, layers: int, experts: int, topk: int) -> Any:
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        num_experts_per_tok=topk,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            **common, head_dim=32, moe_intermediate_size=64, num_experts=experts, norm_topk_prob=True
+        )
+    if family == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(
+            **common,
+            head_dim=32,
+            moe_intermediate_size=64,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            partial_rotary_factor=0.5,
+        )
+    if family == "olmoe":
+        from transformers import OlmoeConfig
+
+        common["intermediate_size"] = 64
+        return OlmoeConfig(**common, num_experts=experts)
+    if family == "mixtral":
+        from transformers import MixtralConfig
+
+        common["intermediate_size"] = 64
+        return MixtralConfig(**common, num_local_experts=experts)
+    raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+
+
+def build_tiny_model(
+    family: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    layers: int = 3,
+    experts: int = 8,
+    topk: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Write a random bf16 MoE checkpoint with tokenizer to ``out_dir`` (once)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = _config(family, layers, experts, topk)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return out
+
+
+def words(token_ids: list[int]) -> str:
+    """Text that the tiny tokenizer turns back into exactly ``token_ids``."""
+    return " ".join(f"w{t}" for t in token_ids)
+
+
+CPU_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--dtype",
+    "bfloat16",
+    "--mem-fraction-static",
+    "0.05",
+)
+
+
+@dataclass
+class EngineServer:
+    """A ``python -m sglang_r3.launch_server`` process in its own process group."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    argv: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after 20 s; SGLang's children go with it."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def tail(self, n: int = 60) -> str:
+        """The last ``n`` lines of the server log."""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def start_engine(
+    model_path: str | os.PathLike[str],
+    *,
+    port: int,
+    log: Path,
+    routing_cache: str | None = None,
+    api_key: str | None = None,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    max_total_tokens: int = 4096,
+    timeout_s: float = 240.0,
+    launcher: str = "sglang_r3.launch_server",
+) -> EngineServer:
+    """Start SGLang on CPU (with the extension when ``routing_cache`` is given); wait healthy.
+
+    ``launcher="sglang.launch_server"`` starts upstream unchanged (the plugin is
+    still installed, so the CPU allocator is there), for baselines.
+    """
+    import httpx
+
+    argv = [
+        sys.executable,
+        "-m",
+        launcher,
+        "--model-path",
+        str(model_path),
+        *CPU_ARGS,
+        "--max-total-tokens",
+        str(max_total_tokens),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *extra_args,
+    ]
+    if routing_cache:
+        argv += ["--return-routed-experts", "--routing-cache", routing_cache]
+        if api_key:
+            argv += ["--routing-api-key", api_key]
+    run_env = dict(os.environ if env is None else env)
+    if launcher != "sglang_r3.launch_server":
+        from sglang_r3.cpu import prepare_env
+
+        run_env = prepare_env(run_env)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            argv, stdout=fh, stderr=subprocess.STDOUT, env=run_env, start_new_session=True
+        )
+    server = EngineServer(f"http://127.0.0.1:{port}", proc, log, argv)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"SGLang exited with {proc.returncode}:\n{server.tail()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"SGLang not healthy after {timeout_s:.0f} s:\n{server.tail()}")
