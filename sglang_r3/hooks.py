@@ -36,7 +36,7 @@ from sglang_r3 import metrics
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import R3RequestError, bad_request
 from sglang_r3.layers import MoeShape, moe_shape
-from sglang_r3.shipping import Continuation, Shipper
+from sglang_r3.shipping import CacheUnavailableError, Continuation, Shipper
 from sglang_r3.tagging import OutputTag, output_tags, request_shape
 
 log = logging.getLogger("sglang_r3")
@@ -189,9 +189,18 @@ async def _tagged_generate(
             "routed_experts_start_len is managed by r3 for tagged requests; leave it 0"
         )
     shipper = _shipper(tm)
-    conts: list[Continuation | None] = list(
-        await asyncio.gather(*(shipper.continuation(t.rollout_id) for t in tags))
-    )
+
+    async def lookup(tag: OutputTag) -> Continuation | None:
+        try:
+            return await shipper.continuation(tag.rollout_id)
+        except CacheUnavailableError:
+            # Under the inline policy a rollout the cache cannot be asked about is
+            # generated from row 0, so the inline fallback carries every row.
+            if (tag.on_cache_error or config.on_cache_error) == "inline":
+                return None
+            raise
+
+    conts: list[Continuation | None] = list(await asyncio.gather(*(lookup(t) for t in tags)))
     if n > 1:
         taken = [t.rollout_id for t, c in zip(tags, conts, strict=True) if c is not None]
         if taken:

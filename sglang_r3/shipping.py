@@ -88,6 +88,10 @@ def check_rows(rows: npt.NDArray[np.int32], expected: int) -> None:
         )
 
 
+class CacheUnavailableError(R3RequestError):
+    """503: the cache could not be reached (after retries) to look up a rollout."""
+
+
 class Shipper:
     """Owns the cache client of one process and turns outputs into stored segments."""
 
@@ -114,7 +118,7 @@ class Shipper:
             return None
         except _CACHE_DOWN as exc:
             metrics.CACHE_ERRORS.labels(type(exc).__name__).inc()
-            raise R3RequestError(
+            raise CacheUnavailableError(
                 503, f"r3: routing cache unreachable while looking up rollout {rollout_id!r}: {exc}"
             ) from None
         except R3Error as exc:
@@ -204,7 +208,7 @@ class Shipper:
         if retractions:
             metrics.RETRACTED.inc()
             ref["retractions"] = retractions
-            if self.config.on_retraction == "fail":
+            if (tag.on_retraction or self.config.on_retraction) == "fail":
                 metrics.GUARD_TRIPS.labels("retraction").inc()
                 raise R3RequestError(
                     503,
@@ -257,7 +261,7 @@ class Shipper:
             reason = (
                 f"routing cache write failed after {self.config.put_attempts} attempt(s): {exc}"
             )
-            if self.config.on_cache_error == "inline":
+            if (tag.on_cache_error or self.config.on_cache_error) == "inline":
                 log.warning("r3: %s; returning routing inline for %s", reason, tag.rollout_id)
                 metrics.OUTPUTS.labels("inline_fallback").inc()
                 ref["error"] = reason

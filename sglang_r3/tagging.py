@@ -8,8 +8,10 @@ endpoint passes to the engine untouched (decision, docs/engine.md):
 - ``/v1/completions`` and ``/v1/chat/completions``: top-level ``"custom_params": {"r3": TAG}``.
 
 ``TAG`` is ``{"rollout_id": str | [str, ...], "weight_version": str?, "inline": bool?,
-"share_prompt": bool?}``.  Outputs are numbered prompt-major (``k = i * n + j`` for
-prompt ``i``, sample ``j``), as SGLang returns them.  One string id with a single
+"share_prompt": bool?, "on_cache_error": "fail"|"inline"?, "on_retraction": "mark"|"fail"?}``
+(the last two override the server's policies for this request).  Outputs are
+numbered prompt-major (``k = i * n + j`` for prompt ``i``, sample ``j``), as SGLang
+returns them.  One string id with a single
 output names that output; with several outputs, output ``k`` gets ``f"{id}-{k}"``
 (a per-prompt tag: ``f"{id}-{j}"``).  A list names the outputs one by one.
 """
@@ -26,7 +28,14 @@ from sglang_r3.errors import bad_request
 # The cache service's rule (cache_service/store.py), checked here so a bad id fails
 # before any generation work is done.
 ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9_.:@+=-]{1,200}")
-_TAG_KEYS = {"rollout_id", "weight_version", "inline", "share_prompt"}
+_TAG_KEYS = {
+    "rollout_id",
+    "weight_version",
+    "inline",
+    "share_prompt",
+    "on_cache_error",
+    "on_retraction",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +48,8 @@ class OutputTag:
     weight_version: str
     inline: bool
     share_prompt: bool
+    on_cache_error: str | None = None  # overrides the server's policy for this output
+    on_retraction: str | None = None
 
 
 def _tag_of(custom_params: Any) -> Mapping[str, Any] | None:
@@ -68,6 +79,13 @@ def _ids(value: Any, count: int, what: str) -> list[str]:
     raise bad_request(
         f"rollout_id must be a string or a list of strings, got {type(value).__name__}"
     )
+
+
+def _choice(tag: Mapping[str, Any], key: str, allowed: tuple[str, ...]) -> str | None:
+    value = tag.get(key)
+    if value is not None and value not in allowed:
+        raise bad_request(f"{key} must be one of {list(allowed)}, got {value!r}")
+    return value
 
 
 def _flag(tag: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -119,13 +137,15 @@ def output_tags(
             raise bad_request("weight_version must be a string of at most 200 characters")
         inline = _flag(tag, "inline", False)
         share = _flag(tag, "share_prompt", n > 1)
+        on_err = _choice(tag, "on_cache_error", ("fail", "inline"))
+        on_ret = _choice(tag, "on_retraction", ("mark", "fail"))
         for j, rid in enumerate(ids):
             if not isinstance(rid, str) or not ROLLOUT_ID_RE.fullmatch(rid):
                 raise bad_request(
                     f"invalid rollout id {rid!r}: use 1-200 characters from "
                     "A-Z a-z 0-9 _ . : @ + = -"
                 )
-            out.append(OutputTag(i * n + j, i, rid, wv, inline, share))
+            out.append(OutputTag(i * n + j, i, rid, wv, inline, share, on_err, on_ret))
     seen: set[str] = set()
     for t in out:
         if t.rollout_id in seen:

@@ -6,6 +6,7 @@ fixed seed, with a word-level tokenizer (``w3 w4 ...``) and a plain chat templat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,6 +25,9 @@ CHAT_TEMPLATE = (
 
 
 def _config(family: str, layers: int, experts: int, topk: int) -> Any:
+    import transformers
+
+    tf: Any = transformers  # configs take **kwargs that the stubs do not list
     common: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=128,
@@ -39,15 +43,15 @@ def _config(family: str, layers: int, experts: int, topk: int) -> Any:
         pad_token_id=0,
     )
     if family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
-
-        return Qwen3MoeConfig(
-            **common, head_dim=32, moe_intermediate_size=64, num_experts=experts, norm_topk_prob=True
+        return tf.Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            moe_intermediate_size=64,
+            num_experts=experts,
+            norm_topk_prob=True,
         )
     if family == "glm4_moe":
-        from transformers import Glm4MoeConfig
-
-        return Glm4MoeConfig(
+        return tf.Glm4MoeConfig(
             **common,
             head_dim=32,
             moe_intermediate_size=64,
@@ -60,15 +64,11 @@ def _config(family: str, layers: int, experts: int, topk: int) -> Any:
             partial_rotary_factor=0.5,
         )
     if family == "olmoe":
-        from transformers import OlmoeConfig
-
         common["intermediate_size"] = 64
-        return OlmoeConfig(**common, num_experts=experts)
+        return tf.OlmoeConfig(**common, num_experts=experts)
     if family == "mixtral":
-        from transformers import MixtralConfig
-
         common["intermediate_size"] = 64
-        return MixtralConfig(**common, num_local_experts=experts)
+        return tf.MixtralConfig(**common, num_local_experts=experts)
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
@@ -83,8 +83,10 @@ def build_tiny_model(
 ) -> Path:
     """Write a random bf16 MoE checkpoint with tokenizer to ``out_dir`` (once)."""
     import torch
+    import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tf: Any = transformers
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
@@ -92,13 +94,17 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     cfg = _config(family, layers, experts, topk)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
     model.save_pretrained(out)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
+    fast = tf.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
@@ -140,10 +146,8 @@ class EngineServer:
                 self.proc.wait(20)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
 
     def tail(self, n: int = 60) -> str:

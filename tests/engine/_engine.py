@@ -1,0 +1,54 @@
+"""Small helpers for talking to a real SGLang server in tests."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+
+
+def rid(prefix: str = "t") -> str:
+    """A fresh rollout id."""
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def sp(rollout_id: Any = None, max_new_tokens: int = 6, **tag: Any) -> dict[str, Any]:
+    """Greedy sampling params, tagged with ``rollout_id`` unless it is None."""
+    out: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0}
+    if rollout_id is not None:
+        out["custom_params"] = {"r3": {"rollout_id": rollout_id, **tag}}
+    return out
+
+
+def generate(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
+    """POST /generate; (status, JSON)."""
+    r = httpx.post(f"{url}/generate", json=body, timeout=timeout)
+    return r.status_code, r.json()
+
+
+def sse(url: str, path: str, body: dict[str, Any]) -> list[Any]:
+    """POST a streaming request; the decoded ``data:`` events, ``[DONE]`` as the string."""
+    r = httpx.post(f"{url}{path}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    events: list[Any] = []
+    for line in r.text.splitlines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def inline_rows(out: dict[str, Any], num_layers: int, topk: int = 2) -> npt.NDArray[np.int32]:
+    """Upstream's base64 routing of one output as ``[rows, all layers, K]``."""
+    raw = base64.b64decode(out["meta_info"]["routed_experts"])
+    return np.frombuffer(raw, dtype=np.int32).reshape(-1, num_layers, topk)
+
+
+def as_sets(a: npt.ArrayLike) -> npt.NDArray[Any]:
+    """Rows sorted within each (token, layer): routing compared as sets."""
+    return np.sort(np.asarray(a, dtype=np.int64), axis=-1)

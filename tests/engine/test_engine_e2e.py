@@ -1,0 +1,449 @@
+"""End to end on a real SGLang server (CPU) with the extension: generate, ship, fetch."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import numpy as np
+import pytest
+from _engine import as_sets, generate, inline_rows, rid, sp, sse
+from _service import KEY_A, Service, start_service
+from conftest import MAX_SEGMENT_ROWS
+
+from r3_client import RolloutNotFoundError, RoutingClient
+from sglang_r3.testing import EngineServer
+
+pytestmark = pytest.mark.timeout(600)
+
+QWEN_LAYERS = 3
+
+
+def test_untagged_request_is_plain_upstream(qwen_engine: EngineServer) -> None:
+    status, out = generate(
+        qwen_engine.url,
+        {"input_ids": list(range(10, 30)), "sampling_params": sp(), "return_routed_experts": True},
+    )
+    assert status == 200
+    assert "r3" not in out["meta_info"]
+    assert "prompt_token_ids" not in out
+    assert inline_rows(out, QWEN_LAYERS).shape == (20 + 6 - 1, QWEN_LAYERS, 2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_stored_routing_equals_upstream_inline(
+    family: str,
+    request: pytest.FixtureRequest,
+    cache_client: RoutingClient,
+) -> None:
+    engine: EngineServer = request.getfixturevalue(
+        "qwen_engine" if family == "qwen3_moe" else "glm_engine"
+    )
+    rollout = rid(family)
+    status, out = generate(
+        engine.url,
+        {"input_ids": list(range(40, 70)), "sampling_params": sp(rollout, 8, inline=True)},
+    )
+    assert status == 200, out
+    ref = out["meta_info"]["r3"]
+    assert ref["stored"] and ref["rollout_id"] == rollout
+    assert (ref["start"], ref["end"]) == (0, 30 + 8 - 1)
+    upstream = inline_rows(out, 3)
+    got = cache_client.get(rollout)
+    moe_layers = [0, 1, 2] if family == "qwen3_moe" else [1, 2]  # GLM: layer 0 is dense
+    assert got.layer_ids == tuple(moe_layers)
+    assert got.indices.shape == (37, len(moe_layers), 2)
+    np.testing.assert_array_equal(as_sets(got.indices), as_sets(upstream[:, moe_layers]))
+    if family == "glm4_moe":
+        # The dense layer's column upstream is the never-written zero buffer.
+        assert not upstream[:, 0].any()
+
+
+def test_response_carries_reference_not_blob(
+    qwen_engine: EngineServer, cache_client: RoutingClient
+) -> None:
+    rollout = rid()
+    status, out = generate(
+        qwen_engine.url, {"input_ids": list(range(50, 70)), "sampling_params": sp(rollout)}
+    )
+    assert status == 200
+    meta = out["meta_info"]
+    assert "routed_experts" not in meta and "prompt_token_ids" not in out
+    ref = meta["r3"]
+    assert ref["nbytes"] > 0 and ref["segments"][0]["nbytes"] == ref["nbytes"]
+    info = cache_client.stat(rollout)
+    assert info.num_rows == ref["end"] == 25
+    assert info.stored_bytes == ref["nbytes"]
+    # A Qwen3-30B-A3B-sized int32 + base64 blob would be 4/3 * 4 bytes per id; here
+    # the reference is a few hundred bytes whatever the length.
+    assert len(str(ref)) < 400
+
+
+def test_prefix_cache_hit_gives_identical_prefix_rows(
+    qwen_engine: EngineServer, cache_client: RoutingClient
+) -> None:
+    prompt = list(range(600, 640))
+    a, b = rid("pa"), rid("pb")
+    s1, _ = generate(qwen_engine.url, {"input_ids": prompt, "sampling_params": sp(a)})
+    s2, o2 = generate(
+        qwen_engine.url,
+        {"input_ids": prompt, "sampling_params": {**sp(b), "temperature": 1.0}},
+    )
+    assert s1 == s2 == 200
+    assert o2["meta_info"]["cached_tokens"] >= len(prompt) - 1  # served from the radix cache
+    ra, rb = cache_client.get(a), cache_client.get(b)
+    np.testing.assert_array_equal(ra.indices[: len(prompt) - 1], rb.indices[: len(prompt) - 1])
+
+
+def test_three_turns_in_three_segments_equal_one_request(
+    qwen_engine: EngineServer, cache_client: RoutingClient
+) -> None:
+    rollout = rid("agent")
+    tokens = list(range(100, 120))
+    refs = []
+    for turn, version in enumerate(["v1", "v2", "v3"]):
+        status, out = generate(
+            qwen_engine.url,
+            {"input_ids": tokens, "sampling_params": sp(rollout, 5, weight_version=version)},
+        )
+        assert status == 200, out
+        refs.append(out["meta_info"]["r3"])
+        # turn n asks the engine only for rows not stored yet
+        assert refs[-1]["start"] == (refs[-2]["end"] if turn else 0)
+        tokens = tokens + out["output_ids"] + [7, 8, 9]  # the "tool output"
+    final = tokens[:-3]  # the trajectory through the last turn's answer
+    stored = cache_client.get(rollout)
+    info = cache_client.stat(rollout)
+    assert [(s.segment.start, s.segment.end) for s in info.segments] == [
+        (r["start"], r["end"]) for r in refs
+    ]
+    assert [s.segment.weight_version for s in info.segments] == ["v1", "v2", "v3"]
+    assert stored.indices.shape[0] == len(final) - 1
+    # One request over the final trajectory (the radix cache holds it): same array.
+    status, single = generate(
+        qwen_engine.url,
+        {
+            "input_ids": final,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_routed_experts": True,
+        },
+    )
+    assert status == 200
+    whole = inline_rows(single, QWEN_LAYERS)[: len(final) - 1]
+    np.testing.assert_array_equal(as_sets(stored.indices), as_sets(whole))
+
+
+def test_diverging_prefix_is_a_conflict_and_stores_nothing(
+    qwen_engine: EngineServer, cache_client: RoutingClient
+) -> None:
+    rollout = rid("fork")
+    tokens = list(range(200, 220))
+    status, out = generate(qwen_engine.url, {"input_ids": tokens, "sampling_params": sp(rollout)})
+    assert status == 200
+    before = cache_client.get_frame(rollout)
+    forked = tokens + out["output_ids"] + [5]
+    forked[3] += 1
+    status, err = generate(qwen_engine.url, {"input_ids": forked, "sampling_params": sp(rollout)})
+    assert status == 409
+    assert "do not start with that trajectory" in err["error"]["message"]
+    assert cache_client.get_frame(rollout) == before
+    # The documented way out: a new rollout id is a new branch.
+    status, _ = generate(qwen_engine.url, {"input_ids": forked, "sampling_params": sp(rid("br"))})
+    assert status == 200
+
+
+def test_grpo_group_samples_get_own_ids_and_share_prompt_rows(
+    qwen_engine: EngineServer, cache_client: RoutingClient
+) -> None:
+    group = rid("grpo")
+    prompt = list(range(300, 340))
+    status, outs = generate(
+        qwen_engine.url,
+        {"input_ids": prompt, "sampling_params": {**sp(group, 6), "n": 4, "temperature": 1.0}},
+    )
+    assert status == 200 and len(outs) == 4
+    refs = [o["meta_info"]["r3"] for o in outs]
+    assert [r["rollout_id"] for r in refs] == [f"{group}-{k}" for k in range(4)]
+    # The prompt part is its own segment; the service keeps it once.
+    assert [r["segments"][0]["end"] for r in refs] == [len(prompt) - 1] * 4
+    assert sum(r["segments"][0]["dedupe_hit"] for r in refs) == 3
+    routings = [cache_client.get(r["rollout_id"]) for r in refs]
+    for r in routings[1:]:
+        np.testing.assert_array_equal(r.indices[:39], routings[0].indices[:39])
+    infos = [cache_client.stat(r["rollout_id"]) for r in refs]
+    assert all(i.shared_bytes > 0 for i in infos)
+    # A sample is continued on its own; continuing with n>1 is refused.
+    status, err = generate(
+        qwen_engine.url,
+        {"input_ids": prompt + outs[0]["output_ids"], "sampling_params": {**sp(group), "n": 4}},
+    )
+    assert status == 409 and "n>1" in err["error"]["message"]
+
+
+def test_batch_of_prompts(qwen_engine: EngineServer, cache_client: RoutingClient) -> None:
+    ids = [rid("b0"), rid("b1"), rid("b2")]
+    prompts = [list(range(400, 410)), list(range(420, 435)), list(range(440, 447))]
+    status, outs = generate(
+        qwen_engine.url, {"input_ids": prompts, "sampling_params": sp(ids, 4, inline=True)}
+    )
+    assert status == 200 and len(outs) == 3
+    for out, rollout, prompt in zip(outs, ids, prompts, strict=True):
+        assert out["meta_info"]["r3"]["rollout_id"] == rollout
+        got = cache_client.get(rollout)
+        assert got.num_rows == len(prompt) + 4 - 1
+        np.testing.assert_array_equal(as_sets(got.indices), as_sets(inline_rows(out, 3)))
+    # Per-prompt tags (a list of sampling_params) work too, and a continued turn in a batch.
+    first = prompts[0] + outs[0]["output_ids"]
+    status, outs2 = generate(
+        qwen_engine.url,
+        {"input_ids": [first, list(range(450, 460))], "sampling_params": [sp(ids[0]), sp(rid())]},
+    )
+    assert status == 200
+    assert outs2[0]["meta_info"]["r3"]["start"] == len(prompts[0]) + 4 - 1
+    assert outs2[1]["meta_info"]["r3"]["start"] == 0
+
+
+def test_generate_stream_reference_in_final_chunk(
+    qwen_engine: EngineServer, cache_client: RoutingClient
+) -> None:
+    rollout = rid("stream")
+    events = sse(
+        qwen_engine.url,
+        "/generate",
+        {"input_ids": list(range(500, 520)), "stream": True, "sampling_params": sp(rollout, 6)},
+    )
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all("r3" not in c["meta_info"] for c in chunks[:-1])
+    ref = chunks[-1]["meta_info"]["r3"]
+    assert ref["stored"] and ref["end"] == 25
+    assert cache_client.get(rollout).num_rows == 25
+
+
+def test_openai_completions_reference_every_choice(
+    qwen_engine: EngineServer, cache_client: RoutingClient
+) -> None:
+    base = rid("oai")
+    r = httpx.post(
+        f"{qwen_engine.url}/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": ["w5 w6 w7 w8", "w9 w10"],
+            "n": 2,
+            "max_tokens": 4,
+            "temperature": 0.8,
+            "custom_params": {"r3": {"rollout_id": base}},
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    refs = body["sglext"]["r3"]
+    assert [x["index"] for x in refs] == [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for ref in refs:
+        got = cache_client.get(ref["rollout_id"])
+        assert got.num_rows == ref["end"] > 0
+
+
+def test_openai_chat_stream_reference_in_final_chunk(
+    qwen_engine: EngineServer, cache_client: RoutingClient
+) -> None:
+    rollout = rid("chat")
+    events = sse(
+        qwen_engine.url,
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "w5 w6 w7"}],
+            "max_tokens": 4,
+            "stream": True,
+            "custom_params": {"r3": {"rollout_id": rollout}},
+        },
+    )
+    assert events[-1] == "[DONE]"
+    last = events[-2]
+    assert last["choices"] == [] and last["sglext"]["r3"][0]["rollout_id"] == rollout
+    assert cache_client.get(rollout).num_rows == last["sglext"]["r3"][0]["end"]
+
+
+@pytest.mark.parametrize(
+    ("tag", "needle"),
+    [
+        ({"rollout_id": "has space"}, "invalid rollout id"),
+        ({"rollout_id": "x" * 201}, "invalid rollout id"),
+        ({"rollout_id": ""}, "invalid rollout id"),
+        ({"rollout_id": 7}, "must be a string"),
+        ({"rollout_id": ["a", "b"]}, "2 rollout ids for 1 outputs"),
+        ({"rollout_id": "ok", "colour": 1}, "unknown field"),
+        ({"weight_version": "v"}, "rollout_id is required"),
+        ({"rollout_id": "ok", "inline": "yes"}, "inline must be true or false"),
+        ({"rollout_id": "ok", "on_cache_error": "ignore"}, "on_cache_error must be one of"),
+    ],
+)
+def test_bad_tags_are_400_with_reason(
+    qwen_engine: EngineServer, cache_client: RoutingClient, tag: dict[str, object], needle: str
+) -> None:
+    body = {
+        "input_ids": [11, 12, 13],
+        "sampling_params": {"max_new_tokens": 2, "custom_params": {"r3": tag}},
+    }
+    status, err = generate(qwen_engine.url, body)
+    assert status == 400 and needle in err["error"]["message"], err
+    r = httpx.post(
+        f"{qwen_engine.url}/v1/completions",
+        json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 2, "custom_params": {"r3": tag}},
+        timeout=60,
+    )
+    assert r.status_code == 400 and needle in r.text
+    if isinstance(tag.get("rollout_id"), str) and tag["rollout_id"] == "ok":
+        with pytest.raises(RolloutNotFoundError):
+            cache_client.stat("ok")
+
+
+def test_duplicate_ids_in_one_request_are_400(qwen_engine: EngineServer) -> None:
+    status, err = generate(
+        qwen_engine.url,
+        {"input_ids": [[11, 12], [13, 14]], "sampling_params": sp(["same", "same"])},
+    )
+    assert status == 400 and "names two outputs" in err["error"]["message"]
+
+
+def test_oversize_routing_is_413(qwen_engine: EngineServer, cache_client: RoutingClient) -> None:
+    rollout = rid("big")
+    prompt = [3 + (i % 1000) for i in range(MAX_SEGMENT_ROWS + 50)]
+    status, err = generate(qwen_engine.url, {"input_ids": prompt, "sampling_params": sp(rollout)})
+    assert status == 413, err
+    assert "refused the segment" in err["error"]["message"]
+    with pytest.raises(RolloutNotFoundError):
+        cache_client.stat(rollout)
+
+
+def test_cache_down_policies(
+    qwen_engine: EngineServer,
+    engine_cache: Service,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Cache unreachable: default policy fails the request (503); inline falls back, loudly."""
+    port = int(engine_cache.http_url.rsplit(":", 1)[1])
+    grpc_port = int(engine_cache.grpc_target.rsplit(":", 1)[1])
+    engine_cache.stop(signal.SIGKILL)
+    try:
+        status, err = generate(
+            qwen_engine.url, {"input_ids": list(range(700, 720)), "sampling_params": sp(rid())}
+        )
+        assert status == 503, err
+        assert "routing cache unreachable" in err["error"]["message"]
+        rollout = rid("fallback")
+        status, out = generate(
+            qwen_engine.url,
+            {
+                "input_ids": list(range(700, 720)),
+                "sampling_params": sp(rollout, on_cache_error="inline"),
+            },
+        )
+        # Inline policy: generated from row 0, every row returned inline, flagged unstored.
+        assert status == 200, out
+        ref = out["meta_info"]["r3"]
+        assert ref["stored"] is False and ref["inline"] is True and ref["start"] == 0
+        assert inline_rows(out, QWEN_LAYERS).shape[0] == 20 + 6 - 1
+        metrics = httpx.get(f"{qwen_engine.url}/r3/metrics", timeout=10).text
+        assert 'r3_engine_cache_errors_total{error="ConnectError"}' in metrics
+    finally:
+        restarted = start_service(
+            tmp_path_factory.mktemp("engine-cache-restart"),
+            engine_cache.redis_url,
+            env={"R3_CACHE_MAX_TOKENS_PER_SEGMENT": str(MAX_SEGMENT_ROWS)},
+            http_port=port,
+            grpc_port=grpc_port,
+        )
+        engine_cache.proc, engine_cache.log = restarted.proc, restarted.log
+    status, out = generate(
+        qwen_engine.url, {"input_ids": list(range(700, 720)), "sampling_params": sp(rid())}
+    )
+    assert status == 200 and out["meta_info"]["r3"]["stored"]
+
+
+def test_cache_write_failure_after_generation_follows_policy(
+    qwen_engine: EngineServer, engine_cache: Service, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The cache dies while the request generates: fail -> 503; inline -> routing inline."""
+    port = int(engine_cache.http_url.rsplit(":", 1)[1])
+    grpc_port = int(engine_cache.grpc_target.rsplit(":", 1)[1])
+    import threading
+    import time
+
+    results: dict[str, tuple[int, object]] = {}
+
+    def run(name: str, policy: str) -> None:
+        results[name] = generate(
+            qwen_engine.url,
+            {
+                "input_ids": list(range(800, 820)),
+                "sampling_params": {
+                    **sp(rid(name), 1500, on_cache_error=policy),
+                    "ignore_eos": True,
+                },
+            },
+        )
+
+    threads = [
+        threading.Thread(target=run, args=("fail", "fail")),
+        threading.Thread(target=run, args=("inline", "inline")),
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)  # both looked up their rollout and are decoding 1500 tokens
+    engine_cache.stop(signal.SIGKILL)
+    for t in threads:
+        t.join(300)
+    try:
+        status, err = results["fail"]
+        assert status == 503 and "policy: fail" in str(err), err
+        status, out = results["inline"]
+        assert status == 200, out
+        assert isinstance(out, dict)
+        ref = out["meta_info"]["r3"]
+        assert ref["stored"] is False and ref["inline"] is True and "failed" in ref["error"]
+        rows = inline_rows(out, QWEN_LAYERS)
+        assert rows.shape[0] == 20 + len(out["output_ids"]) - 1
+        metrics = httpx.get(f"{qwen_engine.url}/r3/metrics", timeout=10).text
+        assert 'r3_engine_outputs_total{outcome="inline_fallback"}' in metrics
+    finally:
+        restarted = start_service(
+            tmp_path_factory.mktemp("engine-cache-restart2"),
+            engine_cache.redis_url,
+            env={"R3_CACHE_MAX_TOKENS_PER_SEGMENT": str(MAX_SEGMENT_ROWS)},
+            http_port=port,
+            grpc_port=grpc_port,
+        )
+        engine_cache.proc, engine_cache.log = restarted.proc, restarted.log
+
+
+def test_retraction_is_marked_or_refused(
+    glm_engine: EngineServer, cache_client: RoutingClient
+) -> None:
+    rollout = rid("retract")
+    status, out = generate(
+        glm_engine.url, {"input_ids": list(range(30, 60)), "sampling_params": sp(rollout, 12)}
+    )
+    assert status == 200, out
+    assert out["meta_info"]["num_retractions"] > 0  # SGLANG_TEST_RETRACT forces it
+    ref = out["meta_info"]["r3"]
+    assert ref["stored"] and ref["retractions"] == out["meta_info"]["num_retractions"]
+    status, err = generate(
+        glm_engine.url,
+        {"input_ids": list(range(30, 60)), "sampling_params": sp(rid(), 12, on_retraction="fail")},
+    )
+    assert status == 503 and "retracted" in err["error"]["message"]
+
+
+def test_metrics_and_info_endpoints(qwen_engine: EngineServer) -> None:
+    generate(qwen_engine.url, {"input_ids": [21, 22, 23], "sampling_params": sp(rid())})
+    text = httpx.get(f"{qwen_engine.url}/r3/metrics", timeout=10).text
+    assert 'r3_engine_outputs_total{outcome="stored"}' in text
+    assert "r3_engine_bytes_shipped_total" in text
+    info = httpx.get(f"{qwen_engine.url}/r3/info", timeout=10).json()
+    assert info["enabled"] and info["sglang"] == "0.5.23"
+    assert os.environ.get("SGLANG_R3_API_KEY") is None or "api_key" not in info
+    assert KEY_A not in str(info)
