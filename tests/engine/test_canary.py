@@ -1,0 +1,100 @@
+"""Canary: the SGLang internals the extension touches are where it expects them.
+
+If an SGLang upgrade moves any of these, this file fails with the name of what moved,
+before a server ever runs with a hook that silently did not apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pkgutil
+from importlib.metadata import entry_points, version
+
+import pytest
+
+from sglang_r3.hooks import HOOKS, UPSTREAM_FIELDS, _resolve
+
+# Parameters each hooked callable must still take, in order.
+SIGNATURES = {
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": [
+        "self",
+        "obj",
+        "request",
+    ],
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager._send_one_request": [
+        "self",
+        "tokenized_obj",
+    ],
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager._send_batch_request": [
+        "self",
+        "tokenized_objs",
+    ],
+    "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request": [
+        "self",
+        "request",
+        "raw_request",
+    ],
+    "sglang.srt.entrypoints.http_server.launch_server": ["server_args"],
+    "sglang.srt.managers.scheduler.Scheduler.__init__": ["self", "server_args", "port_args"],
+}
+
+
+def test_sglang_is_the_pinned_version() -> None:
+    assert version("sglang") == "0.5.23", "sglang_r3 is built against sglang==0.5.23 exactly"
+
+
+def test_plugin_entry_point_is_installed() -> None:
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("r3") == "sglang_r3.plugin:register"
+
+
+@pytest.mark.parametrize("target", [t for t, _, _ in HOOKS])
+def test_hook_target_resolves_with_expected_signature(target: str) -> None:
+    fn = _resolve(target)
+    params = list(inspect.signature(fn).parameters)
+    assert params[: len(SIGNATURES[target])] == SIGNATURES[target], f"{target} moved: {params}"
+    if target.endswith("generate_request"):
+        assert inspect.isasyncgenfunction(inspect.unwrap(fn))
+    if "send_" in target or target.endswith("handle_request"):
+        assert inspect.iscoroutinefunction(inspect.unwrap(fn))
+
+
+@pytest.mark.parametrize("owner", sorted(UPSTREAM_FIELDS))
+def test_upstream_fields_exist(owner: str) -> None:
+    cls = pkgutil.resolve_name(owner)
+    if dataclasses.is_dataclass(cls):
+        names = {f.name for f in dataclasses.fields(cls)}
+    else:  # msgspec structs
+        names = set(getattr(cls, "__struct_fields__", ())) or set(dir(cls))
+    missing = [f for f in UPSTREAM_FIELDS[owner] if f not in names]
+    assert not missing, f"{owner} lost {missing}"
+
+
+def test_capture_internals() -> None:
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.mem_cache.pool_host import common
+    from sglang.srt.state_capturer.base import BaseTopkCapturer
+
+    # The CPU allocator is a key of this dict; rows come from get_topk with start_len.
+    assert isinstance(common.ALLOC_MEMORY_FUNCS, dict)
+    assert "start_len" in inspect.signature(BaseTopkCapturer.get_topk).parameters
+    # return_prompt_token_ids puts the prompt ids in each output (we check prefixes on them).
+    assert GenerateReqInput(input_ids=[1], return_prompt_token_ids=True).return_prompt_token_ids
+
+
+def test_moe_layer_rules_match_sglang_models() -> None:
+    """layers.moe_shape assumes these rules of SGLang's model code."""
+    from sglang.srt.models import glm4_moe, qwen3_moe
+
+    src_glm = inspect.getsource(glm4_moe)
+    assert "layer_id >= config.first_k_dense_replace" in src_glm
+    src_qwen = inspect.getsource(qwen3_moe)
+    assert "mlp_only_layers" not in src_qwen, "SGLang's Qwen3-MoE now honours mlp_only_layers"
+
+
+def test_hook_registry_api() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    assert {"BEFORE", "AFTER", "AROUND"} <= {t.name for t in HookType}
+    assert isinstance(HookRegistry._hooks, dict) and isinstance(HookRegistry._patched, set)
