@@ -38,9 +38,47 @@ def test_readme_serve_flags_exist() -> None:
         text=True,
         check=True,
     ).stdout
-    for line in _blocks("console"):
+    for line in "\n".join(_blocks("console")).splitlines():
+        if "r3 serve" not in line:
+            continue
         for flag in re.findall(r"(--[a-z-]+)", line):
             assert flag in help_text, flag
+
+
+def test_readme_launcher_flags_exist() -> None:
+    """Every flag on a README launcher line is ours or SGLang's own."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_r3.launch_server import _parser
+
+    sglang = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(sglang)
+    known = set(_parser()._option_string_actions) | set(sglang._option_string_actions)
+    lines = [
+        line
+        for block in _blocks("console")
+        for line in block.splitlines()
+        if "sglang_r3.launch_server" in line
+    ]
+    assert lines, "README shows how to launch the extension"
+    for line in lines:
+        for flag in re.findall(r"(--[a-z-]+)", line):
+            assert flag in known, flag
+
+
+def test_readme_tag_examples_are_valid_tags() -> None:
+    """JSON blocks in the README are r3 tags the extension accepts."""
+    import json
+
+    from sglang_r3.tagging import output_tags
+
+    blocks = _blocks("json")
+    assert blocks
+    for block in blocks:
+        tag = json.loads(block)
+        assert output_tags({"custom_params": {"r3": tag}}, batch_size=1, n=1, max_outputs=1)
 
 
 def test_readme_commands_are_the_make_targets_ci_runs() -> None:

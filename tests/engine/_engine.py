@@ -11,6 +11,9 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
+# The cache under the engines refuses segments over this many rows (413 test).
+MAX_SEGMENT_ROWS = 512
+
 
 def rid(prefix: str = "t") -> str:
     """A fresh rollout id."""

@@ -10,14 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _engine import MAX_SEGMENT_ROWS
 from _service import KEY_A, Service, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import RoutingClient
 from sglang_r3.testing import EngineServer, build_tiny_model, start_engine
-
-# The cache under the engines refuses segments over this many rows (413 test).
-MAX_SEGMENT_ROWS = 512
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,10 @@ import signal
 import httpx
 import numpy as np
 import pytest
-from _engine import as_sets, generate, inline_rows, rid, sp, sse
+from _engine import MAX_SEGMENT_ROWS, as_sets, generate, inline_rows, rid, sp, sse
 from _service import KEY_A, Service, start_service
-from conftest import MAX_SEGMENT_ROWS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from r3_client import RolloutNotFoundError, RoutingClient
 from sglang_r3.testing import EngineServer
@@ -459,3 +460,40 @@ def test_metrics_and_info_endpoints(qwen_engine: EngineServer) -> None:
     assert info["enabled"] and info["sglang"] == "0.5.23"
     assert os.environ.get("SGLANG_R3_API_KEY") is None or "api_key" not in info
     assert KEY_A not in str(info)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_tag = st.one_of(
+    _json,
+    st.fixed_dictionaries(
+        {"rollout_id": _json | st.text(max_size=30)},
+        optional={
+            "weight_version": _json,
+            "inline": _json,
+            "share_prompt": _json,
+            "on_cache_error": _json,
+            "on_retraction": _json,
+        },
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(tag=_tag, n=st.integers(1, 3), batch=st.booleans())
+def test_fuzzed_tags_never_500(qwen_engine: EngineServer, tag: object, n: int, batch: bool) -> None:
+    """Random ``r3`` tags: answered 200 or a 4xx with a reason; never a 500 or a crash."""
+    ids = [[11, 12, 13], [14, 15]] if batch else [11, 12, 13]
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 2, "n": n, "custom_params": {"r3": tag}},
+    }
+    status, out = generate(qwen_engine.url, body)
+    assert status == 200 or 400 <= status < 500, out
+    if status != 200:
+        assert out["error"]["message"]
