@@ -1,0 +1,14 @@
+"""Qwen3-MoE: router ``mlp.gate`` (``Qwen3MoeTopKRouter``), softmax top-k."""
+
+from r3_client.replay._core import Family, register
+from r3_client.replay._weights import softmax_topk
+
+FAMILY = register(
+    Family(
+        ("qwen3_moe",),
+        "gate",
+        ("Qwen3MoeTopKRouter",),
+        softmax_topk,
+        "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    )
+)

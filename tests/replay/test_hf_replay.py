@@ -1,0 +1,196 @@
+"""HF transformers routing replay on tiny random models of every supported family."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _models import FAMILIES, build
+
+from r3_client.replay import (
+    ReplayError,
+    apply_routing_replay,
+    record_routing,
+    recorded_as_routing,
+    remove_routing_replay,
+    replay_load_balancing_loss,
+    replay_routing,
+    supported_model_types,
+)
+from r3_client.replay._core import _ReplayForward
+
+B, S, E, K = 2, 11, 8, 2
+WITH_AUX = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss"]
+
+
+def inputs(seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (B, S), generator=g)
+
+
+def random_routing(num_layers: int, seed: int = 2) -> torch.Tensor:
+    """Distinct expert ids per row, [B, S, L, K]."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(B, S, num_layers, E, generator=g)
+    return scores.topk(K, dim=-1).indices
+
+
+def native(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad(), record_routing(model) as rec:
+        logits = model(ids).logits
+    return logits, recorded_as_routing(rec, B)
+
+
+def test_all_six_families_are_registered() -> None:
+    assert set(supported_model_types()) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replayed_routing_equals_given(family: str) -> None:
+    model = apply_routing_replay(build(family))
+    state = model._r3_replay
+    routing = random_routing(len(state.layer_ids))
+    with torch.no_grad(), replay_routing(model, routing):
+        model(inputs())
+    for j, layer in enumerate(state.layer_ids):
+        assert torch.equal(state.used[layer], routing[:, :, j, :].reshape(-1, K))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recorded_routing_replays_to_the_native_forward(family: str) -> None:
+    model = apply_routing_replay(build(family))
+    ids = inputs()
+    logits, routing = native(model, ids)
+    with torch.no_grad(), replay_routing(model, routing):
+        replayed = model(ids).logits
+    assert torch.equal(replayed, logits)
+    # and a different routing really changes the output
+    with torch.no_grad(), replay_routing(model, random_routing(routing.shape[2])):
+        assert not torch.equal(model(ids).logits, logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_reach_every_router_under_checkpointing(family: str) -> None:
+    model = apply_routing_replay(build(family))
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = inputs()
+    routing = random_routing(len(model._r3_replay.layer_ids))
+    with replay_routing(model, routing):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    for layer, router in model._r3_replay.routers.items():
+        grad = router.weight.grad
+        assert grad is not None and grad.abs().sum() > 0, f"no gradient at layer {layer}"
+        # Gradient rows of the replayed experts are non-zero.
+        used = routing[:, :, model._r3_replay.layer_ids.index(layer)].unique()
+        assert (grad[used].abs().sum(dim=-1) > 0).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_minus_one_rows_fall_back_to_native(family: str) -> None:
+    model = apply_routing_replay(build(family))
+    ids = inputs()
+    logits, native_routing = native(model, ids)
+    state = model._r3_replay
+    # Native routing with holes: the holes route natively, so nothing changes.
+    holes = native_routing.clone()
+    holes[0, 3:7] = -1
+    holes[1, -1] = -1
+    with torch.no_grad(), replay_routing(model, holes):
+        assert torch.equal(model(ids).logits, logits)
+    for j, layer in enumerate(state.layer_ids):
+        assert torch.equal(state.used[layer].reshape(B, S, K), native_routing[:, :, j])
+    # Foreign routing with holes: the holes of the first MoE layer (whose input does
+    # not depend on routing) get exactly the native ids; the rest is replayed.
+    routing = random_routing(native_routing.shape[2])
+    routing[0, 3:7] = -1
+    with torch.no_grad(), replay_routing(model, routing):
+        model(ids)
+    first = state.used[state.layer_ids[0]].reshape(B, S, K)
+    assert torch.equal(first[0, 3:7], native_routing[0, 3:7, 0])
+    assert torch.equal(first[0, :3], routing[0, :3, 0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_double_patching_is_harmless_and_removal_restores(family: str) -> None:
+    model = build(family)
+    ids = inputs()
+    with torch.no_grad():
+        before = model(ids).logits
+    apply_routing_replay(model)
+    apply_routing_replay(model)
+    for router in model._r3_replay.routers.values():
+        assert isinstance(router.forward, _ReplayForward)
+        assert not isinstance(router.forward.original, _ReplayForward)
+    routers = list(model._r3_replay.routers.values())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    remove_routing_replay(model)
+    remove_routing_replay(model)
+    assert not hasattr(model, "_r3_replay")
+    assert all(not isinstance(r.forward, _ReplayForward) for r in routers)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+@pytest.mark.parametrize("family", WITH_AUX)
+def test_aux_loss_counts_the_replayed_experts(family: str) -> None:
+    model = apply_routing_replay(build(family))
+    ids = inputs()
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        with record_routing(model) as rec:
+            native_aux = model(ids, attention_mask=mask, output_router_logits=True).aux_loss
+        recorded = recorded_as_routing(rec, B)
+        with replay_routing(model, recorded):
+            same = model(ids, attention_mask=mask, output_router_logits=True).aux_loss
+        routing = random_routing(recorded.shape[2])
+        with replay_routing(model, routing):
+            out = model(ids, attention_mask=mask, output_router_logits=True)
+            selected = [routing[:, :, j].reshape(-1, K) for j in range(routing.shape[2])]
+            expected = replay_load_balancing_loss(
+                out.router_logits,
+                model.config.num_local_experts
+                if family in ("mixtral", "gpt_oss")
+                else model.config.num_experts,
+                K,
+                mask,
+                selected,
+            )
+    torch.testing.assert_close(same, native_aux)
+    torch.testing.assert_close(out.aux_loss, expected)
+    assert not torch.allclose(out.aux_loss, native_aux)
+
+
+def test_errors_are_clear() -> None:
+    model = apply_routing_replay(build("qwen3_moe"))
+    with (
+        pytest.raises(ReplayError, match="3 MoE layers"),
+        replay_routing(model, torch.zeros(B, S, 2, K)),
+    ):
+        pass
+    with (
+        pytest.raises(ReplayError, match=r"\[batch, seq_len, layers, top-k\]"),
+        replay_routing(model, torch.zeros(S, K)),
+    ):
+        pass
+    with (
+        replay_routing(model, random_routing(3)),
+        pytest.raises(ReplayError, match="already active"),
+        replay_routing(model, random_routing(3)),
+    ):
+        pass
+    with (
+        replay_routing(model, random_routing(3)[:, :5]),
+        pytest.raises(ReplayError, match="router sees"),
+    ):
+        model(inputs())
+
+    class Dense(torch.nn.Module):
+        config = type("C", (), {"model_type": "llama"})()
+
+    with pytest.raises(ReplayError, match="does not support model_type 'llama'"):
+        apply_routing_replay(Dense())
