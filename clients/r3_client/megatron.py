@@ -1,0 +1,154 @@
+"""Feeding Megatron-Core's ``RouterReplay`` from the client's Megatron layout.
+
+Megatron-Core (``moe_enable_routing_replay=True``) gives each ``TopKRouter`` a
+``RouterReplay`` and leaves the rest to the caller: which ids, for which micro-batch,
+and when to switch from forward replay to backward (recompute) replay.  This driver
+does that::
+
+    driver = RouterReplayDriver(config)              # checks the config
+    for mb in micro_batches:                          # the schedule's forward order
+        batch = megatron_layout(mb.routings, tp_size=..., cp_size=..., ...)
+        driver.add_micro_batch(batch)                 # ids for every local router
+    with driver.forward():                            # REPLAY_FORWARD
+        ... forward steps ...
+    with driver.backward():                           # REPLAY_BACKWARD (recompute)
+        ... backward steps ...
+    driver.finish_step()
+
+Forward replay reads the ids of the micro-batch most recently added, so in a
+1F1B schedule call :meth:`add_micro_batch` right before each forward step; backward
+replay pops them first-in first-out, which is the order 1F1B runs backward steps.
+Megatron has no per-token fallback: ``-1`` rows (padding, each sequence's last
+token; their outputs feed no loss) are replayed as experts ``0..K-1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from r3_client._exceptions import R3Error
+from r3_client.layouts import MegatronReplayBatch
+
+
+class MegatronReplayError(R3Error, ValueError):
+    """Megatron-Core cannot replay routing as configured or as given."""
+
+
+def _replay_module() -> Any:
+    try:
+        from megatron.core.transformer.moe import router_replay
+    except ImportError as exc:  # pragma: no cover - exercised only without the package
+        raise MegatronReplayError(
+            "megatron-core with routing replay (>= 0.16) is not installed"
+        ) from exc
+    return router_replay
+
+
+def check_config(config: Any) -> None:
+    """Raise :class:`MegatronReplayError` unless ``config`` can replay routing.
+
+    ``moe_router_fusion`` sends routing through Transformer Engine's fused kernel,
+    which returns before ``RouterReplay`` is consulted, so replay would be silently
+    ignored; sinkhorn routing and forced load balancing ignore it too.
+    """
+    if not getattr(config, "moe_enable_routing_replay", False):
+        raise MegatronReplayError(
+            "set moe_enable_routing_replay=True in the TransformerConfig "
+            "(--moe-enable-routing-replay) so routers get a RouterReplay"
+        )
+    if getattr(config, "moe_router_fusion", False):
+        raise MegatronReplayError(
+            "moe_router_fusion=True uses a fused routing kernel that bypasses RouterReplay; "
+            "routing would silently not be replayed. Turn moe_router_fusion off"
+        )
+    if getattr(config, "moe_router_load_balancing_type", "") == "sinkhorn":
+        raise MegatronReplayError("sinkhorn routing does not consult RouterReplay")
+    if getattr(config, "moe_router_force_load_balancing", False):
+        raise MegatronReplayError("moe_router_force_load_balancing ignores RouterReplay")
+
+
+class RouterReplayDriver:
+    """Drives the ``RouterReplay`` instances of this rank's routers (construction order)."""
+
+    def __init__(self, config: Any | None = None, *, topk: int | None = None) -> None:
+        self._rr = _replay_module()
+        if config is not None:
+            check_config(config)
+            topk = topk or getattr(config, "moe_router_topk", None)
+        self.topk = topk
+        self._pending = 0
+
+    @property
+    def instances(self) -> list[Any]:
+        """This rank's ``RouterReplay`` objects, one per local MoE layer."""
+        return list(self._rr.RouterReplay.global_router_replay_instances)
+
+    def _tensors(self, per_layer: Sequence[Any], device: Any) -> list[Any]:
+        import torch
+
+        out = []
+        for arr in per_layer:
+            t = arr if isinstance(arr, torch.Tensor) else torch.as_tensor(arr)
+            t = t.to(device=device, dtype=torch.int64)
+            if self.topk is not None and t.shape[-1] != self.topk:
+                raise MegatronReplayError(
+                    f"routing has top-k {t.shape[-1]}, the routers use moe_router_topk={self.topk}"
+                )
+            holes = (t < 0).all(dim=-1)
+            if holes.any():
+                t = t.clone()
+                t[holes] = torch.arange(t.shape[-1], device=t.device)
+            out.append(t)
+        return out
+
+    def add_micro_batch(self, batch: MegatronReplayBatch, device: Any = None) -> None:
+        """Give every local router its ids for the next micro-batch."""
+        instances = self.instances
+        if len(batch.per_layer) != len(instances):
+            raise MegatronReplayError(
+                f"routing has {len(batch.per_layer)} MoE layers {batch.layer_ids}, this rank has "
+                f"{len(instances)} routers with RouterReplay; slice layers for this pipeline "
+                "stage (megatron_layout(stage_layers=...)) and build the model with "
+                "moe_enable_routing_replay=True"
+            )
+        self._rr.RouterReplay.set_replay_data(self._tensors(batch.per_layer, device))
+        self._pending += 1
+
+    def _action(self, name: str) -> contextlib.AbstractContextManager[None]:
+        rr = self._rr
+
+        @contextlib.contextmanager
+        def ctx() -> Iterator[None]:
+            rr.RouterReplay.set_global_router_replay_action(getattr(rr.RouterReplayAction, name))
+            try:
+                yield
+            finally:
+                rr.RouterReplay.clear_global_router_replay_action()
+
+        return ctx()
+
+    def forward(self) -> contextlib.AbstractContextManager[None]:
+        """Forward passes inside the block replay the most recently added ids."""
+        if not self._pending:
+            raise MegatronReplayError("add_micro_batch() before replaying a forward pass")
+        return self._action("REPLAY_FORWARD")
+
+    def backward(self) -> contextlib.AbstractContextManager[None]:
+        """Recompute during backward inside the block replays ids first-in first-out."""
+        return self._action("REPLAY_BACKWARD")
+
+    def record(self) -> contextlib.AbstractContextManager[None]:
+        """Forward passes inside the block route natively and record their ids."""
+        return self._action("RECORD")
+
+    def recorded(self) -> list[Any]:
+        """Ids recorded by the last forward, one ``[tokens, K]`` tensor per local router."""
+        return list(self._rr.RouterReplay.get_recorded_data())
+
+    def finish_step(self) -> None:
+        """Drop every router's ids (call once per optimizer step)."""
+        self._rr.RouterReplay.clear_global_indices()
+        self._rr.RouterReplay.clear_global_router_replay_action()
+        self._pending = 0
