@@ -24,14 +24,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def _config(family: str, layers: int, experts: int, topk: int) -> Any:
+def _config(family: str, layers: int, experts: int, topk: int, hidden: int = 128) -> Any:
     import transformers
 
     tf: Any = transformers  # configs take **kwargs that the stubs do not list
     common: dict[str, Any] = dict(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -79,6 +79,7 @@ def build_tiny_model(
     layers: int = 3,
     experts: int = 8,
     topk: int = 2,
+    hidden: int = 128,
     seed: int = 0,
 ) -> Path:
     """Write a random bf16 MoE checkpoint with tokenizer to ``out_dir`` (once)."""
@@ -93,7 +94,7 @@ def build_tiny_model(
         return out
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    cfg = _config(family, layers, experts, topk)
+    cfg = _config(family, layers, experts, topk, hidden)
     model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
     model.save_pretrained(out)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
@@ -114,6 +115,53 @@ def build_tiny_model(
 def words(token_ids: list[int]) -> str:
     """Text that the tiny tokenizer turns back into exactly ``token_ids``."""
     return " ".join(f"w{t}" for t in token_ids)
+
+
+@dataclass
+class CacheServer:
+    """An ``r3 serve`` process (embedded redis-server) on loopback."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        """SIGTERM (it stops its redis-server too), SIGKILL after 20 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_cache(data_dir: Path, *, http_port: int, grpc_port: int) -> CacheServer:
+    """Start the cache service with an embedded Redis under ``data_dir``; wait ready."""
+    import httpx
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = data_dir / "cache.log"
+    argv = [
+        sys.executable, "-m", "cache_service", "serve",
+        "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--data-dir", str(data_dir / "redis"), "--auth", "off", "--log-level", "WARNING",
+    ]  # fmt: skip
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
+    server = CacheServer(f"http://127.0.0.1:{http_port}", proc, log)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"cache service exited {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{server.url}/readyz", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"cache service not ready: {log.read_text()[-2000:]}")
 
 
 CPU_ARGS = (

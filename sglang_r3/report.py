@@ -1,0 +1,319 @@
+"""``r3 mismatch-report``: the R3 paper's measurement, on your model, from one command.
+
+It generates rollouts on a real SGLang server running this extension, fetches their
+routing by rollout id, and recomputes the log-probabilities of the sampled tokens
+with the Hugging Face model twice: with its own (native) routing and with the
+engine's routing replayed.  It prints router- and token-level routing disagreement,
+the k3 KL, mean |Δlogp| and F(2)/F(5) side by side, and draws p_infer against
+p_train (the paper's Fig. 2) and the F(τ) curve.
+
+With ``--engine-url``/``--cache-url`` it uses running servers (GPU fleets); without
+them it starts the cache service and SGLang in CPU mode on a tiny model it builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from r3_client import Routing, RoutingClient
+from r3_client.layouts import hf_layout
+from r3_client.metrics import extreme_frac, logprob_mismatch, routing_disagreement
+
+TAUS = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0)
+
+
+@dataclass
+class Rollout:
+    """One generated sample: its tokens, the engine's log-probs and routing."""
+
+    rollout_id: str
+    prompt: list[int]
+    output: list[int]
+    logp_infer: list[float]
+    routing: Routing | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+def generate_rollouts(
+    engine_url: str,
+    *,
+    count: int,
+    prompt_len: int,
+    new_tokens: int,
+    temperature: float,
+    vocab: int,
+    seed: int,
+) -> list[Rollout]:
+    """Sample ``count`` rollouts with random prompts, tagged with fresh rollout ids."""
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    run = uuid.uuid4().hex[:8]
+    prompts = [[int(t) for t in rng.integers(3, vocab, prompt_len)] for _ in range(count)]
+    ids = [f"report-{run}-{i}" for i in range(count)]
+    body = {
+        "input_ids": prompts,
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": new_tokens,
+            "temperature": temperature,
+            "ignore_eos": True,
+            "custom_params": {"r3": {"rollout_id": ids}},
+        },
+    }
+    r = httpx.post(f"{engine_url}/generate", json=body, timeout=1800)
+    if r.status_code != 200:
+        raise RuntimeError(f"generation failed ({r.status_code}): {r.text[:500]}")
+    out = []
+    for rid, prompt, item in zip(ids, prompts, r.json(), strict=True):
+        logps = [float(lp) for lp, _tok, *_ in item["meta_info"]["output_token_logprobs"]]
+        out.append(Rollout(rid, prompt, list(item["output_ids"]), logps))
+    return out
+
+
+def train_side(
+    model: Any, rollouts: Sequence[Rollout], *, replay: bool
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """Trainer log-probs of every output token ``[B, N]`` and routing ``[B, T, L, K]``.
+
+    ``replay=False``: the model's own routing (recorded); ``True``: the engine's
+    routing replayed (``-1`` where it has none: the last token).
+    """
+    import torch
+
+    from r3_client.replay import record_routing, recorded_as_routing, replay_routing
+
+    tokens = torch.tensor([r.tokens for r in rollouts])
+    mask = torch.ones_like(tokens)
+    with torch.no_grad():
+        if replay:
+            routings = [r.routing for r in rollouts if r.routing is not None]
+            if len(routings) != len(rollouts):
+                raise ValueError("fetch every rollout's routing before replaying")
+            layout = hf_layout(routings, mask.numpy(), as_torch=True, dtype=torch.int64)
+            with replay_routing(model, layout) as state:
+                logits = model(tokens, attention_mask=mask).logits
+                used = torch.stack([state.used[i] for i in state.layer_ids], dim=1)
+                routing = used.reshape(len(rollouts), tokens.shape[1], len(state.layer_ids), -1)
+        else:
+            with record_routing(model) as rec:
+                logits = model(tokens, attention_mask=mask).logits
+            routing = recorded_as_routing(rec, len(rollouts))
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        picked = logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    n_out = len(rollouts[0].output)
+    return picked[:, -n_out:].double().numpy(), routing.numpy()
+
+
+def measure(model: Any, rollouts: Sequence[Rollout]) -> dict[str, Any]:
+    """The paper's measures for native routing and for replay, plus the raw log-probs."""
+    engine = np.stack([np.asarray(r.routing.indices) for r in rollouts if r.routing is not None])
+    infer = np.array([r.logp_infer for r in rollouts])
+    results: dict[str, Any] = {}
+    for name, replay in (("native", False), ("replay", True)):
+        logp, routing = train_side(model, rollouts, replay=replay)
+        rows = routing[:, : engine.shape[1]]  # the last token has no engine row
+        results[name] = {
+            **routing_disagreement(engine, rows),
+            **logprob_mismatch(logp, infer),
+            "F": {str(t): extreme_frac(logp, infer, tau=t) for t in TAUS},
+            "logp_train": logp,
+        }
+    results["logp_infer"] = infer
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    """Markdown table of both columns."""
+    rows = [
+        ("router-level disagreement", "router_disagreement", "{:.2%}"),
+        ("token-level disagreement", "token_disagreement", "{:.2%}"),
+        ("mean differing routers per token", "differing_routers_per_token", "{:.3f}"),
+        ("k3 KL(train ‖ infer)", "k3_kl", "{:.3e}"),
+        ("mean |Δlogp|", "logp_abs_diff", "{:.4f}"),
+        ("F(2)", "extreme_frac_tau2", "{:.3%}"),
+        ("F(5)", "extreme_frac_tau5", "{:.3%}"),
+    ]
+    lines = ["| measure | native routing | R3 replay |", "|---|---:|---:|"]
+    for label, key, fmt in rows:
+        vals = [fmt.format(results[c][key]) for c in ("native", "replay")]
+        lines.append(f"| {label} | {vals[0]} | {vals[1]} |")
+    return "\n".join(lines)
+
+
+def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    """Fig. 2-style scatter of p_infer vs p_train, and the F(τ) curve, as PNGs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    infer = np.exp(results["logp_infer"]).ravel()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharey=True)
+    for ax, name in zip(axes, ("native", "replay"), strict=True):
+        train = np.exp(results[name]["logp_train"]).ravel()
+        ax.scatter(infer, train, s=4, alpha=0.35)
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
+        ax.set_title(f"{'native routing' if name == 'native' else 'R3 replay'}")
+        ax.set_xlabel("p_infer (SGLang)")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+    axes[0].set_ylabel("p_train (HF transformers)")
+    fig.tight_layout()
+    scatter = out / "p_infer_vs_p_train.png"
+    fig.savefig(scatter, dpi=120)
+    plt.close(fig)
+
+    taus = np.linspace(1.05, 20, 80)
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for name in ("native", "replay"):
+        d = np.abs(results[name]["logp_train"] - results["logp_infer"]).ravel()
+        ax.plot(taus, [(d > np.log(t)).mean() for t in taus], label=name)
+    ax.set_xlabel("τ")
+    ax.set_ylabel("F(τ): share of tokens with ratio > τ")
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.legend()
+    fig.tight_layout()
+    curve = out / "f_tau.png"
+    fig.savefig(curve, dpi=120)
+    plt.close(fig)
+    return [scatter, curve]
+
+
+def add_report_parser(sub: Any) -> None:
+    """Register ``r3 mismatch-report``."""
+    p = sub.add_parser(
+        "mismatch-report",
+        help="measure train/infer routing and log-prob mismatch with and without R3 replay",
+    )
+    p.add_argument("--engine-url", help="a running sglang_r3 server (default: start one on CPU)")
+    p.add_argument("--cache-url", help="its routing cache (default: start one)")
+    p.add_argument("--api-key", default=os.environ.get("R3_API_KEY"), help="cache API key")
+    p.add_argument("--model-path", help="HF checkpoint (default: build a tiny one)")
+    p.add_argument("--family", default="qwen3_moe", help="tiny model family to build")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--rollouts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("mismatch-report"), help="output directory")
+    p.set_defaults(func=run_report)
+
+
+def _stage(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Run the whole report; 0 on success."""
+    import torch
+    import transformers
+
+    from cache_service.redis_proc import free_port
+    from sglang_r3.testing import build_tiny_model, start_cache, start_engine
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="r3-report-"))
+    started: list[Any] = []
+    try:
+        model_path = Path(args.model_path) if args.model_path else None
+        if model_path is None:
+            _stage(f"building a tiny {args.family} ({args.layers} layers, {args.experts} experts)")
+            model_path = build_tiny_model(
+                args.family,
+                work / "model",
+                layers=args.layers,
+                experts=args.experts,
+                topk=args.topk,
+                hidden=args.hidden,
+                seed=args.seed,
+            )
+        cache_url, api_key = args.cache_url, args.api_key
+        if cache_url is None:
+            _stage("starting the cache service (embedded redis-server)")
+            cache = start_cache(work / "cache", http_port=free_port(), grpc_port=free_port())
+            started.append(cache)
+            cache_url, api_key = cache.url, None
+        engine_url = args.engine_url
+        if engine_url is None:
+            _stage("starting SGLang (CPU) with the extension; ~30-60 s")
+            engine = start_engine(
+                model_path,
+                port=free_port(),
+                log=work / "sglang.log",
+                routing_cache=cache_url,
+                api_key=api_key,
+            )
+            started.append(engine)
+            engine_url = engine.url
+        _stage(f"generating {args.rollouts} rollouts")
+        config = json.loads((model_path / "config.json").read_text())
+        rollouts = generate_rollouts(
+            engine_url,
+            count=args.rollouts,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            temperature=args.temperature,
+            vocab=int(config["vocab_size"]),
+            seed=args.seed,
+        )
+        _stage("fetching routing by rollout id")
+        with RoutingClient(cache_url, api_key=api_key) as client:
+            for r in rollouts:
+                r.routing = client.get(r.rollout_id)
+        _stage("recomputing log-probs in HF transformers (native, then replayed)")
+        tf: Any = transformers
+        model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+        model.eval()
+        from r3_client.replay import apply_routing_replay
+
+        apply_routing_replay(model)
+        results = measure(model, rollouts)
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+    md = table(results)
+    pngs = plots(results, out)
+    summary = {
+        name: {k: v for k, v in results[name].items() if k != "logp_train"}
+        for name in ("native", "replay")
+    }
+    (out / "mismatch.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "mismatch.md").write_text(md + "\n")
+    print(md)
+    print(f"wrote {out / 'mismatch.md'}, {out / 'mismatch.json'}, " + ", ".join(map(str, pngs)))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sglang_r3.report`` (same as ``r3 mismatch-report``)."""
+    parser = argparse.ArgumentParser(prog="r3")
+    add_report_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["mismatch-report", *(sys.argv[1:] if argv is None else argv)])
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Routing recorded by the real SGLang, fetched through the service, replayed in HF.
+
+Replay must give 0 % routing disagreement with the engine; without replay the
+disagreement is measured and printed (run with ``-s`` to see it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from r3_client import RoutingClient
+from r3_client.replay import apply_routing_replay
+from sglang_r3.report import generate_rollouts, measure
+from sglang_r3.testing import EngineServer
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_engine_routing_replays_with_zero_disagreement(
+    family: str,
+    request: pytest.FixtureRequest,
+    tiny_models: dict[str, Path],
+    cache_client: RoutingClient,
+) -> None:
+    engine: EngineServer = request.getfixturevalue(
+        "qwen_engine" if family == "qwen3_moe" else "glm_engine"
+    )
+    rollouts = generate_rollouts(
+        engine.url, count=4, prompt_len=24, new_tokens=12, temperature=1.0, vocab=1024, seed=5
+    )
+    for r in rollouts:
+        r.routing = cache_client.get(r.rollout_id)
+        assert r.routing.num_rows == len(r.tokens) - 1
+    tf: Any = transformers
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_models[family], dtype=torch.bfloat16)
+    apply_routing_replay(model.eval())
+    results = measure(model, rollouts)
+    replay, native = results["replay"], results["native"]
+    assert replay["n_routers"] == native["n_routers"] > 0
+    assert replay["router_disagreement"] == 0.0
+    assert replay["token_disagreement"] == 0.0
+    print(
+        f"\n{family}: native routing disagrees on {native['router_disagreement']:.2%} of routers "
+        f"({native['token_disagreement']:.2%} of tokens); replay 0 %. "
+        f"k3 KL native {native['k3_kl']:.2e}, replay {replay['k3_kl']:.2e}"
+    )
