@@ -165,15 +165,18 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     infer = np.exp(results["logp_infer"]).ravel()
+    lo = float(
+        min(infer.min(), *(np.exp(results[n]["logp_train"]).min() for n in ("native", "replay")))
+    )
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharey=True)
     for ax, name in zip(axes, ("native", "replay"), strict=True):
         train = np.exp(results[name]["logp_train"]).ravel()
         ax.scatter(infer, train, s=4, alpha=0.35)
-        ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
+        ax.plot([lo, 1], [lo, 1], color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
         ax.set_title(f"{'native routing' if name == 'native' else 'R3 replay'}")
-        ax.set_xlabel("p_infer (SGLang)")
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
+        ax.set_xlabel("p_infer (SGLang), sampled token")
     axes[0].set_ylabel("p_train (HF transformers)")
     fig.tight_layout()
     scatter = out / "p_infer_vs_p_train.png"
@@ -211,6 +214,9 @@ def add_report_parser(sub: Any) -> None:
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument(
+        "--init-std", type=float, default=0.2, help="tiny model init std (peakier when larger)"
+    )
     p.add_argument("--rollouts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -247,6 +253,7 @@ def run_report(args: argparse.Namespace) -> int:
                 experts=args.experts,
                 topk=args.topk,
                 hidden=args.hidden,
+                init_std=args.init_std,
                 seed=args.seed,
             )
         cache_url, api_key = args.cache_url, args.api_key

@@ -80,9 +80,14 @@ def build_tiny_model(
     experts: int = 8,
     topk: int = 2,
     hidden: int = 128,
+    init_std: float = 0.02,
     seed: int = 0,
 ) -> Path:
-    """Write a random bf16 MoE checkpoint with tokenizer to ``out_dir`` (once)."""
+    """Write a random bf16 MoE checkpoint with tokenizer to ``out_dir`` (once).
+
+    ``init_std`` is the config's ``initializer_range``: larger values give peakier
+    next-token distributions (0.2: the sampled token's probability is ~0.04 typically).
+    """
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -95,6 +100,7 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     cfg = _config(family, layers, experts, topk, hidden)
+    cfg.initializer_range = init_std
     model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
     model.save_pretrained(out)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}

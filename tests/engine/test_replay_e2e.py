@@ -50,3 +50,32 @@ def test_engine_routing_replays_with_zero_disagreement(
         f"({native['token_disagreement']:.2%} of tokens); replay 0 %. "
         f"k3 KL native {native['k3_kl']:.2e}, replay {replay['k3_kl']:.2e}"
     )
+
+
+def test_mismatch_report_command(
+    qwen_engine: EngineServer, engine_cache: Any, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """`r3 mismatch-report` against running servers writes its table, JSON and plots."""
+    import json
+    import subprocess
+    import sys
+
+    from _service import KEY_A
+
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "sglang_r3.report",
+            "--engine-url", qwen_engine.url, "--cache-url", engine_cache.http_url,
+            "--api-key", KEY_A, "--model-path", str(tiny_models["qwen3_moe"]),
+            "--rollouts", "3", "--prompt-len", "10", "--new-tokens", "8", "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| router-level disagreement |" in proc.stdout
+    summary = json.loads((out / "mismatch.json").read_text())
+    assert summary["replay"]["router_disagreement"] == 0.0
+    assert summary["native"]["n_tokens"] == 3 * 8
+    for png in ("p_infer_vs_p_train.png", "f_tau.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
