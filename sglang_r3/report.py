@@ -129,8 +129,10 @@ def measure(model: Any, rollouts: Sequence[Rollout]) -> dict[str, Any]:
     for name, replay in (("native", False), ("replay", True)):
         logp, routing = train_side(model, rollouts, replay=replay)
         rows = routing[:, : engine.shape[1]]  # the last token has no engine row
+        disagreement = routing_disagreement(engine, rows)
+        disagreement["n_routing_tokens"] = disagreement.pop("n_tokens")
         results[name] = {
-            **routing_disagreement(engine, rows),
+            **disagreement,
             **logprob_mismatch(logp, infer),
             "F": {str(t): extreme_frac(logp, infer, tau=t) for t in TAUS},
             "logp_train": logp,
