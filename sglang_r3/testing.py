@@ -180,6 +180,9 @@ CPU_ARGS = (
     "bfloat16",
     "--mem-fraction-static",
     "0.05",
+    # An idle scheduler otherwise busy-polls a whole core; on a 2-core machine two
+    # idle servers would starve everything else.
+    "--sleep-on-idle",
 )
 
 

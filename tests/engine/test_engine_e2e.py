@@ -374,19 +374,23 @@ def test_cache_write_failure_after_generation_follows_policy(
     import threading
     import time
 
-    results: dict[str, tuple[int, object]] = {}
+    results: dict[str, object] = {}
 
     def run(name: str, policy: str) -> None:
-        results[name] = generate(
-            qwen_engine.url,
-            {
-                "input_ids": list(range(800, 820)),
-                "sampling_params": {
-                    **sp(rid(name), 1500, on_cache_error=policy),
-                    "ignore_eos": True,
+        try:
+            results[name] = generate(
+                qwen_engine.url,
+                {
+                    "input_ids": list(range(800, 820)),
+                    "sampling_params": {
+                        **sp(rid(name), 1200, on_cache_error=policy),
+                        "ignore_eos": True,
+                    },
                 },
-            },
-        )
+                timeout=500,
+            )
+        except Exception as exc:  # reported below instead of dying in the thread
+            results[name] = exc
 
     threads = [
         threading.Thread(target=run, args=("fail", "fail")),
@@ -394,13 +398,15 @@ def test_cache_write_failure_after_generation_follows_policy(
     ]
     for t in threads:
         t.start()
-    time.sleep(1.5)  # both looked up their rollout and are decoding 1500 tokens
+    time.sleep(1.5)  # both looked up their rollout and are decoding 1200 tokens
     engine_cache.stop(signal.SIGKILL)
     for t in threads:
         t.join(300)
     try:
+        assert isinstance(results["fail"], tuple), results["fail"]
         status, err = results["fail"]
         assert status == 503 and "policy: fail" in str(err), err
+        assert isinstance(results["inline"], tuple), results["inline"]
         status, out = results["inline"]
         assert status == 200, out
         assert isinstance(out, dict)
