@@ -429,7 +429,8 @@ class StartupError(RuntimeError):
 
 
 def check_startup(targets: list[str], server_args: Any | None) -> None:
-    """Raise :class:`StartupError` listing every problem, if there is any."""
+    """Raise :class:`StartupError` listing every problem, if any (only a warning when
+    routing shipping is off: the plugin is then merely installed)."""
     config = engine_config()
     problems = verify_hooks(targets)
     if server_args is not None:
@@ -439,12 +440,19 @@ def check_startup(targets: list[str], server_args: Any | None) -> None:
 
             if not allocator_installed():
                 problems.append("--device cpu without the CPU host allocator (plugin not loaded?)")
-    if problems:
-        raise StartupError(
-            "sglang_r3 cannot start:\n  - "
-            + "\n  - ".join(problems)
-            + f"\n(sglang_r3 supports sglang=={SGLANG_VERSION} exactly)"
-        )
+    if not problems:
+        return
+    message = (
+        "sglang_r3 cannot start:\n  - "
+        + "\n  - ".join(problems)
+        + f"\n(sglang_r3 supports sglang=={SGLANG_VERSION} exactly)"
+    )
+    if not config.enabled:
+        # Installed but not asked to ship routing: do not stop someone else's server;
+        # tagged requests will be refused anyway.
+        log.warning("%s\n(routing shipping is off, so the server starts)", message)
+        return
+    raise StartupError(message)
 
 
 def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
