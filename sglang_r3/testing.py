@@ -144,7 +144,6 @@ class CacheServer:
 
 def start_cache(data_dir: Path, *, http_port: int, grpc_port: int) -> CacheServer:
     """Start the cache service with an embedded Redis under ``data_dir``; wait ready."""
-    import httpx
 
     data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / "cache.log"
@@ -156,18 +155,30 @@ def start_cache(data_dir: Path, *, http_port: int, grpc_port: int) -> CacheServe
     with open(log, "wb") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
     server = CacheServer(f"http://127.0.0.1:{http_port}", proc, log)
-    deadline = time.monotonic() + 60
+    _wait_ready(f"{server.url}/readyz", server, "cache service", 60.0, poll_s=0.1)
+    return server
+
+
+def _wait_ready(
+    url: str, server: CacheServer | EngineServer, what: str, timeout_s: float, poll_s: float
+) -> None:
+    """Poll ``url`` until it answers 200; stop ``server`` and raise with its log otherwise."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"cache service exited {proc.returncode}: {log.read_text()[-2000:]}")
+        if server.proc.poll() is not None:
+            tail = server.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{what} exited with {server.proc.returncode}:\n{tail}")
         try:
-            if httpx.get(f"{server.url}/readyz", timeout=1).status_code == 200:
-                return server
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(0.1)
+        time.sleep(poll_s)
     server.stop()
-    raise RuntimeError(f"cache service not ready: {log.read_text()[-2000:]}")
+    tail = server.log.read_text(errors="replace")[-3000:]
+    raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s:\n{tail}")
 
 
 CPU_ARGS = (
@@ -230,7 +241,6 @@ def start_engine(
     ``launcher="sglang.launch_server"`` starts upstream unchanged (the plugin is
     still installed, so the CPU allocator is there), for baselines.
     """
-    import httpx
 
     argv = [
         sys.executable,
@@ -264,15 +274,5 @@ def start_engine(
             argv, stdout=fh, stderr=subprocess.STDOUT, env=run_env, start_new_session=True
         )
     server = EngineServer(f"http://127.0.0.1:{port}", proc, log, argv)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"SGLang exited with {proc.returncode}:\n{server.tail()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"SGLang not healthy after {timeout_s:.0f} s:\n{server.tail()}")
+    _wait_ready(f"{server.url}/health", server, "SGLang", timeout_s, poll_s=0.5)
+    return server

@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 # The cache under the engines refuses segments over this many rows (413 test).
 MAX_SEGMENT_ROWS = 512
+CACHE_ENV = {"R3_CACHE_MAX_TOKENS_PER_SEGMENT": str(MAX_SEGMENT_ROWS)}
 
 
 def rid(prefix: str = "t") -> str:

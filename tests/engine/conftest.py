@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _engine import MAX_SEGMENT_ROWS
+from _engine import CACHE_ENV
 from _service import KEY_A, Service, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
@@ -33,7 +33,7 @@ def engine_cache(
     svc = start_service(
         tmp_path_factory.mktemp("engine-cache"),
         redis_single.url,
-        env={"R3_CACHE_MAX_TOKENS_PER_SEGMENT": str(MAX_SEGMENT_ROWS)},
+        env=CACHE_ENV,
     )
     yield svc
     svc.stop()

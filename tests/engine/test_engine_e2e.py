@@ -8,7 +8,7 @@ import signal
 import httpx
 import numpy as np
 import pytest
-from _engine import MAX_SEGMENT_ROWS, as_sets, generate, inline_rows, rid, sp, sse
+from _engine import CACHE_ENV, MAX_SEGMENT_ROWS, as_sets, generate, inline_rows, rid, sp, sse
 from _service import KEY_A, Service, start_service
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -320,14 +320,24 @@ def test_oversize_routing_is_413(qwen_engine: EngineServer, cache_client: Routin
         cache_client.stat(rollout)
 
 
+def restart_cache(cache: Service, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Start the engines' cache again on its ports and Redis (after a test killed it)."""
+    restarted = start_service(
+        tmp_path_factory.mktemp("engine-cache-restart"),
+        cache.redis_url,
+        env=CACHE_ENV,
+        http_port=int(cache.http_url.rsplit(":", 1)[1]),
+        grpc_port=int(cache.grpc_target.rsplit(":", 1)[1]),
+    )
+    cache.proc, cache.log = restarted.proc, restarted.log
+
+
 def test_cache_down_policies(
     qwen_engine: EngineServer,
     engine_cache: Service,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Cache unreachable: default policy fails the request (503); inline falls back, loudly."""
-    port = int(engine_cache.http_url.rsplit(":", 1)[1])
-    grpc_port = int(engine_cache.grpc_target.rsplit(":", 1)[1])
     engine_cache.stop(signal.SIGKILL)
     try:
         status, err = generate(
@@ -351,14 +361,7 @@ def test_cache_down_policies(
         metrics = httpx.get(f"{qwen_engine.url}/r3/metrics", timeout=10).text
         assert 'r3_engine_cache_errors_total{error="ConnectError"}' in metrics
     finally:
-        restarted = start_service(
-            tmp_path_factory.mktemp("engine-cache-restart"),
-            engine_cache.redis_url,
-            env={"R3_CACHE_MAX_TOKENS_PER_SEGMENT": str(MAX_SEGMENT_ROWS)},
-            http_port=port,
-            grpc_port=grpc_port,
-        )
-        engine_cache.proc, engine_cache.log = restarted.proc, restarted.log
+        restart_cache(engine_cache, tmp_path_factory)
     status, out = generate(
         qwen_engine.url, {"input_ids": list(range(700, 720)), "sampling_params": sp(rid())}
     )
@@ -369,8 +372,6 @@ def test_cache_write_failure_after_generation_follows_policy(
     qwen_engine: EngineServer, engine_cache: Service, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The cache dies while the request generates: fail -> 503; inline -> routing inline."""
-    port = int(engine_cache.http_url.rsplit(":", 1)[1])
-    grpc_port = int(engine_cache.grpc_target.rsplit(":", 1)[1])
     import threading
     import time
 
@@ -417,14 +418,7 @@ def test_cache_write_failure_after_generation_follows_policy(
         metrics = httpx.get(f"{qwen_engine.url}/r3/metrics", timeout=10).text
         assert 'r3_engine_outputs_total{outcome="inline_fallback"}' in metrics
     finally:
-        restarted = start_service(
-            tmp_path_factory.mktemp("engine-cache-restart2"),
-            engine_cache.redis_url,
-            env={"R3_CACHE_MAX_TOKENS_PER_SEGMENT": str(MAX_SEGMENT_ROWS)},
-            http_port=port,
-            grpc_port=grpc_port,
-        )
-        engine_cache.proc, engine_cache.log = restarted.proc, restarted.log
+        restart_cache(engine_cache, tmp_path_factory)
 
 
 def test_retraction_is_marked_or_refused(
