@@ -42,13 +42,34 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _device(rest: Sequence[str]) -> str | None:
+def _flag(rest: Sequence[str], name: str) -> str | None:
     for i, arg in enumerate(rest):
-        if arg == "--device" and i + 1 < len(rest):
+        if arg == name and i + 1 < len(rest):
             return rest[i + 1]
-        if arg.startswith("--device="):
+        if arg.startswith(name + "="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _device(rest: Sequence[str]) -> str | None:
+    """``--device`` from the command line, else from SGLang's ``--config`` YAML file.
+
+    The Kubernetes manifests keep SGLang's arguments in a ConfigMap mounted as that
+    file, so the CPU recipe must see a ``device: cpu`` written there too.
+    """
+    device = _flag(rest, "--device")
+    config = _flag(rest, "--config")
+    if device is None and config is not None:
+        import yaml
+
+        try:
+            with open(config) as f:
+                data = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):
+            return None  # SGLang's own parser reports an unreadable config file
+        if isinstance(data, dict) and data.get("device") is not None:
+            device = str(data["device"])
+    return device
 
 
 def _fail(message: str) -> int:

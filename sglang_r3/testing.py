@@ -186,7 +186,11 @@ CPU_ARGS = (
     "cpu",
     "--attention-backend",
     "torch_native",
-    "--disable-cuda-graph",
+    # SGLang 0.5.23's spelling of the deprecated --disable-cuda-graph.
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
     "--dtype",
     "bfloat16",
     "--mem-fraction-static",
@@ -276,3 +280,41 @@ def start_engine(
     server = EngineServer(f"http://127.0.0.1:{port}", proc, log, argv)
     _wait_ready(f"{server.url}/health", server, "SGLang", timeout_s, poll_s=0.5)
     return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sglang_r3.testing build-model OUT``: write a tiny MoE checkpoint.
+
+    Used where a real checkpoint cannot be had: the dev Kubernetes overlay's init
+    container, laptops without a model hub.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m sglang_r3.testing")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build-model", help="write a random tiny MoE checkpoint + tokenizer")
+    b.add_argument("out", type=Path)
+    b.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
+    b.add_argument("--layers", type=int, default=3)
+    b.add_argument("--experts", type=int, default=8)
+    b.add_argument("--topk", type=int, default=2)
+    b.add_argument("--hidden", type=int, default=128)
+    b.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not 1 <= args.topk <= args.experts:
+        p.error("--topk must be between 1 and --experts")
+    out = build_tiny_model(
+        args.family,
+        args.out,
+        layers=args.layers,
+        experts=args.experts,
+        topk=args.topk,
+        hidden=args.hidden,
+        seed=args.seed,
+    )
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
