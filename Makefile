@@ -30,3 +30,4 @@ bench: bootstrap
 	$(PY) bench/codec_bench.py
 	$(PY) bench/service_bench.py
 	$(PY) bench/client_bench.py
+	$(PY) bench/deploy_sizing.py
