@@ -24,7 +24,7 @@ pytest: bootstrap
 test: lint typecheck pytest
 
 demo: bootstrap
-	$(PY) bench/store_demo.py
+	$(VENV)/bin/r3 demo
 
 bench: bootstrap
 	$(PY) bench/codec_bench.py

@@ -87,6 +87,37 @@ def generate_rollouts(
     return out
 
 
+def hf_forward(
+    model: Any, tokens: Sequence[Sequence[int]], routings: Sequence[Routing] | None
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """Log-prob of every next token ``[B, T-1]`` and the routing used ``[B, T, L, K]``.
+
+    ``routings=None``: the model's own routing (recorded); otherwise the engine's
+    routing replayed (``-1`` where it has none: the last token). Sequences must be
+    of equal length (one batch, no padding).
+    """
+    import torch
+
+    from r3_client.replay import record_routing, recorded_as_routing, replay_routing
+
+    ids = torch.tensor([list(t) for t in tokens])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        if routings is not None:
+            layout = hf_layout(list(routings), mask.numpy(), as_torch=True, dtype=torch.int64)
+            with replay_routing(model, layout) as state:
+                logits = model(ids, attention_mask=mask).logits
+                used = torch.stack([state.used[i] for i in state.layer_ids], dim=1)
+                routing = used.reshape(len(ids), ids.shape[1], len(state.layer_ids), -1)
+        else:
+            with record_routing(model) as rec:
+                logits = model(ids, attention_mask=mask).logits
+            routing = recorded_as_routing(rec, len(ids))
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return picked.double().numpy(), routing.numpy()
+
+
 def train_side(
     model: Any, rollouts: Sequence[Rollout], *, replay: bool
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
@@ -95,30 +126,14 @@ def train_side(
     ``replay=False``: the model's own routing (recorded); ``True``: the engine's
     routing replayed (``-1`` where it has none: the last token).
     """
-    import torch
-
-    from r3_client.replay import record_routing, recorded_as_routing, replay_routing
-
-    tokens = torch.tensor([r.tokens for r in rollouts])
-    mask = torch.ones_like(tokens)
-    with torch.no_grad():
-        if replay:
-            routings = [r.routing for r in rollouts if r.routing is not None]
-            if len(routings) != len(rollouts):
-                raise ValueError("fetch every rollout's routing before replaying")
-            layout = hf_layout(routings, mask.numpy(), as_torch=True, dtype=torch.int64)
-            with replay_routing(model, layout) as state:
-                logits = model(tokens, attention_mask=mask).logits
-                used = torch.stack([state.used[i] for i in state.layer_ids], dim=1)
-                routing = used.reshape(len(rollouts), tokens.shape[1], len(state.layer_ids), -1)
-        else:
-            with record_routing(model) as rec:
-                logits = model(tokens, attention_mask=mask).logits
-            routing = recorded_as_routing(rec, len(rollouts))
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        picked = logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    routings = None
+    if replay:
+        routings = [r.routing for r in rollouts if r.routing is not None]
+        if len(routings) != len(rollouts):
+            raise ValueError("fetch every rollout's routing before replaying")
+    logp, routing = hf_forward(model, [r.tokens for r in rollouts], routings)
     n_out = len(rollouts[0].output)
-    return picked[:, -n_out:].double().numpy(), routing.numpy()
+    return logp[:, -n_out:], routing
 
 
 def measure(model: Any, rollouts: Sequence[Rollout]) -> dict[str, Any]:

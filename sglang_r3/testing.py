@@ -130,6 +130,7 @@ class CacheServer:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    grpc_url: str = ""
 
     def stop(self) -> None:
         """SIGTERM (it stops its redis-server too), SIGKILL after 20 s."""
@@ -154,7 +155,9 @@ def start_cache(data_dir: Path, *, http_port: int, grpc_port: int) -> CacheServe
     ]  # fmt: skip
     with open(log, "wb") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
-    server = CacheServer(f"http://127.0.0.1:{http_port}", proc, log)
+    server = CacheServer(
+        f"http://127.0.0.1:{http_port}", proc, log, f"grpc://127.0.0.1:{grpc_port}"
+    )
     _wait_ready(f"{server.url}/readyz", server, "cache service", 60.0, poll_s=0.1)
     return server
 
@@ -166,19 +169,23 @@ def _wait_ready(
     import httpx
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            tail = server.log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{what} exited with {server.proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(poll_s)
-    server.stop()
-    tail = server.log.read_text(errors="replace")[-3000:]
-    raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s:\n{tail}")
+    try:
+        while time.monotonic() < deadline:
+            if server.proc.poll() is not None:
+                tail = server.log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{what} exited with {server.proc.returncode}:\n{tail}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(poll_s)
+        tail = server.log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s:\n{tail}")
+    except BaseException:
+        # Also on Ctrl-C: nobody else holds this server yet, so nobody else stops it.
+        server.stop()
+        raise
 
 
 CPU_ARGS = (

@@ -128,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         add_serve_parser(sub)
     try:
+        from sglang_r3.demo import add_demo_parser
         from sglang_r3.report import add_report_parser
     except ImportError:  # without the engine/trainer extras
         pass
     else:
         add_report_parser(sub)
+        add_demo_parser(sub)
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)

@@ -1,0 +1,129 @@
+"""``r3 demo`` (the README's main job), shortened, and its clean-up on Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+R3 = str(Path(sys.executable).parent / "r3")
+
+
+def _procs_mentioning(text: str) -> list[tuple[int, str]]:
+    """Live processes whose command line contains ``text``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and int(d.name) != os.getpid():
+            out.append((int(d.name), cmd))
+    return out
+
+
+def _procs_in_group(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (zombies included until reaped)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces, so split after ")".
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def _wait_gone(check: object, timeout: float = 30.0) -> list[object]:
+    deadline = time.monotonic() + timeout
+    left: list[object] = check()  # type: ignore[operator]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = check()  # type: ignore[operator]
+    return left
+
+
+def test_demo_quick(tmp_path: Path) -> None:
+    work, out_json = tmp_path / "work", tmp_path / "demo.json"
+    run = subprocess.run(
+        [R3, "demo", "--quick", "--workdir", str(work), "--json", str(out_json)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = run.stdout
+    assert run.returncode == 0, out[-4000:] + run.stderr[-4000:]
+    for k in range(1, 8):
+        assert f"[{k}/7]" in out, f"stage {k} missing"
+    for label in (
+        "rollouts stored",
+        "bytes per token",
+        "saved by dedupe",
+        "saved by multi-turn deltas",
+        "routing disagreement",
+        "k3 KL(train || infer)",
+    ):
+        assert label in out, label
+    stats = json.loads(out_json.read_text())
+    assert stats["rollouts"] == 4 + 1  # --quick: a group of 4 and one agent
+    assert stats["dedupe_hits"] == 3 and stats["dedupe_saved_bytes"] > 0
+    assert len(stats["turn_bytes"]) == 3
+    assert sum(stats["turn_bytes"]) * 5 < sum(stats["turn_upstream_b64"])
+    assert 0 < stats["stored_bytes"] < stats["rows"] * 8 * 4 * 4  # < int32 for 8 layers, top-4
+    native, replay = stats["results"]["native"], stats["results"]["replay"]
+    assert native["router_disagreement"] > 0 and replay["router_disagreement"] == 0
+    assert replay["k3_kl"] < native["k3_kl"]
+    # Everything it started is gone.
+    pgid = int(re.search(r"process group (\d+)", out).group(1))  # type: ignore[union-attr]
+    assert not _wait_gone(lambda: _procs_mentioning(str(work)))
+    assert not _wait_gone(lambda: _procs_in_group(pgid))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_demo_interrupted_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
+    """Interrupted while SGLang is starting: the cache, Redis and SGLang all go."""
+    work = tmp_path / "work"
+    proc = subprocess.Popen(
+        [R3, "demo", "--quick", "--workdir", str(work)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a terminal's Ctrl-C reaches only the demo's own group
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "[3/7]" in line:
+            break
+    # Wait until SGLang's launcher is running, then interrupt the demo.
+    deadline = time.monotonic() + 60
+    engine: list[tuple[int, str]] = []
+    while not engine and time.monotonic() < deadline:
+        engine = [p for p in _procs_mentioning(str(work)) if "sglang_r3.launch_server" in p[1]]
+        time.sleep(0.2)
+    assert engine, "".join(seen)
+    engine_pgid = os.getpgid(engine[0][0])
+    assert _procs_mentioning(str(work / "cache")), "the cache and its redis-server run"
+    time.sleep(3)  # let SGLang spawn its scheduler and detokenizer
+    proc.send_signal(sig)
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(seen) + rest
+    assert proc.returncode == 130, output[-3000:]
+    assert "interrupted" in output and "stopped every process" in output, output[-3000:]
+    assert not _wait_gone(lambda: _procs_mentioning(str(work))), "cache / redis / SGLang left"
+    assert not _wait_gone(lambda: _procs_in_group(engine_pgid)), "SGLang children left"
