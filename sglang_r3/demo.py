@@ -336,6 +336,9 @@ def _run(args: argparse.Namespace, work: Path, started: list[Any]) -> Stats:
     from r3_client.replay import apply_routing_replay
     from sglang_r3.testing import build_tiny_model, start_cache, start_engine
 
+    # The demo prints its own stage lines; transformers' per-file bars would bury them.
+    tf: Any = transformers
+    tf.utils.logging.disable_progress_bar()
     stages = Stages(7)
     stats = Stats()
     rng = np.random.default_rng(args.seed)
@@ -398,7 +401,6 @@ def _run(args: argparse.Namespace, work: Path, started: list[Any]) -> Stats:
         stats.rollouts = len(samples)
         stages.note(f"{stats.rows:,} rows, {stats.stored_bytes:,} B stored in Redis")
     with stages.stage("replaying in HF transformers: native routing, then the engine's"):
-        tf: Any = transformers
         model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
         model.eval()
         apply_routing_replay(model)

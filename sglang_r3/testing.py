@@ -101,7 +101,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     cfg = _config(family, layers, experts, topk, hidden)
     cfg.initializer_range = init_std
-    model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

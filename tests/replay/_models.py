@@ -79,7 +79,7 @@ def config(family: str) -> Any:
 def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     torch.manual_seed(seed)
     tf: Any = transformers
-    model = tf.AutoModelForCausalLM.from_config(config(family), torch_dtype=dtype)
+    model = tf.AutoModelForCausalLM.from_config(config(family), dtype=dtype)
     for name, p in model.named_parameters():
         # Random router weights (some families init them to zero) so routing is non-trivial.
         if name.endswith(("gate.weight", "router.weight")):
