@@ -78,6 +78,14 @@ def test_demo_quick(tmp_path: Path) -> None:
         "k3 KL(train || infer)",
     ):
         assert label in out, label
+    # docs/demo.md's recorded run shows the same stages and summary lines.
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "demo.md").read_text()
+    recorded = doc.split("sglang-r3 demo: summary", 1)[1].split("stopped every process")[0]
+    for line in filter(None, map(str.strip, recorded.splitlines())):
+        assert line.split("  ")[0] in out, (
+            f"docs/demo.md shows a line the demo no longer prints: {line}"
+        )
+    assert len(re.findall(r"^\[\d/7\]", doc, flags=re.M)) == 7
     stats = json.loads(out_json.read_text())
     assert stats["rollouts"] == 4 + 1  # --quick: a group of 4 and one agent
     assert stats["dedupe_hits"] == 3 and stats["dedupe_saved_bytes"] > 0
