@@ -23,6 +23,12 @@ if [ -n "$pkgs" ]; then
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $pkgs >/dev/null
 fi
 
+# tests/deploy render the manifests with `kubectl kustomize`; neither Debian nor PyPI
+# ships kubectl, so it is a prerequisite of `make test` (not of `make demo`).
+if ! command -v kubectl >/dev/null 2>&1; then
+  echo "bootstrap: warning: kubectl not found; tests/deploy will fail until it is on PATH" >&2
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "bootstrap: creating .venv with $PYTHON" >&2
   "$PYTHON" -m venv .venv
