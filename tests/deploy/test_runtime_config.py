@@ -215,13 +215,19 @@ def test_single_redis_config_runs(
     assert "NOAUTH" in out.stdout + out.stderr
 
 
-def test_cluster_init_job_forms_the_cluster_once(
-    prod: list[Obj], tmp_path: Path, procs: list[subprocess.Popen[bytes]]
-) -> None:
+def _cluster_files(prod: list[Obj], tmp_path: Path) -> tuple[Path, Path]:
+    """The rendered Redis Cluster config and init script, written where redis can read them."""
     conf = tmp_path / "redis.conf"
     conf.write_text(find(prod, "ConfigMap", "redis-cluster-config")["data"]["redis.conf"])
     script = tmp_path / "init-cluster.sh"
     script.write_text(find(prod, "ConfigMap", "redis-cluster-init")["data"]["init-cluster.sh"])
+    return conf, script
+
+
+def test_cluster_init_job_forms_the_cluster_once(
+    prod: list[Obj], tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    conf, script = _cluster_files(prod, tmp_path)
     job = find(prod, "Job", "redis-cluster-init")
     (c,) = pod_spec(job)["containers"]
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -268,10 +274,7 @@ def test_cluster_init_refuses_a_half_formed_cluster(
     prod: list[Obj], tmp_path: Path, procs: list[subprocess.Popen[bytes]]
 ) -> None:
     """A node that knows others but is not ok is left for a human, not re-created."""
-    conf = tmp_path / "redis.conf"
-    conf.write_text(find(prod, "ConfigMap", "redis-cluster-config")["data"]["redis.conf"])
-    script = tmp_path / "init-cluster.sh"
-    script.write_text(find(prod, "ConfigMap", "redis-cluster-init")["data"]["init-cluster.sh"])
+    conf, script = _cluster_files(prod, tmp_path)
     ports = [free_port(cluster_bus=True) for _ in range(2)]
     for i, port in enumerate(ports):
         procs.append(
