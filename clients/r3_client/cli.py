@@ -12,6 +12,7 @@ for gRPC) and ``--api-key`` (env ``R3_API_KEY``) select the service.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -127,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         pass
     else:
         add_serve_parser(sub)
-    try:
+    # The demo and the report run SGLang and an HF model: offer them only where the
+    # engine and trainer extras are installed (not in the cache-service image).
+    if all(importlib.util.find_spec(m) for m in ("sglang", "torch", "transformers")):
         from sglang_r3.demo import add_demo_parser
         from sglang_r3.report import add_report_parser
-    except ImportError:  # without the engine/trainer extras
-        pass
-    else:
+
         add_report_parser(sub)
         add_demo_parser(sub)
     args = parser.parse_args(argv)
