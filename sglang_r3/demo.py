@@ -27,6 +27,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -70,17 +71,33 @@ class Stats:
 
 
 class Stages:
-    """``[k/n] what`` lines with elapsed time, flushed at once (also when piped)."""
+    """``[k/n] what`` lines with elapsed time, flushed at once (also when piped).
 
-    def __init__(self, total: int) -> None:
-        self.total, self.k, self.t0 = total, 0, time.monotonic()
+    A stage still running after ``heartbeat_s`` says so every ``heartbeat_s``, so a
+    long wait (SGLang loading) never looks like a hang.
+    """
+
+    def __init__(self, total: int, heartbeat_s: float = 15.0) -> None:
+        self.total, self.k, self.heartbeat_s = total, 0, heartbeat_s
 
     @contextmanager
     def stage(self, what: str) -> Iterator[None]:
         self.k += 1
         t = time.monotonic()
         print(f"[{self.k}/{self.total}] {what} ...", flush=True)
-        yield
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.heartbeat_s):
+                print(f"      ... still working ({time.monotonic() - t:.0f} s)", flush=True)
+
+        ticker = threading.Thread(target=beat, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
         print(f"      done in {time.monotonic() - t:.1f} s", flush=True)
 
     def note(self, msg: str) -> None:
