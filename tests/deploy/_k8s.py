@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -35,8 +36,12 @@ def kubectl() -> str:
     return path
 
 
+@functools.cache
 def render(variant: str) -> list[Obj]:
-    """``kubectl kustomize`` of one variant, as a list of objects."""
+    """``kubectl kustomize`` of one variant, as a list of objects (once per session).
+
+    Shared by every test: callers copy what they change.
+    """
     base, components = VARIANTS[variant]
     if not components:
         out = subprocess.run(

@@ -7,7 +7,6 @@ oldest and newest Kubernetes minor we support. No cluster is involved.
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
 
@@ -68,15 +67,10 @@ SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
 }
 
 
-@functools.cache
-def rendered(variant: str) -> list[Obj]:
-    return render(variant)
-
-
 @pytest.mark.parametrize("variant", ALL)
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_object_validates_offline(variant: str, version: str) -> None:
-    objs = rendered(variant)
+    objs = render(variant)
     assert objs, f"{variant} rendered nothing"
     for obj in objs:
         if obj["kind"] == "ServiceMonitor":
@@ -91,11 +85,11 @@ def test_every_object_validates_offline(variant: str, version: str) -> None:
 
 def test_the_validator_rejects_what_it_should() -> None:
     """The strict validation above can fail: a misspelt field and a wrong type are caught."""
-    pdb = find(rendered("prod"), "PodDisruptionBudget", "sglang")
+    pdb = find(render("prod"), "PodDisruptionBudget", "sglang")
     typo = {**pdb, "spec": {**pdb["spec"], "maxUnavailabel": 1}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(typo, K8S_VERSIONS[0], strict=True)
-    dep = find(rendered("prod"), "Deployment", "sglang")
+    dep = find(render("prod"), "Deployment", "sglang")
     wrong = {**dep, "spec": {**dep["spec"], "replicas": "sixteen"}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(wrong, K8S_VERSIONS[0], strict=True)
@@ -103,7 +97,7 @@ def test_the_validator_rejects_what_it_should() -> None:
 
 @pytest.mark.parametrize("variant", ALL)
 def test_images_are_pinned(variant: str) -> None:
-    for obj in workloads(rendered(variant)):
+    for obj in workloads(render(variant)):
         for where, c in containers(obj):
             image = c["image"]
             name, _, tag = image.rpartition(":") if "@" not in image else (image, "", "digest")
@@ -115,7 +109,7 @@ def test_images_are_pinned(variant: str) -> None:
 @pytest.mark.parametrize("variant", ALL)
 def test_every_pod_meets_the_restricted_standard(variant: str) -> None:
     """Non-root, default seccomp, no privilege escalation, ALL capabilities dropped."""
-    for obj in workloads(rendered(variant)):
+    for obj in workloads(render(variant)):
         spec = pod_spec(obj)
         psc = spec.get("securityContext", {})
         assert psc.get("runAsNonRoot") is True, obj["metadata"]["name"]
@@ -131,13 +125,13 @@ def test_every_pod_meets_the_restricted_standard(variant: str) -> None:
             assert not sc.get("capabilities", {}).get("add"), where
             assert not sc.get("privileged"), where
             assert sc.get("readOnlyRootFilesystem") is True, where
-    for ns in (o for o in rendered(variant) if o["kind"] == "Namespace"):
+    for ns in (o for o in render(variant) if o["kind"] == "Namespace"):
         assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
 @pytest.mark.parametrize("variant", ALL)
 def test_resources_and_probes(variant: str) -> None:
-    for obj in workloads(rendered(variant)):
+    for obj in workloads(render(variant)):
         for where, c in containers(obj):
             res = c.get("resources", {})
             assert {"cpu", "memory"} <= set(res.get("requests", {})), where
@@ -152,7 +146,7 @@ def test_resources_and_probes(variant: str) -> None:
 
 @pytest.mark.parametrize("variant", PROD)
 def test_sglang_fleet_on_gpus(variant: str) -> None:
-    objs = rendered(variant)
+    objs = render(variant)
     dep = find(objs, "Deployment", "sglang")
     assert dep["spec"]["replicas"] >= 2
     assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
@@ -180,7 +174,7 @@ def test_sglang_fleet_on_gpus(variant: str) -> None:
 
 @pytest.mark.parametrize("variant", ALL)
 def test_sglang_runs_the_launcher_against_the_cache(variant: str) -> None:
-    objs = rendered(variant)
+    objs = render(variant)
     dep = find(objs, "Deployment", "sglang")
     (c,) = pod_spec(dep)["containers"]
     assert c["command"] == ["python", "-m", "sglang_r3.launch_server"]
@@ -205,7 +199,7 @@ def test_sglang_runs_the_launcher_against_the_cache(variant: str) -> None:
 
 @pytest.mark.parametrize("variant", ALL)
 def test_disruption_budgets(variant: str) -> None:
-    objs = rendered(variant)
+    objs = render(variant)
     pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
     for obj in workloads(objs):
         if obj["kind"] == "Job" or obj["metadata"]["name"] == "redis":
@@ -222,7 +216,7 @@ def test_disruption_budgets(variant: str) -> None:
 
 @pytest.mark.parametrize("variant", ALL)
 def test_cache_service(variant: str) -> None:
-    objs = rendered(variant)
+    objs = render(variant)
     dep = find(objs, "Deployment", "r3-cache")
     (c,) = pod_spec(dep)["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -250,7 +244,7 @@ def test_cache_service(variant: str) -> None:
 
 @pytest.mark.parametrize("variant", ALL)
 def test_network_policy_admits_only_rollout_and_trainer_clients(variant: str) -> None:
-    objs = rendered(variant)
+    objs = render(variant)
     (pol,) = [
         p
         for p in objs
@@ -304,7 +298,7 @@ def _redis_target(objs: list[Obj]) -> tuple[str, dict[str, Any]]:
 def test_cache_points_at_the_redis_that_is_deployed(
     variant: str, service: str, cluster: str
 ) -> None:
-    objs = rendered(variant)
+    objs = render(variant)
     flag, url = _redis_target(objs)
     assert flag == cluster
     m = re.fullmatch(r"redis://:\$\(REDIS_PASSWORD\)@([a-z0-9-]+):6379/0", url["value"])
@@ -330,7 +324,7 @@ def test_cache_points_at_the_redis_that_is_deployed(
 
 
 def test_external_redis_removes_in_namespace_redis() -> None:
-    objs = rendered("prod+external-redis")
+    objs = render("prod+external-redis")
     assert not [o for o in objs if "redis" in o["metadata"]["name"] and o["kind"] != "Secret"]
     _, url = _redis_target(objs)
     assert url["valueFrom"]["secretKeyRef"] == {"name": "r3-redis-url", "key": "url"}
@@ -339,7 +333,7 @@ def test_external_redis_removes_in_namespace_redis() -> None:
 @pytest.mark.parametrize("variant", ALL)
 def test_references_resolve(variant: str) -> None:
     """Every ConfigMap a pod reads is rendered; every Secret is rendered or documented."""
-    objs = rendered(variant)
+    objs = render(variant)
     names = {(o["kind"], o["metadata"]["name"]) for o in objs}
     deploy_doc = (ROOT / "docs" / "deploy.md").read_text()
     for obj in workloads(objs):
@@ -367,7 +361,7 @@ def test_references_resolve(variant: str) -> None:
 
 @pytest.mark.parametrize("variant", ALL)
 def test_labels(variant: str) -> None:
-    for obj in rendered(variant):
+    for obj in render(variant):
         if obj["kind"] == "Namespace":
             continue
         labels = obj["metadata"].get("labels", {})
@@ -387,7 +381,7 @@ def _bytes(quantity: str) -> int:
 @pytest.mark.parametrize("variant", ["dev", "prod"])
 def test_redis_maxmemory_leaves_fork_headroom(variant: str) -> None:
     """noeviction only refuses writes if maxmemory is set below the container's limit."""
-    for sts in (o for o in rendered(variant) if o["kind"] == "StatefulSet"):
+    for sts in (o for o in render(variant) if o["kind"] == "StatefulSet"):
         (c,) = pod_spec(sts)["containers"]
         assert c["args"][c["args"].index("--maxmemory") + 1] == "$(REDIS_MAXMEMORY)"
         env = {e["name"]: e.get("value") for e in c["env"]}
