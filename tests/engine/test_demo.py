@@ -9,11 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 R3 = str(Path(sys.executable).parent / "r3")
+T = TypeVar("T")
 
 
 def _procs_mentioning(text: str) -> list[tuple[int, str]]:
@@ -48,12 +51,13 @@ def _procs_in_group(pgid: int) -> list[int]:
     return out
 
 
-def _wait_gone(check: object, timeout: float = 30.0) -> list[object]:
+def _wait_gone(check: Callable[[], list[T]], timeout: float = 30.0) -> list[T]:
+    """Poll ``check`` until it returns nothing or ``timeout`` passes; its last answer."""
     deadline = time.monotonic() + timeout
-    left: list[object] = check()  # type: ignore[operator]
+    left = check()
     while left and time.monotonic() < deadline:
         time.sleep(0.5)
-        left = check()  # type: ignore[operator]
+        left = check()
     return left
 
 
