@@ -58,6 +58,7 @@ from r3_client import (
     ShapeError,
     StoreError,
     StoreUnavailableError,
+    check_rollout_id,
     decode_frame,
     encode_frame,
     index_dtype,
@@ -68,7 +69,6 @@ from r3_client._sortnet import sort_rows
 
 __all__ = ["SegmentStore", "StoreSettings"]
 
-_ROLLOUT_ID = re.compile(r"[A-Za-z0-9_.:@+=-]{1,200}")
 _NAMESPACE = re.compile(r"[a-z0-9_-]{1,64}")
 RedisClient = aioredis.Redis | RedisCluster
 
@@ -96,16 +96,6 @@ class StoreSettings:
 
 def _load(name: str) -> str:
     return resources.files("cache_service").joinpath("lua", name).read_text()
-
-
-def check_rollout_id(rollout_id: str) -> str:
-    """Return ``rollout_id`` or raise :class:`InvalidRequestError` saying what is allowed."""
-    if not isinstance(rollout_id, str) or not _ROLLOUT_ID.fullmatch(rollout_id):
-        raise InvalidRequestError(
-            f"invalid rollout id {rollout_id!r}: use 1-200 characters from "
-            "A-Z a-z 0-9 _ . : @ + = -"
-        )
-    return rollout_id
 
 
 def _meta_bytes(num_experts: int, topk: int, layer_ids: Sequence[int]) -> bytes:

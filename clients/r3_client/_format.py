@@ -28,6 +28,7 @@ from r3_client._exceptions import (
     DuplicateExpertError,
     ExpertIdError,
     FormatError,
+    InvalidRequestError,
     PartialRowError,
     ShapeError,
 )
@@ -39,6 +40,8 @@ __all__ = [
     "Routing",
     "Segment",
     "canonical_rows",
+    "check_rollout_id",
+    "check_text",
     "index_dtype",
     "token_digest",
     "validate_indices",
@@ -51,6 +54,28 @@ MAX_TOPK = 64
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_TEXT = 256
+_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9_.:@+=-]{1,200}")
+#: The rollout id rule in words, for error messages and docs.
+ROLLOUT_ID_RULE = "1-200 characters from A-Z a-z 0-9 _ . : @ + = -, and not '.' or '..'"
+
+
+def check_rollout_id(rollout_id: object) -> str:
+    """Return ``rollout_id`` or raise :class:`InvalidRequestError` saying what is allowed.
+
+    The one rule every part applies (client before any I/O, service, engine tags):
+    characters that need no escaping in a URL path segment or a Redis key, and
+    never a dot segment (``.``/``..``), which HTTP clients and proxies rewrite.
+    """
+    if (
+        not isinstance(rollout_id, str)
+        or not _ROLLOUT_ID_RE.fullmatch(rollout_id)
+        or rollout_id in (".", "..")
+    ):
+        shown = repr(rollout_id)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        raise InvalidRequestError(f"invalid rollout id {shown}: use {ROLLOUT_ID_RULE}")
+    return rollout_id
 
 
 def index_dtype(num_experts: int) -> np.dtype[Any]:
@@ -76,7 +101,9 @@ def token_digest(token_ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> str
     return hashlib.sha256(arr.astype("<u4").tobytes()).hexdigest()
 
 
-def _check_text(name: str, value: object) -> str:
+def check_text(name: str, value: object) -> str:
+    """Return ``value`` if it is a printable string of at most 256 characters, else raise
+    :class:`FormatError` (the rule for a segment's ``model_id`` and ``weight_version``)."""
     if not isinstance(value, str):
         raise FormatError(f"{name} must be a string, got {type(value).__name__}")
     if len(value) > _MAX_TEXT or not value.isprintable():
@@ -112,9 +139,9 @@ class Segment:
             )
         if self.end > 2**40:
             raise FormatError(f"segment end {self.end} is implausibly large")
-        _check_text("model_id", self.model_id)
-        _check_text("weight_version", self.weight_version)
-        _check_text("tokens_digest", self.tokens_digest)
+        check_text("model_id", self.model_id)
+        check_text("weight_version", self.weight_version)
+        check_text("tokens_digest", self.tokens_digest)
         if self.tokens_digest and not _DIGEST_RE.fullmatch(self.tokens_digest):
             raise FormatError("tokens_digest must be 64 lowercase hex characters (SHA-256)")
 
