@@ -67,7 +67,7 @@ from r3_client._format import layer_positions
 from r3_client._models import PutResult, RolloutInfo, SegmentInfo
 from r3_client._sortnet import sort_rows
 
-__all__ = ["SegmentStore", "StoreSettings"]
+__all__ = ["SegmentStore", "StoreSettings", "check_namespace"]
 
 _NAMESPACE = re.compile(r"[a-z0-9_-]{1,64}")
 RedisClient = aioredis.Redis | RedisCluster
@@ -96,6 +96,13 @@ class StoreSettings:
 
 def _load(name: str) -> str:
     return resources.files("cache_service").joinpath("lua", name).read_text()
+
+
+def check_namespace(namespace: object) -> str:
+    """Return ``namespace`` or raise :class:`InvalidRequestError` (the tenant namespace rule)."""
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+        raise InvalidRequestError(f"invalid namespace {namespace!r}: use [a-z0-9_-]{{1,64}}")
+    return namespace
 
 
 def _meta_bytes(num_experts: int, topk: int, layer_ids: Sequence[int]) -> bytes:
@@ -193,8 +200,7 @@ class SegmentStore:
         Shares the connection pool, scripts and concurrency bound.  Rollouts
         and shared blobs of different namespaces never see each other.
         """
-        if not _NAMESPACE.fullmatch(namespace):
-            raise InvalidRequestError(f"invalid namespace {namespace!r}: use [a-z0-9_-]{{1,64}}")
+        check_namespace(namespace)
         view = copy.copy(self)
         view._namespace = namespace
         return view
