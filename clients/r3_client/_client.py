@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import aclosing, closing
 from typing import TypeVar
 
 import numpy.typing as npt
@@ -24,13 +25,14 @@ from r3_client._codec import CodecName, decode_frame, encode_frame, read_header
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     ConnectError,
+    ProtocolError,
     R3Error,
     RequestTimeoutError,
     ShapeError,
     StoreUnavailableError,
     error_for_code,
 )
-from r3_client._format import Routing, Segment
+from r3_client._format import Routing, Segment, check_rollout_id
 from r3_client._models import PutResult, RolloutInfo
 from r3_client._stream import StreamItem
 from r3_client._transports import (
@@ -109,10 +111,87 @@ class _Core:
 
     @staticmethod
     def chunks(ids: Sequence[str], size: int) -> list[list[str]]:
+        """``ids`` (each checked against the id rule first, before any I/O) in batches."""
         if size < 1:
             raise ValueError("chunk_size must be >= 1")
-        ids = list(ids)
+        if isinstance(ids, str):
+            raise TypeError("rollout_ids must be a sequence of ids, not one string")
+        ids = [check_rollout_id(r) for r in ids]
         return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+class _Cursor:
+    """Where one batch of ``get_many`` stands: which ids are answered, failures since.
+
+    No I/O: the shells feed it each stream item (:meth:`take`) and each
+    retryable failure (:meth:`failed`) and do what it says.  Every id is
+    answered exactly once, in order: a retry resumes *at* the first unanswered
+    id, including one whose item was itself a retryable error (Redis briefly
+    down), so no path can skip an id.
+    """
+
+    def __init__(self, core: _Core, ids: list[str], return_errors: bool) -> None:
+        self._core = core
+        self._ids = ids
+        self._return_errors = return_errors
+        self._done = 0
+        self._failures = 0
+        self._item_error: R3Error | None = None
+
+    @property
+    def remaining(self) -> list[str]:
+        """The ids still to ask for."""
+        return self._ids[self._done :]
+
+    def take(self, item: StreamItem) -> Result:
+        """The result the stream's next item gives the next id.
+
+        Raises a retryable item error (for the shell to retry from this id), a
+        non-retryable one unless ``return_errors``, and :class:`ProtocolError`
+        when the service answers for an id out of order.
+        """
+        if self._done >= len(self._ids) or item.rollout_id != self._ids[self._done]:
+            expected = self._ids[self._done] if self._done < len(self._ids) else None
+            raise ProtocolError(
+                f"batch stream answered for {item.rollout_id!r} where {expected!r} was next"
+            )
+        rid, res = self._core.result(item)
+        if isinstance(res, RETRYABLE):
+            self._item_error = res
+            raise res
+        self._advance()
+        if isinstance(res, R3Error) and not self._return_errors:
+            raise res
+        return rid, res
+
+    def ended(self) -> None:
+        """The stream closed cleanly: raise :class:`ProtocolError` if it left ids unanswered."""
+        if self.remaining:
+            raise ProtocolError(
+                f"batch stream ended with {len(self.remaining)} rollouts unanswered"
+            )
+
+    def failed(self, exc: R3Error) -> tuple[float, Result | None]:
+        """After a retryable failure: ``(delay, None)`` to retry from the same id.
+
+        When the attempts are spent on an id whose own item was the error and
+        ``return_errors`` is set, that id is answered with its error:
+        ``(0, (rid, error))``.  Otherwise re-raises ``exc``.
+        """
+        self._failures += 1
+        try:
+            return self._core.backoff(exc, self._failures), None
+        except R3Error:
+            if not (self._return_errors and exc is self._item_error):
+                raise
+        rid = self._ids[self._done]
+        self._advance()
+        return 0.0, (rid, exc)
+
+    def _advance(self) -> None:
+        self._done += 1
+        self._failures = 0
+        self._item_error = None
 
 
 def _sync_transport(url: str, api_key: str | None, timeout: Timeout) -> Transport:
@@ -184,6 +263,7 @@ class RoutingClient:
     ) -> PutResult:
         """Store one segment: a :class:`Routing`, an array ``[rows, L, K]`` (with
         ``num_experts`` and ``layer_ids``), or an encoded frame."""
+        check_rollout_id(rollout_id)
         frame = self._core.frame(
             routing,
             num_experts=num_experts,
@@ -203,6 +283,7 @@ class RoutingClient:
         layers: Sequence[int] | None = None,
     ) -> bytes:
         """The rollout, or rows ``[start, end)`` of absolute MoE ``layers``, as a frame."""
+        check_rollout_id(rollout_id)
         self._core.check_range(start, end)
         return self._retrying(lambda: self._t.get(rollout_id, start, end, layers))
 
@@ -219,14 +300,17 @@ class RoutingClient:
 
     def stat(self, rollout_id: str) -> RolloutInfo:
         """What is stored for the rollout (no rows)."""
+        check_rollout_id(rollout_id)
         return RolloutInfo.from_dict(self._retrying(lambda: self._t.stat(rollout_id)))
 
     def delete(self, rollout_id: str) -> bool:
         """Delete the rollout; True if it existed."""
+        check_rollout_id(rollout_id)
         return self._retrying(lambda: self._t.delete(rollout_id))
 
     def touch(self, rollout_id: str, ttl_s: int | None = None) -> None:
         """Reset the rollout's TTL (None = the service default, 0 = never expire)."""
+        check_rollout_id(rollout_id)
         self._retrying(lambda: self._t.touch(rollout_id, ttl_s))
 
     def get_many(
@@ -243,27 +327,33 @@ class RoutingClient:
         """``(rollout_id, Routing)`` for each id, streamed in request order.
 
         One batch request per ``chunk_size`` ids; memory holds one item at a
-        time.  A failed stream is resumed after the last delivered item.  A
-        rollout that cannot be served raises its error, or with
-        ``return_errors=True`` is yielded as ``(rollout_id, R3Error)``.
+        time.  Every id is answered exactly once: a failed stream, or an item
+        that failed for a retryable reason (Redis briefly unavailable), is
+        retried from that id per ``retry``.  A rollout that cannot be served
+        raises its error, or with ``return_errors=True`` is yielded as
+        ``(rollout_id, R3Error)``.  Ids are checked before any request.
         """
         self._core.check_range(start, end)
+        chunks = self._core.chunks(rollout_ids, chunk_size)
         bar = tqdm(total=len(rollout_ids), disable=not progress, unit="rollout", leave=False)
         try:
-            for chunk in self._core.chunks(rollout_ids, chunk_size):
-                done, failures = 0, 0
-                while done < len(chunk):
+            for chunk in chunks:
+                cur = _Cursor(self._core, chunk, return_errors)
+                while cur.remaining:
                     try:
-                        for item in self._t.batch_get(chunk[done:], start, end, layers):
-                            rid, res = self._core.result(item)
-                            done += 1
-                            bar.update()
-                            if isinstance(res, R3Error) and not return_errors:
-                                raise res
-                            yield rid, res
+                        with closing(self._t.batch_get(cur.remaining, start, end, layers)) as items:
+                            for item in items:
+                                res = cur.take(item)
+                                bar.update()
+                                yield res
                     except RETRYABLE as exc:
-                        failures += 1
-                        time.sleep(self._core.backoff(exc, failures))
+                        delay, given_up = cur.failed(exc)
+                        if given_up is not None:
+                            bar.update()
+                            yield given_up
+                        time.sleep(delay)
+                        continue
+                    cur.ended()
         finally:
             bar.close()
 
@@ -314,6 +404,7 @@ class AsyncRoutingClient:
         codec: CodecName = "auto",
     ) -> PutResult:
         """See :meth:`RoutingClient.put`."""
+        check_rollout_id(rollout_id)
         frame = self._core.frame(
             routing,
             num_experts=num_experts,
@@ -333,6 +424,7 @@ class AsyncRoutingClient:
         layers: Sequence[int] | None = None,
     ) -> bytes:
         """See :meth:`RoutingClient.get_frame`."""
+        check_rollout_id(rollout_id)
         self._core.check_range(start, end)
         return await self._retrying(lambda: self._t.get(rollout_id, start, end, layers))
 
@@ -350,33 +442,45 @@ class AsyncRoutingClient:
 
     async def stat(self, rollout_id: str) -> RolloutInfo:
         """See :meth:`RoutingClient.stat`."""
+        check_rollout_id(rollout_id)
         return RolloutInfo.from_dict(await self._retrying(lambda: self._t.stat(rollout_id)))
 
     async def delete(self, rollout_id: str) -> bool:
         """See :meth:`RoutingClient.delete`."""
+        check_rollout_id(rollout_id)
         return await self._retrying(lambda: self._t.delete(rollout_id))
 
     async def touch(self, rollout_id: str, ttl_s: int | None = None) -> None:
         """See :meth:`RoutingClient.touch`."""
+        check_rollout_id(rollout_id)
         await self._retrying(lambda: self._t.touch(rollout_id, ttl_s))
 
     async def _chunk(
-        self, chunk: list[str], start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        chunk: list[str],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        return_errors: bool,
     ) -> AsyncIterator[Result]:
-        done, failures = 0, 0
-        while done < len(chunk):
+        cur = _Cursor(self._core, chunk, return_errors)
+        while cur.remaining:
             try:
-                async for item in self._t.batch_get(chunk[done:], start, end, layers):
-                    done += 1
-                    # Big frames decode in a worker thread (zstd and numpy release the
-                    # GIL), so concurrent streams decode in parallel with the event loop.
-                    if item.frame is not None and len(item.frame) > _THREAD_DECODE_BYTES:
-                        yield await asyncio.to_thread(self._core.result, item)
-                    else:
-                        yield self._core.result(item)
+                async with aclosing(self._t.batch_get(cur.remaining, start, end, layers)) as items:
+                    async for item in items:
+                        # Big frames decode in a worker thread (zstd and numpy release the
+                        # GIL), so concurrent streams decode in parallel with the event loop.
+                        if item.frame is not None and len(item.frame) > _THREAD_DECODE_BYTES:
+                            yield await asyncio.to_thread(cur.take, item)
+                        else:
+                            yield cur.take(item)
             except RETRYABLE as exc:
-                failures += 1
-                await asyncio.sleep(self._core.backoff(exc, failures))
+                delay, given_up = cur.failed(exc)
+                if given_up is not None:
+                    yield given_up
+                await asyncio.sleep(delay)
+                continue
+            cur.ended()
 
     async def get_many(
         self,
@@ -401,15 +505,17 @@ class AsyncRoutingClient:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         chunks = self._core.chunks(rollout_ids, chunk_size)
-        queue: asyncio.Queue[Result | BaseException | None] = asyncio.Queue(2 * chunk_size)
+        queue: asyncio.Queue[Result | Exception | None] = asyncio.Queue(2 * chunk_size)
         gate = asyncio.Semaphore(concurrency)
 
         async def run(chunk: list[str]) -> None:
             async with gate:
                 try:
-                    async for res in self._chunk(chunk, start, end, layers):
+                    async for res in self._chunk(chunk, start, end, layers, return_errors):
                         await queue.put(res)
-                except BaseException as exc:  # handed to the consumer, which re-raises
+                except Exception as exc:  # handed to the consumer, which re-raises
+                    # Only Exception: a CancelledError (the consumer went away) must
+                    # propagate, or this task would wait on a full queue forever.
                     await queue.put(exc)
 
         async def produce() -> None:
@@ -420,12 +526,13 @@ class AsyncRoutingClient:
         bar = tqdm(total=len(rollout_ids), disable=not progress, unit="rollout", leave=False)
         try:
             while (got := await queue.get()) is not None:
-                if isinstance(got, BaseException):
+                if isinstance(got, Exception):
                     raise got
                 bar.update()
-                if isinstance(got[1], R3Error) and not return_errors:
-                    raise got[1]
                 yield got
         finally:
             producer.cancel()
+            # Wait for the workers to finish unwinding, so none outlives the call
+            # (asyncio.wait neither raises the producer's CancelledError nor swallows ours).
+            await asyncio.wait([producer])
             bar.close()

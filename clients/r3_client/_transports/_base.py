@@ -7,7 +7,7 @@ client core.  Implement these to plug in another transport (or a test double).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any, Protocol
 
 from r3_client._stream import StreamItem
@@ -46,8 +46,8 @@ class Transport(Protocol):
         start: int,
         end: int | None,
         layers: Sequence[int] | None,
-    ) -> Iterator[StreamItem]:
-        """Items in request order, as they arrive."""
+    ) -> Generator[StreamItem, None, None]:
+        """Items in request order, as they arrive (closing the generator ends the call)."""
         ...
 
     def close(self) -> None:
@@ -86,7 +86,7 @@ class AsyncTransport(Protocol):
         start: int,
         end: int | None,
         layers: Sequence[int] | None,
-    ) -> AsyncIterator[StreamItem]:
+    ) -> AsyncGenerator[StreamItem, None]:
         """See :meth:`Transport.batch_get`."""
         ...
 

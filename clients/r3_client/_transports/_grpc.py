@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
 
 import grpc
@@ -124,7 +124,7 @@ class GrpcTransport:
 
     def batch_get(
         self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
-    ) -> Iterator[StreamItem]:
+    ) -> Generator[StreamItem, None, None]:
         """See :class:`Transport`."""
         stream = self._stub.BatchGet(
             _batch_request(rollout_ids, start, end, layers),
@@ -203,7 +203,7 @@ class AsyncGrpcTransport:
 
     async def batch_get(
         self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
-    ) -> AsyncIterator[StreamItem]:
+    ) -> AsyncGenerator[StreamItem, None]:
         """See :class:`Transport`."""
         call = self._stub.BatchGet(
             _batch_request(rollout_ids, start, end, layers),

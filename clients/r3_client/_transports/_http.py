@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -15,6 +16,27 @@ from r3_client._stream import StreamDecoder, StreamItem
 __all__ = ["AsyncHTTPTransport", "HTTPTransport"]
 
 FRAME = "application/x-r3-frame"
+
+
+def _path(rollout_id: str, suffix: str = "") -> str:
+    """``/v1/rollouts/<id><suffix>`` with the id percent-encoded as one path segment.
+
+    The client checks ids against the id rule before any I/O; encoding every
+    reserved character as well means no id can ever reach another path, query
+    or fragment, whatever the rule allows.
+    """
+    return f"/v1/rollouts/{quote(rollout_id, safe='')}{suffix}"
+
+
+def _json(resp: httpx.Response) -> dict[str, Any]:
+    """A 2xx answer's JSON object; :class:`ProtocolError` when it is not one."""
+    try:
+        out = resp.json()
+    except ValueError:  # also UnicodeDecodeError
+        raise ProtocolError(f"HTTP {resp.status_code} answer is not JSON") from None
+    if not isinstance(out, dict):
+        raise ProtocolError(f"HTTP {resp.status_code} answer is not a JSON object")
+    return out
 
 
 def _params(start: int, end: int | None, layers: Sequence[int] | None) -> dict[str, Any]:
@@ -90,35 +112,33 @@ class HTTPTransport:
         """See :class:`Transport`."""
         with _translate():
             resp = self._http.put(
-                f"/v1/rollouts/{rollout_id}/segments",
+                _path(rollout_id, "/segments"),
                 content=frame,
                 headers={"Content-Type": FRAME},
             )
         _raise_for(resp)
-        out: dict[str, Any] = resp.json()
-        return out
+        return _json(resp)
 
     def get(
         self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
     ) -> bytes:
         """See :class:`Transport`."""
         with _translate():
-            resp = self._http.get(f"/v1/rollouts/{rollout_id}", params=_params(start, end, layers))
+            resp = self._http.get(_path(rollout_id), params=_params(start, end, layers))
         _raise_for(resp)
         return resp.content
 
     def stat(self, rollout_id: str) -> dict[str, Any]:
         """See :class:`Transport`."""
         with _translate():
-            resp = self._http.get(f"/v1/rollouts/{rollout_id}/stat")
+            resp = self._http.get(_path(rollout_id, "/stat"))
         _raise_for(resp)
-        out: dict[str, Any] = resp.json()
-        return out
+        return _json(resp)
 
     def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport` (404 is "did not exist", not an error)."""
         with _translate():
-            resp = self._http.delete(f"/v1/rollouts/{rollout_id}")
+            resp = self._http.delete(_path(rollout_id))
         if resp.status_code == 404:
             return False
         _raise_for(resp)
@@ -127,12 +147,12 @@ class HTTPTransport:
     def touch(self, rollout_id: str, ttl_s: int | None) -> None:
         """See :class:`Transport`."""
         with _translate():
-            resp = self._http.post(f"/v1/rollouts/{rollout_id}/touch", json={"ttl_s": ttl_s})
+            resp = self._http.post(_path(rollout_id, "/touch"), json={"ttl_s": ttl_s})
         _raise_for(resp)
 
     def batch_get(
         self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
-    ) -> Iterator[StreamItem]:
+    ) -> Generator[StreamItem, None, None]:
         """See :class:`Transport`."""
         dec = StreamDecoder()
         with (
@@ -171,37 +191,33 @@ class AsyncHTTPTransport:
         """See :class:`Transport`."""
         async with _atranslate():
             resp = await self._http.put(
-                f"/v1/rollouts/{rollout_id}/segments",
+                _path(rollout_id, "/segments"),
                 content=frame,
                 headers={"Content-Type": FRAME},
             )
         _raise_for(resp)
-        out: dict[str, Any] = resp.json()
-        return out
+        return _json(resp)
 
     async def get(
         self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
     ) -> bytes:
         """See :class:`Transport`."""
         async with _atranslate():
-            resp = await self._http.get(
-                f"/v1/rollouts/{rollout_id}", params=_params(start, end, layers)
-            )
+            resp = await self._http.get(_path(rollout_id), params=_params(start, end, layers))
         _raise_for(resp)
         return resp.content
 
     async def stat(self, rollout_id: str) -> dict[str, Any]:
         """See :class:`Transport`."""
         async with _atranslate():
-            resp = await self._http.get(f"/v1/rollouts/{rollout_id}/stat")
+            resp = await self._http.get(_path(rollout_id, "/stat"))
         _raise_for(resp)
-        out: dict[str, Any] = resp.json()
-        return out
+        return _json(resp)
 
     async def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport`."""
         async with _atranslate():
-            resp = await self._http.delete(f"/v1/rollouts/{rollout_id}")
+            resp = await self._http.delete(_path(rollout_id))
         if resp.status_code == 404:
             return False
         _raise_for(resp)
@@ -210,12 +226,12 @@ class AsyncHTTPTransport:
     async def touch(self, rollout_id: str, ttl_s: int | None) -> None:
         """See :class:`Transport`."""
         async with _atranslate():
-            resp = await self._http.post(f"/v1/rollouts/{rollout_id}/touch", json={"ttl_s": ttl_s})
+            resp = await self._http.post(_path(rollout_id, "/touch"), json={"ttl_s": ttl_s})
         _raise_for(resp)
 
     async def batch_get(
         self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
-    ) -> AsyncIterator[StreamItem]:
+    ) -> AsyncGenerator[StreamItem, None]:
         """See :class:`Transport`."""
         dec = StreamDecoder()
         async with (
