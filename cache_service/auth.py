@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass
 
 from r3_client import AuthError
 
-__all__ = ["KeyRing", "bearer_token"]
+__all__ = ["KeyRing", "MetricsAccess", "bearer_token"]
 
 #: Namespace used when auth is off (single-tenant, loopback deployments).
 OPEN_NAMESPACE = "default"
@@ -52,3 +53,28 @@ class KeyRing:
         if found is None:
             raise AuthError("invalid API key")
         return found
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsAccess:
+    """Who may read ``/metrics``.
+
+    With auth off (loopback-only service) anyone may.  With auth on, only holders
+    of a metrics key (``R3_CACHE_METRICS_API_KEY``): the figures there are
+    store-wide, across tenants, so tenant API keys never open it, and with no
+    metrics key configured nobody can read them.
+    """
+
+    required: bool
+    keys: KeyRing | None = None
+
+    def check(self, authorization: str | None) -> None:
+        """Raise :class:`AuthError` unless the request may read the metrics."""
+        if not self.required:
+            return
+        if self.keys is None:
+            raise AuthError(
+                "/metrics needs the metrics key, and this service has none configured "
+                "(set R3_CACHE_METRICS_API_KEY or --metrics-api-key-file)"
+            )
+        self.keys.namespace(bearer_token(authorization))

@@ -14,13 +14,13 @@ from cache_service.auth import KeyRing, bearer_token
 from cache_service.errors import status_for
 from cache_service.logs import log_event
 from cache_service.service import RoutingService
-from r3_client import R3Error, RolloutInfo, Segment
+from r3_client import InvalidRequestError, LimitExceededError, R3Error, RolloutInfo, Segment
 from r3_client._proto import r3_cache_pb2 as pb
-from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
 
 __all__ = ["RoutingCacheServicer", "start_grpc_server"]
 
 T = TypeVar("T")
+logger = logging.getLogger("r3.cache")
 
 
 def _segment(seg: Segment) -> pb.Segment:
@@ -43,38 +43,84 @@ def _stat(st: RolloutInfo) -> pb.RolloutStat:
     return pb.RolloutStat(**present, segments=segments)
 
 
-class RoutingCacheServicer(pb_grpc.RoutingCacheServicer):
-    """Translates gRPC requests into :class:`RoutingService` calls and errors into statuses."""
+class RoutingCacheServicer:
+    """Translates gRPC requests into :class:`RoutingService` calls and errors into statuses.
+
+    Methods take the request's raw bytes: each call is authenticated from its
+    metadata and its size checked *before* the message is parsed, and a
+    malformed message is INVALID_ARGUMENT (gRPC's own deserializer would make it
+    INTERNAL, which reads as a server bug).
+    """
 
     def __init__(self, service: RoutingService, keys: KeyRing) -> None:
         self.service = service
         self.keys = keys
         self.metrics = service.metrics
+        settings = service.settings
+        # A PutSegment carries a frame; every other request is a few ids and numbers.
+        self._limits = {
+            "PutSegment": settings.max_body_bytes + (1 << 12),
+            "BatchGet": settings.max_request_bytes,
+        }
+        self._default_limit = settings.max_request_bytes
 
     def _namespace(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
         md = dict(context.invocation_metadata() or ())
         value = md.get("authorization")
         return self.keys.namespace(bearer_token(value if isinstance(value, str) else None))
 
+    def _parse(self, method: str, cls: Any, raw: bytes) -> Any:
+        limit = self._limits.get(method, self._default_limit)
+        if len(raw) > limit:
+            raise LimitExceededError(
+                f"{method} request of {len(raw)} bytes exceeds the {limit}-byte limit"
+            )
+        try:
+            return cls.FromString(raw)
+        except DecodeError:
+            raise InvalidRequestError(
+                f"request is not a valid {cls.DESCRIPTOR.full_name} protobuf message"
+            ) from None
+
     async def _call(
         self,
-        op: str,
+        method: str,
+        cls: Any,
+        raw: bytes,
         context: grpc.aio.ServicerContext[Any, Any],
-        fn: Callable[[str], Awaitable[T]],
-        nbytes_in: int = 0,
+        fn: Callable[[str, Any], Awaitable[T]],
     ) -> T:
-        """Authenticate, run ``fn(namespace)``, and turn an R3Error into a gRPC status."""
+        """Authenticate, parse, run ``fn(namespace, request)``; an error becomes a status."""
+        op = _OPS[method]
         t0 = time.perf_counter()
         code = "OK"
         try:
-            self.metrics.bytes_in.labels("grpc").inc(nbytes_in)
-            return await fn(self._namespace(context))
+            ns = self._namespace(context)  # before the message is even parsed
+            self.metrics.bytes_in.labels("grpc").inc(len(raw))
+            return await fn(ns, self._parse(method, cls, raw))
         except R3Error as exc:
             status = status_for(exc)
             code = status.grpc.name
             context.set_trailing_metadata((("r3-error-code", exc.code),))
             await context.abort(status.grpc, str(exc))
             raise  # abort() raises; this line is never reached
+        except MemoryError:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED.name
+            context.set_trailing_metadata((("r3-error-code", LimitExceededError.code),))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "the request needs more memory than the service allows",
+            )
+            raise
+        except Exception:
+            if context.done():
+                raise
+            code = grpc.StatusCode.INTERNAL.name
+            logger.exception("gRPC %s failed", method)
+            await context.abort(
+                grpc.StatusCode.INTERNAL, "internal error; the service log has the details"
+            )
+            raise
         finally:
             self.metrics.requests.labels("grpc", op, code).inc()
             self.metrics.latency.labels("grpc", op).observe(time.perf_counter() - t0)
@@ -88,11 +134,11 @@ class RoutingCacheServicer(pb_grpc.RoutingCacheServicer):
             )
 
     async def PutSegment(  # noqa: N802 (gRPC method names)
-        self, request: pb.PutSegmentRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PutSegmentResponse:
         """See the .proto."""
 
-        async def run(ns: str) -> pb.PutSegmentResponse:
+        async def run(ns: str, request: pb.PutSegmentRequest) -> pb.PutSegmentResponse:
             r = await self.service.put_segment(ns, request.rollout_id, request.frame)
             return pb.PutSegmentResponse(
                 status=r.status,
@@ -103,14 +149,14 @@ class RoutingCacheServicer(pb_grpc.RoutingCacheServicer):
                 dedupe_hit=r.dedupe_hit,
             )
 
-        return await self._call("put_segment", context, run, len(request.frame))
+        return await self._call("PutSegment", pb.PutSegmentRequest, raw, context, run)
 
     async def GetRollout(  # noqa: N802
-        self, request: pb.GetRolloutRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RolloutFrame:
         """See the .proto."""
 
-        async def run(ns: str) -> pb.RolloutFrame:
+        async def run(ns: str, request: pb.GetRolloutRequest) -> pb.RolloutFrame:
             frame = await self.service.get_frame(
                 ns,
                 request.rollout_id,
@@ -121,46 +167,48 @@ class RoutingCacheServicer(pb_grpc.RoutingCacheServicer):
             self.metrics.bytes_out.labels("grpc").inc(len(frame))
             return pb.RolloutFrame(frame=frame)
 
-        return await self._call("get_rollout", context, run)
+        return await self._call("GetRollout", pb.GetRolloutRequest, raw, context, run)
 
     async def StatRollout(  # noqa: N802
-        self, request: pb.RolloutRef, context: grpc.aio.ServicerContext[Any, Any]
+        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RolloutStat:
         """See the .proto."""
 
-        async def run(ns: str) -> pb.RolloutStat:
+        async def run(ns: str, request: pb.RolloutRef) -> pb.RolloutStat:
             return _stat(await self.service.stat(ns, request.rollout_id))
 
-        return await self._call("stat_rollout", context, run)
+        return await self._call("StatRollout", pb.RolloutRef, raw, context, run)
 
     async def DeleteRollout(  # noqa: N802
-        self, request: pb.RolloutRef, context: grpc.aio.ServicerContext[Any, Any]
+        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteResponse:
         """See the .proto (deleting a missing rollout is not an error: ``existed=false``)."""
 
-        async def run(ns: str) -> pb.DeleteResponse:
+        async def run(ns: str, request: pb.RolloutRef) -> pb.DeleteResponse:
             return pb.DeleteResponse(existed=await self.service.delete(ns, request.rollout_id))
 
-        return await self._call("delete_rollout", context, run)
+        return await self._call("DeleteRollout", pb.RolloutRef, raw, context, run)
 
     async def TouchRollout(  # noqa: N802
-        self, request: pb.TouchRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.TouchResponse:
         """See the .proto."""
 
-        async def run(ns: str) -> pb.TouchResponse:
+        async def run(ns: str, request: pb.TouchRequest) -> pb.TouchResponse:
             ttl = request.ttl_s if request.HasField("ttl_s") else None
             await self.service.touch(ns, request.rollout_id, ttl)
             return pb.TouchResponse()
 
-        return await self._call("touch_rollout", context, run)
+        return await self._call("TouchRollout", pb.TouchRequest, raw, context, run)
 
     async def BatchGet(  # noqa: N802
-        self, request: pb.BatchGetRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.BatchItem]:
         """See the .proto.  Items are produced as the client consumes them."""
 
-        async def start(ns: str) -> AsyncIterator[tuple[str, bytes | R3Error]]:
+        async def start(
+            ns: str, request: pb.BatchGetRequest
+        ) -> AsyncIterator[tuple[str, bytes | R3Error]]:
             items = self.service.batch_get(
                 ns,
                 list(request.rollout_ids),
@@ -178,7 +226,7 @@ class RoutingCacheServicer(pb_grpc.RoutingCacheServicer):
 
             return chain()
 
-        stream = await self._call("batch_get", context, start)
+        stream = await self._call("BatchGet", pb.BatchGetRequest, raw, context, start)
         async for rid, res in stream:
             if isinstance(res, bytes):
                 self.metrics.bytes_out.labels("grpc").inc(len(res))
@@ -188,51 +236,31 @@ class RoutingCacheServicer(pb_grpc.RoutingCacheServicer):
                 yield pb.BatchItem(rollout_id=rid, error=err)
 
 
-async def _parse(cls: Any, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-    """Deserialize a request ourselves: a malformed message is INVALID_ARGUMENT, not INTERNAL."""
-    try:
-        return cls.FromString(raw)
-    except DecodeError:
-        context.set_trailing_metadata((("r3-error-code", "invalid_request"),))
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"request is not a valid {cls.DESCRIPTOR.full_name} protobuf message",
-        )
+_OPS = {
+    "PutSegment": "put_segment",
+    "GetRollout": "get_rollout",
+    "StatRollout": "stat_rollout",
+    "DeleteRollout": "delete_rollout",
+    "TouchRollout": "touch_rollout",
+    "BatchGet": "batch_get",
+}
 
 
 def _handlers(servicer: RoutingCacheServicer) -> grpc.GenericRpcHandler:
-    """Method handlers built from the .proto's service descriptor.
-
-    Unlike the generated ``add_RoutingCacheServicer_to_server``, requests reach
-    us as raw bytes: gRPC's own deserializer turns a malformed message into
-    INTERNAL, which would read as a server bug.
-    """
+    """Method handlers built from the .proto's service descriptor, taking raw request bytes
+    (no request deserializer): the servicer authenticates before it parses."""
     service = pb.DESCRIPTOR.services_by_name["RoutingCache"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
-        req_cls = getattr(pb, method.input_type.name)
         resp_cls = getattr(pb, method.output_type.name)
         behavior = getattr(servicer, method.name)
         if method.server_streaming:
-
-            async def stream(
-                raw: bytes, context: Any, behavior: Any = behavior, req_cls: Any = req_cls
-            ) -> AsyncIterator[Any]:
-                async for item in behavior(await _parse(req_cls, raw, context), context):
-                    yield item
-
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                stream, response_serializer=resp_cls.SerializeToString
+                behavior, response_serializer=resp_cls.SerializeToString
             )
         else:
-
-            async def unary(
-                raw: bytes, context: Any, behavior: Any = behavior, req_cls: Any = req_cls
-            ) -> Any:
-                return await behavior(await _parse(req_cls, raw, context), context)
-
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                unary, response_serializer=resp_cls.SerializeToString
+                behavior, response_serializer=resp_cls.SerializeToString
             )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 

@@ -22,11 +22,12 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cache_service.auth import KeyRing, bearer_token
+from cache_service.auth import KeyRing, MetricsAccess
 from cache_service.errors import status_for
+from cache_service.http_guard import NAMESPACE_STATE, RequestGuard
 from cache_service.logs import log_event
 from cache_service.metrics import Metrics
-from cache_service.service import RoutingService
+from cache_service.service import MAX_TTL_S, RoutingService
 from cache_service.settings import ServiceSettings, get_settings
 from cache_service.store import SegmentStore
 from r3_client import (
@@ -56,7 +57,6 @@ class State(TypedDict):
     """What the lifespan yields; handlers read it from ``request.state``."""
 
     service: RoutingService
-    keys: KeyRing
 
 
 # ---- response and request models -------------------------------------------------------------
@@ -137,7 +137,7 @@ class StatResponse(BaseModel):
 class TouchRequest(BaseModel):
     """New TTL in seconds (0 = never expire; omitted = the service default)."""
 
-    ttl_s: int | None = Field(default=None, ge=0, le=10 * 365 * 24 * 3600)
+    ttl_s: int | None = Field(default=None, ge=0, le=MAX_TTL_S)
 
 
 class BatchGetRequest(BaseModel):
@@ -156,8 +156,9 @@ def _service(request: Request) -> RoutingService:
 
 
 def _namespace(request: Request) -> str:
-    keys: KeyRing = request.state.keys
-    return keys.namespace(bearer_token(request.headers.get("authorization")))
+    # Authenticated by RequestGuard before the body was read.
+    ns: str = getattr(request.state, NAMESPACE_STATE)
+    return ns
 
 
 ServiceDep = Annotated[RoutingService, Depends(_service)]
@@ -178,18 +179,6 @@ def _parse_layers(layers: str | None) -> list[int] | None:
         raise InvalidRequestError(
             f"layers must be comma-separated integers, got {layers[:100]!r}"
         ) from None
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise LimitExceededError(f"body of {declared} bytes exceeds the {limit}-byte limit")
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise LimitExceededError(f"body exceeds the {limit}-byte limit")
-    return bytes(buf)
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -268,18 +257,23 @@ def create_app(
     """
     settings = settings or get_settings()
     keys = KeyRing(settings.all_api_keys(), enabled=settings.auth_enabled())
+    metrics_key = settings.metrics_key()
+    metrics_access = MetricsAccess(
+        required=keys.enabled,
+        keys=KeyRing({metrics_key: "metrics"}, enabled=True) if metrics_key else None,
+    )
     metrics = metrics or (service.metrics if service else Metrics())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[State]:
         if service is not None:
-            yield {"service": service, "keys": keys}
+            yield {"service": service}
             return
         if settings.redis_url is None:
             raise RuntimeError("create_app without a service needs settings.redis_url")
         store = await SegmentStore.connect(settings.store_settings(settings.redis_url))
         try:
-            yield {"service": RoutingService(store, settings, metrics), "keys": keys}
+            yield {"service": RoutingService(store, settings, metrics)}
         finally:
             await store.close()
 
@@ -312,6 +306,25 @@ def create_app(
         code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return _error(exc.status_code, code, str(exc.detail))
 
+    @app.exception_handler(MemoryError)
+    async def _on_memory(request: Request, exc: MemoryError) -> JSONResponse:
+        # A request that needs more memory than the process has is the request's
+        # size, not a server fault: answered like any other limit.
+        return _error(413, LimitExceededError.code, "the request needs more memory than allowed")
+
+    @app.exception_handler(Exception)
+    async def _on_bug(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette still logs the traceback; the client gets JSON, not internals.
+        return _error(500, "internal_error", "internal error; the service log has the details")
+
+    # Added first, so it runs inside _Observe (whose status and latency include it).
+    app.add_middleware(
+        RequestGuard,
+        keys=keys,
+        metrics=metrics_access,
+        max_body_bytes=settings.max_body_bytes,
+        max_request_bytes=settings.max_request_bytes,
+    )
     app.add_middleware(_Observe, metrics=metrics)
 
     @app.put(
@@ -332,7 +345,7 @@ def create_app(
         rollout_id: str, request: Request, svc: ServiceDep, ns: NamespaceDep
     ) -> JSONResponse:
         """Store one segment of a rollout. Idempotent; a differing overlap is a 409."""
-        body = await _read_body(request, settings.max_body_bytes)
+        body = await request.body()  # bounded by RequestGuard while it streamed in
         res = await svc.put_segment(ns, rollout_id, body)
         return JSONResponse(
             PutResponse.of(res).model_dump(), status_code=201 if res.status == "stored" else 200
@@ -442,7 +455,7 @@ def create_app(
 
     @app.get("/metrics", name="metrics", response_class=Response)
     async def metrics_endpoint(svc: ServiceDep) -> Response:
-        """Prometheus metrics."""
+        """Prometheus metrics (with auth on, only for the metrics key: RequestGuard)."""
         # On a Redis failure the gauges keep their last value: the scrape must not fail.
         with contextlib.suppress(R3Error):
             await svc.refresh_store_gauges()

@@ -11,16 +11,41 @@ from __future__ import annotations
 import asyncio
 import io
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
 from cache_service.metrics import Metrics
 from cache_service.settings import ServiceSettings
 from cache_service.store import SegmentStore
-from r3_client import LimitExceededError, PutResult, R3Error, RolloutInfo, read_header
+from r3_client import (
+    InvalidRequestError,
+    LimitExceededError,
+    PutResult,
+    R3Error,
+    RolloutInfo,
+    read_header,
+)
 
-__all__ = ["RoutingService"]
+__all__ = ["MAX_TTL_S", "RoutingService"]
+
+T = TypeVar("T")
+#: Longest TTL a rollout may be given (ten years), on every transport.
+MAX_TTL_S = 10 * 365 * 24 * 3600
+
+
+async def _bounded(work: Awaitable[T]) -> T:
+    """``await work``, with a ``MemoryError`` reported as the request's size, not a fault.
+
+    A safety net: reads must not allocate past what the request declares (the
+    format's job); if one still cannot be served in memory, the client hears a
+    :class:`LimitExceededError`, never a server error with numpy's message.
+    """
+    try:
+        return await work
+    except MemoryError:
+        raise LimitExceededError("the request needs more memory than the service allows") from None
 
 
 class RoutingService:
@@ -66,7 +91,9 @@ class RoutingService:
         layers: Sequence[int] | None = None,
     ) -> bytes:
         """The rollout (or a slice) as one frame."""
-        return await self._ns(namespace).get_frame(rollout_id, start=start, end=end, layers=layers)
+        return await _bounded(
+            self._ns(namespace).get_frame(rollout_id, start=start, end=end, layers=layers)
+        )
 
     async def get_npy(
         self,
@@ -78,7 +105,9 @@ class RoutingService:
         layers: Sequence[int] | None = None,
     ) -> bytes:
         """The rollout (or a slice) as a ``.npy`` file of ``[rows, L, K]`` int16/int32."""
-        routing = await self._ns(namespace).get(rollout_id, start=start, end=end, layers=layers)
+        routing = await _bounded(
+            self._ns(namespace).get(rollout_id, start=start, end=end, layers=layers)
+        )
         buf = io.BytesIO()
         np.save(buf, routing.indices, allow_pickle=False)
         return buf.getvalue()
@@ -92,7 +121,9 @@ class RoutingService:
         return await self._ns(namespace).delete(rollout_id)
 
     async def touch(self, namespace: str, rollout_id: str, ttl_s: int | None) -> None:
-        """Reset a rollout's TTL."""
+        """Reset a rollout's TTL (``None``: the default; 0: never expire; at most ten years)."""
+        if ttl_s is not None and not 0 <= ttl_s <= MAX_TTL_S:
+            raise InvalidRequestError(f"ttl_s must be between 0 and {MAX_TTL_S} s, got {ttl_s}")
         await self._ns(namespace).touch(rollout_id, ttl_s)
 
     async def batch_get(
@@ -118,7 +149,7 @@ class RoutingService:
 
         async def one(rid: str) -> bytes | R3Error:
             try:
-                return await view.get_frame(rid, start=start, end=end, layers=layers)
+                return await _bounded(view.get_frame(rid, start=start, end=end, layers=layers))
             except R3Error as exc:
                 return exc
 

@@ -11,7 +11,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cache_service.store import StoreSettings
+from cache_service.store import StoreSettings, check_namespace
+from r3_client import InvalidRequestError
 
 __all__ = ["ServiceSettings", "get_settings", "is_loopback"]
 
@@ -33,7 +34,10 @@ class ServiceSettings(BaseSettings):
     ``api_keys`` as JSON ``{"<key>": "<namespace>"}``.
     """
 
-    model_config = SettingsConfigDict(env_prefix="R3_CACHE_", frozen=True, extra="forbid")
+    # hide_input_in_errors: a validation error must not echo API keys into logs.
+    model_config = SettingsConfigDict(
+        env_prefix="R3_CACHE_", frozen=True, extra="forbid", hide_input_in_errors=True
+    )
 
     redis_url: str | None = Field(
         default=None, description="redis:// DSN; unset = start an embedded redis-server"
@@ -47,7 +51,10 @@ class ServiceSettings(BaseSettings):
     auth: Literal["auto", "on", "off"] = "auto"
     api_keys: dict[str, str] = Field(default_factory=dict)
     api_keys_file: Path | None = None
+    metrics_api_key: str | None = Field(default=None, min_length=16)
+    metrics_api_key_file: Path | None = None
     max_body_bytes: int = Field(default=256 << 20, ge=1024)
+    max_request_bytes: int = Field(default=1 << 20, ge=1024)
     max_tokens_per_segment: int = Field(default=1 << 20, ge=1)
     max_batch: int = Field(default=1024, ge=1)
     batch_concurrency: int = Field(default=8, ge=1, le=256)
@@ -60,12 +67,20 @@ class ServiceSettings(BaseSettings):
 
     @field_validator("api_keys")
     @classmethod
-    def _keys_nonempty(cls, v: dict[str, str]) -> dict[str, str]:
+    def _keys_valid(cls, v: dict[str, str]) -> dict[str, str]:
+        """Every key long enough and mapped to a legal namespace, or the service refuses to
+        start naming the entry (only the key's first characters: it is a secret)."""
         for key, ns in v.items():
+            shown = f"{key[:4]}…" if len(key) > 4 else "…"
             if len(key) < 16:
-                raise ValueError("API keys must be at least 16 characters")
-            if not ns:
-                raise ValueError("every API key needs a namespace")
+                raise ValueError(f"API key {shown!r} is shorter than 16 characters")
+            try:
+                check_namespace(ns)
+            except InvalidRequestError:
+                raise ValueError(
+                    f"API key {shown!r} maps to namespace {ns!r}: a namespace is 1-64 "
+                    "characters from a-z 0-9 _ -"
+                ) from None
         return v
 
     def auth_enabled(self) -> bool:
@@ -75,16 +90,43 @@ class ServiceSettings(BaseSettings):
         return self.auth == "on"
 
     def all_api_keys(self) -> dict[str, str]:
-        """``api_keys`` merged with ``api_keys_file`` (JSON ``{"<key>": "<namespace>"}``)."""
+        """``api_keys`` merged with ``api_keys_file`` (JSON ``{"<key>": "<namespace>"}``).
+
+        Raises ``ValueError`` naming the file and the bad entry; called at start-up,
+        so a bad file stops the service instead of failing its requests.
+        """
         keys = dict(self.api_keys)
         if self.api_keys_file is not None:
-            data = json.loads(self.api_keys_file.read_text())
+            try:
+                data = json.loads(self.api_keys_file.read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{self.api_keys_file}: cannot read API keys: {exc}") from None
             if not isinstance(data, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in data.items()
             ):
                 raise ValueError(f"{self.api_keys_file}: expected a JSON object key -> namespace")
-            keys.update(type(self)(api_keys=data).api_keys)  # same validation
+            try:
+                keys.update(self._keys_valid(data))  # the same rules as api_keys
+            except ValueError as exc:
+                raise ValueError(f"{self.api_keys_file}: {exc}") from None
         return keys
+
+    def metrics_key(self) -> str | None:
+        """The key that opens ``/metrics`` with auth on (``metrics_api_key``, else the first
+        line of ``metrics_api_key_file``), or None."""
+        if self.metrics_api_key is not None:
+            return self.metrics_api_key
+        if self.metrics_api_key_file is None:
+            return None
+        try:
+            key = self.metrics_api_key_file.read_text().strip()
+        except OSError as exc:
+            raise ValueError(
+                f"{self.metrics_api_key_file}: cannot read the metrics key: {exc}"
+            ) from None
+        if len(key) < 16:
+            raise ValueError(f"{self.metrics_api_key_file}: the metrics key needs 16+ characters")
+        return key
 
     def store_settings(self, redis_url: str) -> StoreSettings:
         """The store's view of these settings, for the Redis at ``redis_url``."""

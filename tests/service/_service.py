@@ -19,7 +19,9 @@ from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
 
 KEY_A = "key-tenant-a-0123456789abcdef"
 KEY_B = "key-tenant-b-0123456789abcdef"
+METRICS_KEY = "key-metrics-0123456789abcdef"
 LIMITS = {
+    "R3_CACHE_METRICS_API_KEY": METRICS_KEY,
     "R3_CACHE_MAX_BODY_BYTES": str(4 << 20),
     "R3_CACHE_MAX_TOKENS_PER_SEGMENT": "20000",
     "R3_CACHE_MAX_BATCH": "64",

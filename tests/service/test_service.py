@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from _helpers import LAYERS, TRAJ, frame_for, rid, same_sets
-from _service import KEY_A, KEY_B, Service, grpc_md
+from _service import KEY_A, KEY_B, METRICS_KEY, Service, grpc_md
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import decode_frame, encode_frame
@@ -174,7 +174,7 @@ def test_grpo_dedupe_is_visible_in_stat_and_metrics(svc: Service) -> None:
     prompt = frame_for(TRAJ[:100], 0, version=rid())  # a fresh share key
     results = [put_http(svc, rid(), prompt) for _ in range(4)]
     assert [r["dedupe_hit"] for r in results] == [False, True, True, True]
-    with svc.http() as c:
+    with svc.http(METRICS_KEY) as c:
         text = c.get("/metrics").text
     hits = [ln for ln in text.splitlines() if ln.startswith("r3_dedupe_hits_total")]
     assert hits and float(hits[0].split()[-1]) >= 3
@@ -293,7 +293,12 @@ def test_health_ready_metrics_and_openapi(svc: Service) -> None:
     with svc.http(None) as c:
         assert c.get("/healthz").json() == {"status": "ok"}
         assert c.get("/readyz").json() == {"status": "ready"}
-        metrics = c.get("/metrics").text
+        # store-wide figures: the metrics key only, never anonymous or a tenant's key
+        assert c.get("/metrics").status_code == 401
+        for key in (KEY_A, KEY_B):
+            headers = {"Authorization": f"Bearer {key}"}
+            assert c.get("/metrics", headers=headers).json()["error"]["code"] == "unauthenticated"
+        metrics = c.get("/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}).text
         for name in (
             "r3_requests_total",
             "r3_request_seconds_bucket",

@@ -30,8 +30,9 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     s = ServiceSettings()
     assert s.http_port == 9999
     assert s.all_api_keys() == {"k" * 20: "team-x"}
-    with pytest.raises(ValidationError, match="at least 16 characters"):
+    with pytest.raises(ValidationError, match="shorter than 16 characters") as info:
         ServiceSettings(api_keys={"short": "ns"})
+    assert "short'" not in str(info.value)  # the key itself is never echoed
     with pytest.raises(ValidationError):
         ServiceSettings(max_batch=0)
 
@@ -73,4 +74,47 @@ def test_public_bind_without_keys_refuses_to_start(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert "r3 serve: error: auth is on" in res.stderr
     assert "no API keys are configured" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("keys", "reason"),
+    [
+        ({"good-key-0123456789abcdef": "Bad:NS"}, "maps to namespace 'Bad:NS'"),
+        ({"good-key-0123456789abcdef": ""}, "maps to namespace ''"),
+        ({"good-key-0123456789abcdef": "x" * 65}, "a namespace is 1-64 characters"),
+        ({"short": "tenant"}, "shorter than 16 characters"),
+        (["not", "an", "object"], "expected a JSON object"),
+    ],
+)
+def test_bad_api_keys_file_refuses_to_start_naming_the_entry(
+    tmp_path: Path, keys: object, reason: str
+) -> None:
+    """Before: a namespace like 'Bad:NS' was accepted and every request with that key
+    failed with 400.  Now ``r3 serve`` exits 2 naming the file and the entry."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(keys))
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cache_service",
+            "serve",
+            "--auth",
+            "on",
+            "--api-keys-file",
+            str(path),
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--data-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2, res.stderr
+    assert f"r3 serve: error: {path}" in res.stderr
+    assert reason in res.stderr
+    assert "0123456789abcdef" not in res.stderr  # the key is a secret: only its start is shown
     assert "Traceback" not in res.stderr
