@@ -75,6 +75,6 @@ class MetricsAccess:
         if self.keys is None:
             raise AuthError(
                 "/metrics needs the metrics key, and this service has none configured "
-                "(set R3_CACHE_METRICS_API_KEY or --metrics-api-key-file)"
+                "(set R3_CACHE_METRICS_API_KEY or R3_CACHE_METRICS_API_KEY_FILE)"
             )
         self.keys.namespace(bearer_token(authorization))

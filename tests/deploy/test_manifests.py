@@ -58,6 +58,23 @@ SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
                             "path": {"type": "string", "pattern": "^/"},
                             "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
                             "scheme": {"enum": ["http", "https"]},
+                            "authorization": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "type": {"type": "string"},
+                                    "credentials": {
+                                        "type": "object",
+                                        "required": ["key"],
+                                        "additionalProperties": False,
+                                        "properties": {
+                                            "name": {"type": "string"},
+                                            "key": {"type": "string"},
+                                            "optional": {"type": "boolean"},
+                                        },
+                                    },
+                                },
+                            },
                         },
                     },
                 },
