@@ -61,7 +61,8 @@ def test_a_read_too_big_for_memory_is_the_clients_limit(service_single: Service)
 @pytest.mark.xfail(
     strict=True,
     reason="issue 14: the service must not allocate a segment gap (bounded gaps or "
-    "pass-through reads); today a 1-row segment at row 2**26 costs ~3 GiB per read (tested at 2**22)",
+    "pass-through reads); today a 1-row segment at row 2**26 costs ~3 GiB per read "
+    "(tested at 2**22)",
 )
 def test_far_gap_segment_is_refused_or_read_without_allocating_the_gap(
     service_single: Service,
