@@ -39,6 +39,23 @@ def add_serve_parser(sub: Any) -> None:
     )
     p.add_argument("--api-keys-file", type=Path, help='JSON file {"<api key>": "<namespace>"}')
     p.add_argument("--ttl", type=int, dest="default_ttl_s", help="default TTL seconds (0=none)")
+    p.add_argument(
+        "--durability",
+        choices=["ack", "replicas", "fsync"],
+        help="when a write is answered: ack = Redis applied it (its AOF policy decides the "
+        "rest); replicas = WAIT for --durability-replicas replicas; fsync = WAITAOF: the "
+        "master's AOF fsynced (Redis >= 7.2). docs/service.md, Durability",
+    )
+    p.add_argument(
+        "--durability-replicas",
+        type=int,
+        help="replicas each write must reach (default 1 with replicas, 0 with fsync)",
+    )
+    p.add_argument(
+        "--durability-timeout-ms",
+        type=int,
+        help="how long a write waits for them before it fails with 503 (default 1000)",
+    )
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
     p.set_defaults(func=serve_command)
 
@@ -60,6 +77,9 @@ def serve_command(args: argparse.Namespace) -> int:
             "auth": args.auth,
             "api_keys_file": args.api_keys_file,
             "default_ttl_s": args.default_ttl_s,
+            "durability": args.durability,
+            "durability_replicas": args.durability_replicas,
+            "durability_timeout_ms": args.durability_timeout_ms,
             "log_level": args.log_level,
         }.items()
         if v is not None

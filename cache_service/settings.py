@@ -63,6 +63,11 @@ class ServiceSettings(BaseSettings):
     max_segments: int = Field(default=4096, ge=1)
     redis_max_connections: int = Field(default=64, ge=1)
     dedupe: bool = True
+    durability: Literal["ack", "replicas", "fsync"] = "ack"
+    durability_replicas: int | None = Field(
+        default=None, ge=0, description="replicas to wait for; unset = 1 (replicas), 0 (fsync)"
+    )
+    durability_timeout_ms: int = Field(default=1000, ge=1, le=5000)
     log_level: str = "INFO"
 
     @field_validator("api_keys")
@@ -138,6 +143,13 @@ class ServiceSettings(BaseSettings):
             max_segments=self.max_segments,
             max_connections=self.redis_max_connections,
             dedupe=self.dedupe,
+            durability=self.durability,
+            durability_replicas=(
+                self.durability_replicas
+                if self.durability_replicas is not None
+                else int(self.durability == "replicas")
+            ),
+            durability_timeout_ms=self.durability_timeout_ms,
         )
 
 

@@ -23,6 +23,17 @@ reads.  A blob's TTL is kept at least as long as that of every rollout
 referencing it (refreshed on each put and touch); deleting a rollout leaves
 shared blobs to expire.
 
+Durability (``StoreSettings.durability``): ``ack`` answers once Redis has applied a
+write (what survives a crash is then up to that Redis's AOF policy); ``replicas``
+follows every write with ``WAIT n timeout``, ``fsync`` with ``WAITAOF 1 0 timeout``
+(plus ``WAIT n`` with replicas).  They are sent in one pipeline on the *same
+connection* as the write (both count only what that connection wrote) and, on a
+cluster, on the master that owns the key's slot.  A write that is not confirmed in
+time raises :class:`StoreUnavailableError`: applied, maybe not durable, safe to
+retry.  Paths that find their data already stored (a duplicate segment, a shared
+blob already there) still write one unchanged field, so the retry's wait covers the
+data an earlier, unconfirmed request stored.
+
 Rules (all enforced inside one Lua script, so concurrent writers cannot race):
 putting an identical segment again is a no-op; a segment overlapping a stored
 one and not identical to it is a :class:`SegmentConflictError`; rows between
@@ -33,10 +44,12 @@ the rollout's TTL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
+import logging
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -67,10 +80,14 @@ from r3_client._format import layer_positions
 from r3_client._models import PutResult, RolloutInfo, SegmentInfo
 from r3_client._sortnet import sort_rows
 
-__all__ = ["SegmentStore", "StoreSettings", "check_namespace"]
+__all__ = ["DURABILITY_MODES", "SegmentStore", "StoreSettings", "check_namespace"]
 
 _NAMESPACE = re.compile(r"[a-z0-9_-]{1,64}")
 RedisClient = aioredis.Redis | RedisCluster
+DURABILITY_MODES = ("ack", "replicas", "fsync")
+_log = logging.getLogger("r3.cache.store")
+_PUT_ACKED = (b"stored", b"duplicate")
+_BLOB_ACKED = (b"new", b"same")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +98,13 @@ class StoreSettings:
     node of a Redis Cluster.  ``default_ttl_s`` (0 = keep forever) applies to
     every write.  ``max_segments`` bounds one rollout's segment count (the put
     script scans them).
+
+    ``durability`` says when a write counts as done: ``ack`` when Redis applied
+    it; ``replicas`` when ``durability_replicas`` replicas of the key's master have
+    it too (``WAIT``); ``fsync`` when the master's AOF is fsynced (``WAITAOF``,
+    Redis >= 7.2) and ``durability_replicas`` replicas have it (``WAIT``).  A wait that
+    does not complete within ``durability_timeout_ms`` fails the write with
+    :class:`StoreUnavailableError`.
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -92,10 +116,32 @@ class StoreSettings:
     max_connections: int = 64
     dedupe: bool = True
     socket_timeout_s: float = 10.0
+    durability: str = "ack"
+    durability_replicas: int = 0
+    durability_timeout_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.durability not in DURABILITY_MODES:
+            raise ValueError(
+                f"durability must be one of {DURABILITY_MODES}, not {self.durability!r}"
+            )
+        if self.durability == "replicas" and self.durability_replicas < 1:
+            raise ValueError("durability=replicas needs durability_replicas >= 1")
+        if self.durability_replicas < 0:
+            raise ValueError("durability_replicas must be >= 0")
+        if not 1 <= self.durability_timeout_ms < self.socket_timeout_s * 1000:
+            raise ValueError(
+                "durability_timeout_ms must be >= 1 and below the socket timeout "
+                f"({self.socket_timeout_s * 1000:.0f} ms): WAIT blocks the connection"
+            )
 
 
 def _load(name: str) -> str:
     return resources.files("cache_service").joinpath("lua", name).read_text()
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def check_namespace(namespace: object) -> str:
@@ -150,6 +196,7 @@ class SegmentStore:
         self._touch = client.register_script(_load("touch_rollout.lua"))
         self._put_blob = client.register_script(_load("put_blob.lua"))
         self._keep_blob = client.register_script(_load("keep_blob.lua"))
+        self._delete = client.register_script("return redis.call('DEL', KEYS[1])")
         self._namespace = ""
         self._limit = asyncio.Semaphore(settings.max_connections)
 
@@ -182,7 +229,185 @@ class SegmentStore:
                     ) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        return cls(client, settings)
+        store = cls(client, settings)
+        try:
+            await store.check_durability()
+        except BaseException:
+            await client.aclose()
+            raise
+        return store
+
+    # ---- durability --------------------------------------------------------------------
+    def _wait_commands(self) -> list[tuple[Any, ...]]:
+        """What follows each write on its connection: nothing (ack), WAIT, WAITAOF (+ WAIT).
+
+        ``fsync`` with replicas asks the master's AOF fsync (``WAITAOF 1 0``) and the
+        replicas' receipt (``WAIT n``), not the replicas' own fsync (``WAITAOF 1 n``):
+        a failover promotes a replica's memory, and replicas report their fsync only in
+        their once-a-second acknowledgement (measured: ~1 s per write).
+        """
+        s = self.settings
+        t = s.durability_timeout_ms
+        if s.durability == "replicas":
+            return [("WAIT", s.durability_replicas, t)]
+        if s.durability == "fsync":
+            waits: list[tuple[Any, ...]] = [("WAITAOF", 1, 0, t)]
+            if s.durability_replicas:
+                waits.append(("WAIT", s.durability_replicas, t))
+            return waits
+        return []
+
+    async def _on_primaries(self, *command: Any) -> dict[str, Any]:
+        """``command``'s reply from every master (one entry on a single Redis)."""
+        if isinstance(self._r, RedisCluster):
+            out = {}
+            for node in self._r.get_primaries():
+                reply = await self._r.execute_command(*command, target_nodes=node)
+                by_node = isinstance(reply, dict) and node.name in reply
+                out[node.name] = reply[node.name] if by_node else reply
+            return out
+        reply = await self._r.execute_command(*command)  # type: ignore[no-untyped-call]
+        return {self.settings.redis_url.rsplit("@", 1)[-1]: reply}
+
+    async def check_durability(self) -> list[str]:
+        """Refuse a durability mode these Redis masters cannot give; return warnings.
+
+        ``fsync`` needs ``WAITAOF`` and ``appendonly yes`` on every master: a probe
+        ``WAITAOF 1 0 <timeout>`` must answer, or :class:`StoreError` says why (the
+        mode would fail every write).  Fewer connected replicas than
+        ``durability_replicas`` is only a warning (logged and returned): replicas
+        come and go, writes fail with 503 until enough are back, reads keep working.
+        """
+        s = self.settings
+        if s.durability == "ack":
+            return []
+        warnings: list[str] = []
+        try:
+            if s.durability == "fsync":
+                try:
+                    replies = await self._on_primaries("WAITAOF", 1, 0, s.durability_timeout_ms)
+                except rexc.ResponseError as exc:
+                    raise StoreError(await self._fsync_refusal(exc)) from exc
+                for node, reply in replies.items():
+                    if int(reply[0]) < 1:
+                        raise StoreError(
+                            f"durability=fsync: Redis {node} did not confirm an AOF fsync "
+                            f"within {s.durability_timeout_ms} ms"
+                        )
+            else:
+                await self._on_primaries("WAIT", 0, s.durability_timeout_ms)
+            if s.durability_replicas > 0:
+                infos = await self._on_primaries("INFO", "replication")
+                for node, info in infos.items():
+                    have = int(info.get("connected_slaves", 0))
+                    if have < s.durability_replicas:
+                        warnings.append(
+                            f"durability={s.durability} waits for {s.durability_replicas} "
+                            f"replica(s) per write but Redis {node} has {have} connected: "
+                            "its writes fail (503) until enough replicas are back"
+                        )
+        except (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterError) as exc:
+            raise StoreUnavailableError(f"Redis is unreachable: {exc}") from exc
+        except rexc.RedisError as exc:
+            raise StoreError(f"durability={s.durability}: Redis refused the check: {exc}") from exc
+        for w in warnings:
+            _log.warning(w, extra={"r3": {"durability": s.durability}})
+        return warnings
+
+    async def _fsync_refusal(self, exc: Exception) -> str:
+        """Why ``durability=fsync`` cannot work here, in words (Redis version, AOF policy)."""
+        msg = f"durability=fsync needs WAITAOF (Redis >= 7.2) and appendonly yes; Redis said: {exc}"
+        with contextlib.suppress(rexc.RedisError):
+            info = next(iter((await self._on_primaries("INFO", "server")).values()))
+            msg += f" (redis_version {info.get('redis_version')})"
+        with contextlib.suppress(rexc.RedisError):
+            conf = next(iter((await self._on_primaries("CONFIG", "GET", "appendfsync")).values()))
+            if isinstance(conf, list):  # raw reply: [name, value, ...]
+                conf = dict(zip(conf[::2], conf[1::2], strict=True))
+            policy = {_text(k): _text(v) for k, v in conf.items()}.get("appendfsync")
+            if policy == "always":
+                msg += (
+                    ". This Redis already fsyncs every write (appendfsync always): "
+                    "durability=ack gives the same guarantee"
+                )
+        return msg
+
+    async def _write(
+        self, key: str, script: Any, args: Sequence[Any], acked: Callable[[Any], bool]
+    ) -> Any:
+        """Run ``script`` on ``key``; in a durable mode, then wait on the same connection.
+
+        The caller holds a ``_limit`` slot inside :func:`_translate`.  ``acked(result)``
+        tells whether the result acknowledges stored data (only then does an
+        unconfirmed wait fail the write).
+        """
+        waits = self._wait_commands()
+        if not waits:
+            return await script(keys=[key], args=list(args))
+        command = ("EVALSHA", script.sha, 1, key, *args)
+        asking: Any = None
+        for _ in range(4):
+            try:
+                if isinstance(self._r, RedisCluster):
+                    # Both commands pinned to the key's master: ClusterPipeline sends
+                    # one node's commands on one connection.  No automatic redirection:
+                    # a MOVED/ASK write would be re-sent on another connection, where
+                    # the wait no longer covers it.
+                    node = asking or self._r.get_node_from_key(key)
+                    cpipe = self._r.pipeline()
+                    if asking is not None:
+                        cpipe.execute_command("ASKING", target_nodes=node)
+                    cpipe.execute_command(*command, target_nodes=node)
+                    for wait in waits:
+                        cpipe.execute_command(*wait, target_nodes=node)
+                    replies = await cpipe.execute(allow_redirections=False)
+                else:
+                    pipe = self._r.pipeline(transaction=False)
+                    pipe.execute_command(*command)
+                    for wait in waits:
+                        pipe.execute_command(*wait)
+                    replies = await pipe.execute()
+            except rexc.NoScriptError:  # first use on this node, or Redis restarted
+                await self._r.script_load(script.script)
+                continue
+            except rexc.MovedError as exc:  # the slot moved: nothing ran; learn and retry
+                assert isinstance(self._r, RedisCluster)
+                await self._r.nodes_manager.move_slot(exc)
+                asking = None
+                continue
+            except rexc.AskError as exc:  # slot being migrated: the key is on the target
+                assert isinstance(self._r, RedisCluster)
+                asking = self._r.get_node(host=exc.host, port=exc.port)
+                if asking is None:
+                    raise
+                continue
+            result, wait_replies = replies[-1 - len(waits)], replies[-len(waits) :]
+            if acked(result):
+                self._check_waits(wait_replies)
+            return result
+        raise StoreUnavailableError(
+            "Redis kept redirecting this write (slot migration in progress); retry it"
+        )
+
+    def _check_waits(self, replies: Sequence[Any]) -> None:
+        s = self.settings
+        ok, what, lost_on = True, [], []
+        for reply in replies:
+            if isinstance(reply, list):  # WAITAOF: [local fsyncs, replica fsyncs]
+                ok &= int(reply[0]) >= 1
+                what.append(f"was fsynced to the master's AOF {int(reply[0])}/1")
+                lost_on.append("a host crash or power loss")
+            else:  # WAIT: replicas that have it
+                ok &= int(reply) >= s.durability_replicas
+                what.append(f"reached {int(reply)} of {s.durability_replicas} replica(s)")
+                lost_on.append("a failover")
+        if not ok:
+            raise StoreUnavailableError(
+                f"durability={s.durability}: Redis applied the write but it {' and '.join(what)} "
+                f"within {s.durability_timeout_ms} ms, so it may or may not be stored after "
+                f"{' or '.join(lost_on)}. "
+                "Retrying is safe: the same write again is a no-op that waits again"
+            )
 
     async def close(self) -> None:
         """Close the connection pool."""
@@ -225,7 +450,7 @@ class SegmentStore:
         and a rollout references few blobs (its prompt segments).
         """
         for ref in refs:
-            await self._keep_blob(keys=[ref], args=[ttl_ms])
+            await self._write(ref.decode(), self._keep_blob, [ttl_ms], bool)
 
     async def ping(self) -> bool:
         """True when Redis answers."""
@@ -257,15 +482,18 @@ class SegmentStore:
         async with _translate(self._limit):
             if segment.tokens_digest and self.settings.dedupe:
                 blob = self._blob_key(meta, segment)
-                shared = await self._put_blob(keys=[blob], args=[frame, digest, ttl * 1000])
+                shared = await self._write(
+                    blob, self._put_blob, [frame, digest, ttl * 1000], _BLOB_ACKED.__contains__
+                )
                 if shared in (b"new", b"same"):
                     value, ref, dedupe_hit = b"@" + blob.encode(), blob, shared == b"same"
             info = msgpack.packb(
                 [segment.to_dict(), hdr.codec, len(frame), bool(ref)], use_bin_type=True
             )
-            res = await self._put(
-                keys=[key],
-                args=[
+            res = await self._write(
+                key,
+                self._put,
+                [
                     meta,
                     segment.start,
                     segment.end,
@@ -277,6 +505,7 @@ class SegmentStore:
                     len(frame),
                     ref,
                 ],
+                lambda r: r[0] in _PUT_ACKED,
             )
             if res[0] in (b"stored", b"duplicate"):
                 await self._keep_blobs(res[1:], ttl * 1000)
@@ -314,7 +543,9 @@ class SegmentStore:
         """Delete a rollout; True if it existed."""
         key = self.key(rollout_id)
         async with _translate(self._limit):
-            return bool(await self._r.delete(key))
+            if not self._wait_commands():
+                return bool(await self._r.delete(key))
+            return bool(await self._write(key, self._delete, [], bool))
 
     async def touch(self, rollout_id: str, ttl_s: int | None = None) -> None:
         """Reset the rollout's TTL (default: ``settings.default_ttl_s``; 0 = never expire).
@@ -326,7 +557,7 @@ class SegmentStore:
         if ttl < 0:
             raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
         async with _translate(self._limit):
-            res = await self._touch(keys=[key], args=[ttl * 1000])
+            res = await self._write(key, self._touch, [ttl * 1000], bool)
             if not res:
                 raise RolloutNotFoundError(f"rollout {rollout_id} not found")
             await self._keep_blobs(res[1:], ttl * 1000)

@@ -4,7 +4,11 @@
 -- Returns  "new" (stored now) | "same" (already there with this content) | "differs"
 local key = KEYS[1]
 local cur = redis.call('HGET', key, 'd')
-if cur == ARGV[2] then return 'same' end
+if cur == ARGV[2] then
+  -- An unchanged write, so a WAIT/WAITAOF after this script covers the stored blob.
+  redis.call('HSET', key, 'd', cur)
+  return 'same'
+end
 if cur then return 'differs' end
 redis.call('HSET', key, 'f', ARGV[1], 'd', ARGV[2])
 local ttl = tonumber(ARGV[3])

@@ -31,7 +31,12 @@ for _, f in ipairs(redis.call('HKEYS', key)) do
     a = tonumber(a); b = tonumber(b)
     if a < e and s < b then
       if a == s and b == e then
-        if redis.call('HGET', key, f) == dig then return refresh('duplicate') end
+        if redis.call('HGET', key, f) == dig then
+          -- Rewrite one unchanged field: a write, so a WAIT/WAITAOF after this script
+          -- covers the segment an earlier (maybe unconfirmed) put stored (store.py).
+          redis.call('HSET', key, 'm', meta)
+          return refresh('duplicate')
+        end
         return {'conflict', a .. ':' .. b, 'differs'}
       end
       return {'conflict', a .. ':' .. b, 'overlaps'}
