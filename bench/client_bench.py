@@ -50,7 +50,7 @@ from r3_client.testing import synthetic_routing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "service")]
-from _service import KEY_A, Service, start_service  # noqa: E402
+from _service import KEY_A, METRICS_KEY, Service, start_service  # noqa: E402
 
 from cache_service.redis_proc import RedisProcess, free_port  # noqa: E402
 
@@ -141,7 +141,8 @@ async def upstream_path(
 
 
 def bytes_out(svc: Service) -> float:
-    text = httpx.get(f"{svc.http_url}/metrics", timeout=10).text
+    headers = {"Authorization": f"Bearer {METRICS_KEY}"}
+    text = httpx.get(f"{svc.http_url}/metrics", headers=headers, timeout=10).text
     for line in text.splitlines():
         if line.startswith('r3_bytes_out_total{transport="http"}'):
             return float(line.split()[-1])

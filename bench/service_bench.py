@@ -82,7 +82,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT / "tests", ROOT / "tests" / "service"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
-from _service import KEY_A, Service, grpc_md, start_service  # noqa: E402
+from _service import KEY_A, METRICS_KEY, Service, grpc_md, start_service  # noqa: E402
 
 L, E, K = 48, 128, 8
 NAMESPACE = "tenant-a"  # KEY_A's namespace in tests/service/_service.py
@@ -432,7 +432,8 @@ def scrape_latency(http_url: str) -> Hist:
     """The service's ``r3_request_seconds`` histogram: (transport, op) -> count, sum, buckets."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{http_url}/metrics", timeout=30).text
+    headers = {"Authorization": f"Bearer {METRICS_KEY}"}
+    text = httpx.get(f"{http_url}/metrics", headers=headers, timeout=30).text
     out: Hist = {}
     for fam in text_string_to_metric_families(text):
         if fam.name != "r3_request_seconds":
