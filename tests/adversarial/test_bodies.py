@@ -172,6 +172,9 @@ def test_grpc_refuses_before_parsing_and_bounds_every_message(service_single: Se
         (stub.PutSegment, pb.PutSegmentRequest(rollout_id="x", frame=b"\0" * (FRAME_LIMIT + 8192))),
         (stub.BatchGet, pb.BatchGetRequest(rollout_ids=big_ids)),
         (stub.TouchRollout, pb.TouchRequest(rollout_id="x" * (REQUEST_LIMIT + 10))),
+        (stub.GetRollout, pb.GetRolloutRequest(rollout_id="x" * (REQUEST_LIMIT + 10))),
+        (stub.StatRollout, pb.RolloutRef(rollout_id="x" * (REQUEST_LIMIT + 10))),
+        (stub.DeleteRollout, pb.RolloutRef(rollout_id="x" * (REQUEST_LIMIT + 10))),
     ]
     for method, request in calls:
         with pytest.raises(grpc.RpcError) as no_key:

@@ -53,15 +53,15 @@ def test_keyring() -> None:
     assert bearer_token("Bearer ") is None
 
 
-def test_public_bind_without_keys_refuses_to_start(tmp_path: Path) -> None:
-    res = subprocess.run(
+def _serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``r3 serve`` with ``args`` against a Redis nobody runs: only start-up checks answer."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "cache_service",
             "serve",
-            "--host",
-            "0.0.0.0",
+            *args,
             "--redis-url",
             "redis://127.0.0.1:1/0",
             "--data-dir",
@@ -71,6 +71,10 @@ def test_public_bind_without_keys_refuses_to_start(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
+
+
+def test_public_bind_without_keys_refuses_to_start(tmp_path: Path) -> None:
+    res = _serve(tmp_path, "--host", "0.0.0.0")
     assert res.returncode == 2
     assert "r3 serve: error: auth is on" in res.stderr
     assert "no API keys are configured" in res.stderr
@@ -94,25 +98,7 @@ def test_bad_api_keys_file_refuses_to_start_naming_the_entry(
     failed with 400.  Now ``r3 serve`` exits 2 naming the file and the entry."""
     path = tmp_path / "keys.json"
     path.write_text(json.dumps(keys))
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cache_service",
-            "serve",
-            "--auth",
-            "on",
-            "--api-keys-file",
-            str(path),
-            "--redis-url",
-            "redis://127.0.0.1:1/0",
-            "--data-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = _serve(tmp_path, "--auth", "on", "--api-keys-file", str(path))
     assert res.returncode == 2, res.stderr
     assert f"r3 serve: error: {path}" in res.stderr
     assert reason in res.stderr
