@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -492,3 +494,27 @@ async def test_fsync_mode_acknowledged_writes_survive_redis_sigkill(tmp_path: Pa
     finally:
         svc.stop()
         redis.stop()
+
+
+@needs_waitaof
+def test_durability_benchmark_runs_small(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "bench" / "durability_bench.py"),
+            *("--seconds", "0.5", "--rounds", "1", "--clients", "2", "--serial", "3"),
+            *("--direct", "5", "--tokens", "256", "--modes", "ack,fsync+replica"),
+            *("--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["median"]) == {"ack", "fsync+replica"}
+    assert not any(report["errors"].values())
+    assert "| fsync+replica |" in proc.stdout
