@@ -14,7 +14,11 @@ Where the work happens (all in SGLang's HTTP process unless noted):
   tokenized prompt is known here, so a continued rollout's prefix is checked
   against the stored trajectory and ``routed_experts_start_len`` set per request.
 - ``OpenAIServingBase.handle_request`` (AROUND): puts the references into the
-  OpenAI response (``sglext.r3``), streaming or not.
+  OpenAI response (``sglext.r3``), streaming or not, and gives an r3 error its own
+  status (upstream's handlers answer every ``ValueError`` with 400).
+- ``http_server.serve_generate_request`` (AROUND): a tagged ``/generate`` stream
+  refused before generation is answered with the error's status, not a 200 stream
+  holding an error event.
 - ``http_server.launch_server`` (BEFORE): verifies the hooks of this process,
   refuses unsupported options, adds ``/r3/metrics`` and ``/r3/info``.
 - ``Scheduler.__init__`` (AROUND, scheduler process): the same verification and
@@ -27,6 +31,7 @@ import asyncio
 import json
 import logging
 import pkgutil
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -49,6 +54,7 @@ T_SEND_ONE = f"{_TM}._send_one_request"
 T_SEND_BATCH = f"{_TM}._send_batch_request"
 T_OPENAI = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
 T_LAUNCH = "sglang.srt.entrypoints.http_server.launch_server"
+T_SERVE_GENERATE = "sglang.srt.entrypoints.http_server.serve_generate_request"
 T_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler.__init__"
 
 # Attributes of upstream objects the hooks read or write (canary-tested).
@@ -137,11 +143,52 @@ def _is_tagged(sampling_params: Any) -> bool:
     return False
 
 
+_NAMES_R3 = re.compile(r"(?<![A-Za-z0-9_])r3(?![A-Za-z0-9_])")
+
+
+def _misplaced_tag(sampling_params: Any) -> str | None:
+    """The type of a ``custom_params`` that is not an object but names ``r3`` (else None).
+
+    ``/generate`` passes any JSON value through as ``custom_params``; a tag sent as a
+    JSON *string* would otherwise be generated untagged, with no routing stored.
+    """
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    for sp in sps:
+        cp = sp.get("custom_params") if isinstance(sp, Mapping) else None
+        if cp is None or isinstance(cp, Mapping):
+            continue
+        text = cp if isinstance(cp, str) else json.dumps(cp, default=str)
+        if _NAMES_R3.search(text):
+            return type(cp).__name__
+    return None
+
+
+def _state(request: Any) -> dict[str, Any] | None:
+    """The per-request state dict of a Starlette request (shared with upstream's handlers)."""
+    scope = getattr(request, "scope", None)
+    if not isinstance(scope, dict):
+        return None
+    state = scope.setdefault("state", {})
+    return state if isinstance(state, dict) else None
+
+
+def _remember_error(request: Any, exc: R3RequestError) -> None:
+    """Leave ``exc`` on the request, for the hooks that turn upstream's 400 into its status."""
+    state = _state(request)
+    if state is not None:
+        state["r3_error"] = exc
+
+
+def _remembered_error(request: Any) -> R3RequestError | None:
+    state = _state(request)
+    err = state.get("r3_error") if state is not None else None
+    return err if isinstance(err, R3RequestError) else None
+
+
 def _refs_holder(request: Any) -> list[dict[str, Any]] | None:
     """The list an OpenAI handler left on the raw request for our references."""
-    scope = getattr(request, "scope", None)
-    state = scope.get("state") if isinstance(scope, dict) else None
-    holder = state.get("r3_refs") if isinstance(state, dict) else None
+    state = _state(request)
+    holder = state.get("r3_refs") if state is not None else None
     return holder if isinstance(holder, list) else None
 
 
@@ -162,12 +209,24 @@ async def around_generate_request(
     original: Callable[..., AsyncIterator[Any]], self: Any, obj: Any, request: Any = None
 ) -> AsyncIterator[Any]:
     """AROUND ``TokenizerManager.generate_request``: ship tagged outputs' routing."""
-    if not _is_tagged(getattr(obj, "sampling_params", None)):
+    sampling_params = getattr(obj, "sampling_params", None)
+    tagged = _is_tagged(sampling_params)
+    if not tagged and _misplaced_tag(sampling_params) is None:
         async for out in original(self, obj, request):
             yield out
         return
-    async for out in _tagged_generate(original, self, obj, request):
-        yield out
+    try:
+        if not tagged:
+            raise bad_request(
+                f"custom_params must be an object like "
+                f'{{"r3": {{"rollout_id": "..."}}}}, got a {_misplaced_tag(sampling_params)} '
+                "that names r3; refusing rather than generating without routing"
+            )
+        async for out in _tagged_generate(original, self, obj, request):
+            yield out
+    except R3RequestError as exc:
+        _remember_error(request, exc)
+        raise
 
 
 async def _tagged_generate(
@@ -297,25 +356,58 @@ def _openai_tagged(request: Any) -> bool:
     return isinstance(cp, Mapping) and "r3" in cp
 
 
+# OpenAI error ``type`` per status (the names of the OpenAI SDK's error classes).
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def _openai_error(err: R3RequestError) -> dict[str, Any]:
+    """SGLang's OpenAI error object for ``err``, with its own status as ``code``."""
+    return {
+        "object": "error",
+        "message": err.message,
+        "type": _ERROR_TYPES.get(err.status_code, "R3Error"),
+        "param": None,
+        "code": err.status_code,
+    }
+
+
+def _is_error_event(text: str) -> bool:
+    return text.startswith('data: {"error"')
+
+
 async def around_openai_handle_request(
     original: Callable[..., Any], self: Any, request: Any, raw_request: Any = None
 ) -> Any:
-    """AROUND ``OpenAIServingBase.handle_request``: add ``sglext.r3`` to the answer.
+    """AROUND ``OpenAIServingBase.handle_request``: references and statuses of r3.
 
-    Upstream's OpenAI answers carry routing for the first choice only; the
-    references here cover every choice, ordered by choice index.
+    Adds ``sglext.r3`` to the answer: upstream's OpenAI answers carry routing for the
+    first choice only; the references here cover every choice, by choice index.
+    Upstream's completion and chat handlers answer every ``ValueError`` with 400
+    (our error is one), so an r3 error is answered here with its own status and
+    message: 409, 413, 503 as documented, not a permanent-looking 400.  In a stream
+    that has already started (status 200 sent) the final error event carries it.
     """
     if raw_request is None or not _openai_tagged(request):
         return await original(self, request, raw_request)
     from fastapi.responses import ORJSONResponse, StreamingResponse
     from pydantic import BaseModel
+    from starlette.responses import Response
 
     holder: list[dict[str, Any]] = []
     raw_request.state.r3_refs = holder
     response = await original(self, request, raw_request)
     if isinstance(response, StreamingResponse):
-        response.body_iterator = _inject_stream_refs(aiter(response.body_iterator), holder)
+        response.body_iterator = _openai_stream(aiter(response.body_iterator), holder, raw_request)
         return response
+    err = _remembered_error(raw_request)
+    if err is not None and isinstance(response, Response) and response.status_code >= 400:
+        return ORJSONResponse(_openai_error(err), status_code=err.status_code)
     if isinstance(response, BaseModel) and holder:
         body = json.loads(response.model_dump_json(by_alias=True))
         ext = body.get("sglext") or {}
@@ -325,10 +417,11 @@ async def around_openai_handle_request(
     return response
 
 
-async def _inject_stream_refs(
-    chunks: AsyncIterator[Any], holder: list[dict[str, Any]]
+async def _openai_stream(
+    chunks: AsyncIterator[Any], holder: list[dict[str, Any]], raw_request: Any
 ) -> AsyncIterator[Any]:
-    """Pass SSE chunks through; before ``[DONE]``, one chunk carrying the references."""
+    """Pass SSE chunks through; before ``[DONE]``, one chunk carrying the references;
+    an error event caused by r3 gets r3's status as its ``code``."""
     head: dict[str, Any] = {}
     async for chunk in chunks:
         text = chunk.decode() if isinstance(chunk, bytes | bytearray) else str(chunk)
@@ -339,6 +432,11 @@ async def _inject_stream_refs(
                 "sglext": {"r3": sorted(holder, key=lambda r: r["index"])},
             }
             yield f"data: {json.dumps(extra)}\n\n"
+        elif _is_error_event(text):
+            err = _remembered_error(raw_request)
+            if err is not None:
+                yield f"data: {json.dumps({'error': _openai_error(err)})}\n\n"
+                continue
         elif not head and text.startswith("data: {"):
             try:
                 first = json.loads(text[len("data: ") :])
@@ -346,6 +444,69 @@ async def _inject_stream_refs(
             except ValueError:
                 pass
         yield chunk
+
+
+# ---------------------------------------------------------------- /generate streams
+
+
+def _generate_error_event(err: R3RequestError) -> bytes:
+    """Upstream's ``/generate`` stream error event, with ``retryable`` set for a 503."""
+    body = {
+        "error": {
+            "message": err.message,
+            "type": "invalid_request_error" if err.status_code < 500 else "server_error",
+            "code": err.status_code,
+            "retryable": err.status_code == 503,
+        }
+    }
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+async def around_serve_generate_request(
+    original: Callable[..., Any], obj: Any, request: Any
+) -> Any:
+    """AROUND ``http_server.serve_generate_request``: statuses of tagged ``/generate`` streams.
+
+    Upstream answers a stream with 200 at once and reports a failure as an error
+    event.  For an r3 request, the first event is awaited before answering (as
+    upstream's OpenAI handlers do): a request r3 refuses before generation (400,
+    409, 503) is then answered with that status and ``{"error": {"message"}}``,
+    like the non-streaming path.  A failure after the stream started stays an
+    error event, carrying r3's status as ``code``.
+    """
+    response = await original(obj, request)
+    sampling_params = getattr(obj, "sampling_params", None)
+    if not getattr(obj, "stream", False) or not (
+        _is_tagged(sampling_params) or _misplaced_tag(sampling_params)
+    ):
+        return response
+    from fastapi.responses import ORJSONResponse, StreamingResponse
+
+    if not isinstance(response, StreamingResponse):
+        return response
+    chunks = aiter(response.body_iterator)
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        return response
+    err = _remembered_error(request)
+    text = first.decode() if isinstance(first, bytes | bytearray) else str(first)
+    if err is not None and _is_error_event(text):
+        # Nothing reached the scheduler: upstream already dropped the request's state
+        # (its abort task is for disconnects of running streams, and would fail here).
+        return ORJSONResponse({"error": {"message": err.message}}, status_code=err.status_code)
+    response.body_iterator = _generate_stream(first, chunks, request)
+    return response
+
+
+async def _generate_stream(
+    first: Any, chunks: AsyncIterator[Any], request: Any
+) -> AsyncIterator[Any]:
+    yield first
+    async for chunk in chunks:
+        text = chunk.decode() if isinstance(chunk, bytes | bytearray) else str(chunk)
+        err = _remembered_error(request) if _is_error_event(text) else None
+        yield _generate_error_event(err) if err is not None else chunk
 
 
 # ---------------------------------------------------------------- checks
@@ -420,7 +581,7 @@ def verify_hooks(targets: list[str]) -> list[str]:
     return problems
 
 
-HTTP_TARGETS = [T_GENERATE, T_SEND_ONE, T_SEND_BATCH, T_OPENAI, T_LAUNCH]
+HTTP_TARGETS = [T_GENERATE, T_SEND_ONE, T_SEND_BATCH, T_OPENAI, T_SERVE_GENERATE, T_LAUNCH]
 SCHEDULER_TARGETS = [T_SCHEDULER]
 
 
@@ -510,6 +671,7 @@ HOOKS: list[tuple[str, Callable[..., Any], str]] = [
     (T_SEND_ONE, around_send_one_request, "AROUND"),
     (T_SEND_BATCH, around_send_batch_request, "AROUND"),
     (T_OPENAI, around_openai_handle_request, "AROUND"),
+    (T_SERVE_GENERATE, around_serve_generate_request, "AROUND"),
     (T_LAUNCH, before_launch_server, "BEFORE"),
     (T_SCHEDULER, around_scheduler_init, "AROUND"),
 ]

@@ -18,16 +18,13 @@ output names that output; with several outputs, output ``k`` gets ``f"{id}-{k}"`
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from r3_client import FormatError, InvalidRequestError, check_rollout_id, check_text
 from sglang_r3.errors import bad_request
 
-# The cache service's rule (cache_service/store.py), checked here so a bad id fails
-# before any generation work is done.
-ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9_.:@+=-]{1,200}")
 _TAG_KEYS = {
     "rollout_id",
     "weight_version",
@@ -68,14 +65,34 @@ def _tag_of(custom_params: Any) -> Mapping[str, Any] | None:
     return tag
 
 
+def _check_id(rollout_id: Any, derived_from: str | None = None) -> str:
+    """The format's id rule (``r3_client.check_rollout_id``), as a 400.
+
+    The rule is the one the cache and the client apply, checked here so a bad id
+    fails before any generation work is done.
+    """
+    try:
+        return check_rollout_id(rollout_id)
+    except InvalidRequestError as exc:
+        if derived_from is None:
+            raise bad_request(str(exc)) from None
+        raise bad_request(
+            f"{exc} (derived from rollout_id {derived_from[:40]!r} as '{{id}}-{{k}}' for "
+            "one of several outputs; use a shorter id or list the ids)"
+        ) from None
+
+
 def _ids(value: Any, count: int, what: str) -> list[str]:
     if isinstance(value, str):
-        return [value] if count == 1 else [f"{value}-{k}" for k in range(count)]
+        _check_id(value)
+        if count == 1:
+            return [value]
+        return [_check_id(f"{value}-{k}", derived_from=value) for k in range(count)]
     if isinstance(value, Sequence) and not isinstance(value, bytes | bytearray):
         ids = list(value)
         if len(ids) != count:
             raise bad_request(f"{what} lists {len(ids)} rollout ids for {count} outputs")
-        return ids
+        return [_check_id(i) for i in ids]
     raise bad_request(
         f"rollout_id must be a string or a list of strings, got {type(value).__name__}"
     )
@@ -104,6 +121,12 @@ def output_tags(
     Raises a 400 :class:`~sglang_r3.errors.R3RequestError` for a malformed tag,
     a bad or repeated rollout id, or a request only partly tagged.
     """
+    total = batch_size * n
+
+    def check_total() -> None:
+        if total > max_outputs:
+            raise bad_request(f"{total} outputs in one request exceed the limit of {max_outputs}")
+
     if isinstance(sampling_params, list):
         tags = [
             _tag_of(sp.get("custom_params") if isinstance(sp, Mapping) else None)
@@ -115,6 +138,7 @@ def output_tags(
             raise bad_request(
                 "tag every prompt of a batch, or tag it once in a shared sampling_params"
             )
+        check_total()
         per_prompt: list[tuple[Mapping[str, Any], list[str]]] = [
             (t, _ids(t["rollout_id"], n, f"prompt {i}"))
             for i, t in enumerate(tags)
@@ -125,26 +149,21 @@ def output_tags(
         tag = _tag_of(cp)
         if tag is None:
             return None
+        check_total()
         ids = _ids(tag["rollout_id"], batch_size * n, "the request")
         per_prompt = [(tag, ids[i * n : (i + 1) * n]) for i in range(batch_size)]
-    total = batch_size * n
-    if total > max_outputs:
-        raise bad_request(f"{total} outputs in one request exceed the limit of {max_outputs}")
     out: list[OutputTag] = []
     for i, (tag, ids) in enumerate(per_prompt):
-        wv = tag.get("weight_version", "")
-        if not isinstance(wv, str) or len(wv) > 200:
-            raise bad_request("weight_version must be a string of at most 200 characters")
+        try:
+            # The rule the format applies to a segment's weight version (r3_client).
+            wv = check_text("weight_version", tag.get("weight_version", ""))
+        except FormatError as exc:
+            raise bad_request(str(exc)) from None
         inline = _flag(tag, "inline", False)
         share = _flag(tag, "share_prompt", n > 1)
         on_err = _choice(tag, "on_cache_error", ("fail", "inline"))
         on_ret = _choice(tag, "on_retraction", ("mark", "fail"))
         for j, rid in enumerate(ids):
-            if not isinstance(rid, str) or not ROLLOUT_ID_RE.fullmatch(rid):
-                raise bad_request(
-                    f"invalid rollout id {rid!r}: use 1-200 characters from "
-                    "A-Z a-z 0-9 _ . : @ + = -"
-                )
             out.append(OutputTag(i * n + j, i, rid, wv, inline, share, on_err, on_ret))
     seen: set[str] = set()
     for t in out:

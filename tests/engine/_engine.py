@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 import numpy as np
 import numpy.typing as npt
+import pytest
+from _service import Service, start_service
 
 # The cache under the engines refuses segments over this many rows (413 test).
 MAX_SEGMENT_ROWS = 512
@@ -56,3 +58,19 @@ def inline_rows(out: dict[str, Any], num_layers: int, topk: int = 2) -> npt.NDAr
 def as_sets(a: npt.ArrayLike) -> npt.NDArray[Any]:
     """Rows sorted within each (token, layer): routing compared as sets."""
     return np.sort(np.asarray(a, dtype=np.int64), axis=-1)
+
+
+def restart_cache(cache: Service, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Start the engines' cache again on its ports and Redis (after a test killed it).
+
+    ``cache`` (the ``engine_cache`` fixture) is updated in place, so every holder
+    of it sees the new process.
+    """
+    restarted = start_service(
+        tmp_path_factory.mktemp("engine-cache-restart"),
+        cache.redis_url,
+        env=CACHE_ENV,
+        http_port=int(cache.http_url.rsplit(":", 1)[1]),
+        grpc_port=int(cache.grpc_target.rsplit(":", 1)[1]),
+    )
+    cache.proc, cache.log = restarted.proc, restarted.log

@@ -35,6 +35,7 @@ SIGNATURES = {
         "request",
         "raw_request",
     ],
+    "sglang.srt.entrypoints.http_server.serve_generate_request": ["obj", "request"],
     "sglang.srt.entrypoints.http_server.launch_server": ["server_args"],
     "sglang.srt.managers.scheduler.Scheduler.__init__": ["self", "server_args", "port_args"],
 }
@@ -54,9 +55,9 @@ def test_hook_target_resolves_with_expected_signature(target: str) -> None:
     fn = _resolve(target)
     params = list(inspect.signature(fn).parameters)
     assert params[: len(SIGNATURES[target])] == SIGNATURES[target], f"{target} moved: {params}"
-    if target.endswith("generate_request"):
+    if target.endswith("TokenizerManager.generate_request"):
         assert inspect.isasyncgenfunction(inspect.unwrap(fn))
-    if "send_" in target or target.endswith("handle_request"):
+    if "send_" in target or target.endswith(("handle_request", "serve_generate_request")):
         assert inspect.iscoroutinefunction(inspect.unwrap(fn))
 
 

@@ -8,8 +8,17 @@ import signal
 import httpx
 import numpy as np
 import pytest
-from _engine import CACHE_ENV, MAX_SEGMENT_ROWS, as_sets, generate, inline_rows, rid, sp, sse
-from _service import KEY_A, Service, start_service
+from _engine import (
+    MAX_SEGMENT_ROWS,
+    as_sets,
+    generate,
+    inline_rows,
+    restart_cache,
+    rid,
+    sp,
+    sse,
+)
+from _service import KEY_A, Service
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -318,18 +327,6 @@ def test_oversize_routing_is_413(qwen_engine: EngineServer, cache_client: Routin
     assert "refused the segment" in err["error"]["message"]
     with pytest.raises(RolloutNotFoundError):
         cache_client.stat(rollout)
-
-
-def restart_cache(cache: Service, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Start the engines' cache again on its ports and Redis (after a test killed it)."""
-    restarted = start_service(
-        tmp_path_factory.mktemp("engine-cache-restart"),
-        cache.redis_url,
-        env=CACHE_ENV,
-        http_port=int(cache.http_url.rsplit(":", 1)[1]),
-        grpc_port=int(cache.grpc_target.rsplit(":", 1)[1]),
-    )
-    cache.proc, cache.log = restarted.proc, restarted.log
 
 
 def test_cache_down_policies(

@@ -65,12 +65,42 @@ def test_output_ids_follow_sglang_order() -> None:
         ({"custom_params": {"r3": {"rollout_id": [f"i{k}" for k in range(20)]}}}, 20, "exceed"),
         ({"custom_params": {"r3": {"rollout_id": "a/b"}}}, 1, "invalid rollout id"),
         ({"custom_params": {"r3": {"rollout_id": "a", "weight_version": 3}}}, 1, "weight_version"),
+        # the format's rules, applied before generation (one rule, in r3_client)
+        ({"custom_params": {"r3": {"rollout_id": "a", "weight_version": "v\x07"}}}, 1, "printable"),
+        ({"custom_params": {"r3": {"rollout_id": "a", "weight_version": "v" * 257}}}, 1, "256"),
+        ({"custom_params": {"r3": {"rollout_id": ".."}}}, 1, "invalid rollout id"),
+        ({"custom_params": {"r3": {"rollout_id": ["ok", "."]}}}, 2, "invalid rollout id"),
+        # ids derived as f"{id}-{k}" obey the rule too
+        ({"custom_params": {"r3": {"rollout_id": "x" * 199}}}, 2, "derived from"),
+        ({"custom_params": {"r3": {"rollout_id": "."}}}, 2, "invalid rollout id"),
     ],
 )
 def test_bad_tags(sp: object, batch: int, needle: str) -> None:
     with pytest.raises(R3RequestError) as err:
         tags(sp, batch=batch)
     assert err.value.status_code == 400 and needle in str(err.value)
+
+
+def test_weight_version_rule_is_the_formats() -> None:
+    """Up to 256 printable characters, as ``r3_client.check_text`` (and Segment) allow."""
+    got = tags({"custom_params": {"r3": {"rollout_id": "a", "weight_version": "é" * 256}}})
+    assert got is not None and got[0].weight_version == "é" * 256
+
+
+def test_output_count_is_checked_before_ids_are_derived(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A huge ``n`` is refused before one id is derived (not after building them all)."""
+    import sglang_r3.tagging as tagging
+
+    derived: list[object] = []
+    real = tagging._check_id
+    monkeypatch.setattr(
+        tagging, "_check_id", lambda i, *a, **k: derived.append(i) or real(i, *a, **k)
+    )
+    with pytest.raises(R3RequestError, match="exceed"):
+        output_tags(
+            {"custom_params": {"r3": {"rollout_id": "g"}}}, batch_size=1, n=10**4, max_outputs=16
+        )
+    assert derived == []
 
 
 def test_request_shape() -> None:
