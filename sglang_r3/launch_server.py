@@ -8,6 +8,9 @@ Takes every ``python -m sglang.launch_server`` argument plus::
     --routing-api-key KEY            its API key (or SGLANG_R3_API_KEY)
     --routing-on-cache-error {fail,inline}
     --routing-on-retraction {mark,fail}
+    --routing-put-attempts N, --routing-put-timeout S
+
+``--help`` shows SGLang's options and these, in their own group.
 
 ``--device cpu`` also prepares the CPU recipe (stub libcuda, CPU engine) and
 re-executes itself so the dynamic loader sees it.  Exit status 2 means the
@@ -20,10 +23,73 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from sglang_r3.config import ConfigError, EngineConfig
 
 _REEXEC = "SGLANG_R3_REEXEC"
+
+
+_GROUP = "R3 routing capture (sglang_r3)"
+_GROUP_HELP = (
+    "Record every token's routed experts and ship them to the routing cache by rollout "
+    "id (docs/engine.md). The options after this group are SGLang's own, passed through; "
+    "--device cpu also prepares SGLang's CPU engine."
+)
+
+
+def _add_r3_args(p: argparse.ArgumentParser) -> Any:
+    """Our flags, in their own group (shown by ``--help`` next to SGLang's); the group."""
+    g = p.add_argument_group(_GROUP, _GROUP_HELP)
+    g.add_argument(
+        "--return-routed-experts",
+        action="store_true",
+        help="record routing and ship it to --routing-cache (turns on SGLang's "
+        "--enable-return-routed-experts)",
+    )
+    g.add_argument(
+        "--routing-cache",
+        metavar="URL",
+        default=os.environ.get("SGLANG_R3_ROUTING_CACHE", ""),
+        help="the routing cache service: http(s)://host:8080 or grpc://host:50051 "
+        "(default: $SGLANG_R3_ROUTING_CACHE)",
+    )
+    g.add_argument(
+        "--routing-api-key",
+        metavar="KEY",
+        default=os.environ.get("SGLANG_R3_API_KEY"),
+        help="its API key (default: $SGLANG_R3_API_KEY; prefer the variable, argv is "
+        "visible in ps)",
+    )
+    g.add_argument(
+        "--routing-on-cache-error",
+        choices=["fail", "inline"],
+        default="fail",
+        help="when the cache cannot be written: fail the request with 503, or answer "
+        "with the routing inline and stored: false (default: fail)",
+    )
+    g.add_argument(
+        "--routing-on-retraction",
+        choices=["mark", "fail"],
+        default="mark",
+        help="a request the scheduler retracted: store its rows and mark the reference, "
+        "or fail it with 503 (default: mark)",
+    )
+    g.add_argument(
+        "--routing-put-attempts",
+        metavar="N",
+        type=int,
+        default=3,
+        help="tries per cache write, jittered backoff from 0.1 s (default: 3)",
+    )
+    g.add_argument(
+        "--routing-put-timeout",
+        metavar="S",
+        type=float,
+        default=10.0,
+        help="seconds per cache write try (default: 10)",
+    )
+    return g
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,14 +98,28 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
         description="SGLang with R3 routing capture; all other arguments go to SGLang.",
     )
-    p.add_argument("--return-routed-experts", action="store_true")
-    p.add_argument("--routing-cache", default=os.environ.get("SGLANG_R3_ROUTING_CACHE", ""))
-    p.add_argument("--routing-api-key", default=os.environ.get("SGLANG_R3_API_KEY"))
-    p.add_argument("--routing-on-cache-error", choices=["fail", "inline"], default="fail")
-    p.add_argument("--routing-on-retraction", choices=["mark", "fail"], default="mark")
-    p.add_argument("--routing-put-attempts", type=int, default=3)
-    p.add_argument("--routing-put-timeout", type=float, default=10.0)
+    _add_r3_args(p)
     return p
+
+
+def _help() -> str:
+    """SGLang's help with ours added as their own group."""
+    from sglang.srt.server_args import ServerArgs
+
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_r3.launch_server",
+        description="SGLang's server with R3 routing capture (sglang_r3). Takes every "
+        "`python -m sglang.launch_server` option, plus the routing options of the "
+        f'"{_GROUP}" group.',
+    )
+    ServerArgs.add_cli_args(p)
+    group = _add_r3_args(p)
+    groups = getattr(p, "_action_groups", None)
+    if isinstance(groups, list) and group in groups:
+        # Ours first, before SGLang's ~300 options (argparse lists groups in this order).
+        groups.remove(group)
+        groups.insert(0, group)
+    return p.format_help()
 
 
 def _flag(rest: Sequence[str], name: str) -> str | None:
@@ -102,6 +182,9 @@ def _check_cache(config: EngineConfig) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, prepare the environment, verify the plugin, run SGLang's server."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(_help())
+        return 0
     ours, rest = _parser().parse_known_args(argv)
     if ours.routing_cache and not ours.return_routed_experts:
         return _fail("--routing-cache needs --return-routed-experts")

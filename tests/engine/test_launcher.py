@@ -86,3 +86,32 @@ def test_hook_that_did_not_apply_stops_the_launch(
 def test_plugin_excluded_by_sglang_plugins(tiny_models: dict[str, Path]) -> None:
     proc = launch(tiny_models["qwen3_moe"], env={"SGLANG_PLUGINS": "smg-zmq"})
     assert proc.returncode == 2 and "excludes this extension's plugin" in proc.stderr
+
+
+def test_help_lists_our_options_in_their_own_group_with_sglangs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_r3.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert out.startswith("usage: python -m sglang_r3.launch_server")
+    title = "R3 routing capture (sglang_r3):"
+    assert title in out and "\noptions:" in out
+    ours = out[out.index(title) : out.index("\noptions:")]
+    for flag in (
+        "--return-routed-experts",
+        "--routing-cache URL",
+        "--routing-api-key KEY",
+        "--routing-on-cache-error {fail,inline}",
+        "--routing-on-retraction {mark,fail}",
+        "--routing-put-attempts N",
+        "--routing-put-timeout S",
+    ):
+        assert flag in ours, flag
+    sglangs = out[out.index("\noptions:") :]
+    for flag in ("--model-path", "--device", "--enable-return-routed-experts", "--config"):
+        assert flag in sglangs, flag
+    assert "--routing-cache" not in sglangs
