@@ -65,6 +65,9 @@ def _config(family: str, layers: int, experts: int, topk: int, hidden: int = 128
         )
     if family == "olmoe":
         common["intermediate_size"] = 64
+        # SGLang 0.5.23 sizes OLMoE's q/k norms by the hidden size, so its key/value
+        # heads must equal its query heads there (2 KV heads fail to load).
+        common["num_key_value_heads"] = common["num_attention_heads"]
         return tf.OlmoeConfig(**common, num_experts=experts)
     if family == "mixtral":
         common["intermediate_size"] = 64
@@ -200,8 +203,14 @@ CPU_ARGS = (
     "disabled",
     "--dtype",
     "bfloat16",
+    # The KV pool is sized in tokens by --max-total-tokens, which must go with this
+    # recipe (start_engine passes it).  SGLang 0.5.23 budgets the pool as the memory
+    # free after loading minus (1 - fraction) x the memory free before loading, on CPU
+    # too; with a small fraction, any other process taking more than that fraction
+    # of free RAM during start-up leaves "no GPU memory for the KV cache".  A high
+    # fraction makes the budget a loose upper bound and the token count the size.
     "--mem-fraction-static",
-    "0.05",
+    "0.9",
     # An idle scheduler otherwise busy-polls a whole core; on a 2-core machine two
     # idle servers would starve everything else.
     "--sleep-on-idle",
@@ -248,6 +257,8 @@ def start_engine(
     launcher: str = "sglang_r3.launch_server",
 ) -> EngineServer:
     """Start SGLang on CPU (with the extension when ``routing_cache`` is given); wait healthy.
+
+    The KV pool holds ``max_total_tokens`` tokens (see :data:`CPU_ARGS`).
 
     ``launcher="sglang.launch_server"`` starts upstream unchanged (the plugin is
     still installed, so the CPU allocator is there), for baselines.
