@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -37,3 +38,43 @@ def frame_for(
 def same_sets(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal as expert sets (row order ignored)."""
     return a.shape == b.shape and bool(np.array_equal(np.sort(a, -1), np.sort(b, -1)))
+
+
+def hostile_ids(victim: str) -> list[str]:
+    """Rollout ids the id rule refuses, each aimed at ``victim`` where it can be.
+
+    Every reserved URL character around the name, dot segments, unicode, control
+    characters (NUL, CRLF), and sizes; shared by the client/service and engine suites.
+    """
+    return [
+        *(f"{victim}{c}junk" for c in "/?#%&;,[]{}|\\^`\"'<> "),
+        f"{victim}#",
+        f"{victim}?layers=3",
+        f"../rollouts/{victim}",
+        f"./{victim}",
+        f"{victim}/..",
+        f"{victim}%2F..",
+        "%2e%2e",
+        # dot segments: legal characters, but HTTP clients and proxies rewrite them
+        ".",
+        "..",
+        "../x",
+        # unicode, control characters, NUL, CRLF (header / log injection)
+        f"{victim}\u00e9",
+        f"{victim}\u202e",
+        "\uff36\uff29\uff23\uff34\uff29\uff2d",  # fullwidth VICTIM
+        f"{victim}\x00",
+        f"{victim}\r\nX-Injected: 1",
+        f"{victim}\n",
+        "\t",
+        # sizes
+        "",
+        "v" * 201,
+        "v" * 10_000,
+    ]
+
+
+#: Ids that look like trouble in a URL but are legal by the rule: they must work everywhere.
+TRICKY_LEGAL_IDS = ["...", ".a", "a.", "-", "=", "+", "@", ":", "a+b", "a=b", "a:b@c+d=e-f_g.h"]
+#: Values that are not a rollout id string at all.
+NOT_STRINGS: list[Any] = [None, 7, 7.5, True, b"victim", {"id": "victim"}, ["victim"], [7]]

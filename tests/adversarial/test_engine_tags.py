@@ -25,6 +25,7 @@ from _engine_fixtures import (  # noqa: F401  (pytest finds fixtures by name in 
     qwen_engine,
     tiny_models,
 )
+from _helpers import TRICKY_LEGAL_IDS, hostile_ids
 from _service import KEY_A, Service
 
 from r3_client import RolloutNotFoundError, RoutingClient
@@ -36,35 +37,11 @@ ENDPOINTS = ["/generate", "/v1/completions", "/v1/chat/completions"]
 PROMPT = list(range(40, 52))
 
 VICTIM = f"victim-{rid('e')}"
-HOSTILE_IDS: list[Any] = [
-    # every reserved URL character, around the victim's name
-    *(f"{VICTIM}{c}junk" for c in "/?#%&;,[]{}|\\^`\"'<> "),
-    f"{VICTIM}#",
-    f"{VICTIM}?layers=3",
-    f"../rollouts/{VICTIM}",
-    f"./{VICTIM}",
-    f"{VICTIM}/..",
-    f"{VICTIM}%2F..",
-    # dot segments
-    ".",
-    "..",
-    "../x",
-    # unicode, control characters, NUL, CRLF
-    f"{VICTIM}é",
-    f"{VICTIM}\u202e",
-    "\uff36\uff29\uff23\uff34\uff29\uff2d",  # fullwidth VICTIM
-    f"{VICTIM}\x00",
-    f"{VICTIM}\r\nX-Injected: 1",
-    f"{VICTIM}\n",
-    "\t",
-    # sizes
-    "",
-    "v" * 201,
-    "v" * 10_000,
-]
+HOSTILE_IDS: list[Any] = hostile_ids(VICTIM)
+# JSON values a tag's rollout_id may not be (a list is legal: one id per output).
 NOT_STRINGS: list[Any] = [None, 7, 7.5, True, {"id": VICTIM}, [[VICTIM]], [7]]
 #: Legal by the rule, though URL-special: accepted, stored under exactly that id.
-TRICKY_LEGAL = ["a+b", "a=b", "=", "+", "a:b@c+d=e-f_g.h", "...", ".a", "v" * 200]
+TRICKY_LEGAL = [*TRICKY_LEGAL_IDS, "v" * 200]
 BAD_WEIGHT_VERSIONS: list[Any] = [
     "v1\x00",
     "v1\r\nX-Injected: 1",

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from _helpers import TRAJ, frame_for, same_sets
+from _helpers import NOT_STRINGS, TRAJ, TRICKY_LEGAL_IDS, frame_for, hostile_ids, same_sets
 from _service import KEY_A, Service, grpc_md
 
 from cache_service.redis_proc import free_port
@@ -30,38 +30,8 @@ from r3_client import (
 from r3_client._proto import r3_cache_pb2 as pb
 
 VICTIM = "victim"
-HOSTILE: list[Any] = [
-    # every reserved URL character, around the victim's name
-    *(f"{VICTIM}{c}junk" for c in "/?#%&;,[]{}|\\^`\"'<> "),
-    f"{VICTIM}#",
-    f"{VICTIM}?layers=3",
-    f"../rollouts/{VICTIM}",
-    f"./{VICTIM}",
-    f"{VICTIM}/..",
-    f"{VICTIM}%2F..",
-    "%2e%2e",
-    # dot segments: legal characters, but HTTP clients and proxies rewrite them
-    ".",
-    "..",
-    # unicode, control characters, NUL, CRLF (header / log injection)
-    "vïctim",
-    "victim\u202e",
-    "\uff36\uff29\uff23\uff34\uff29\uff2d",  # fullwidth VICTIM
-    "victim\x00",
-    "victim\r\nX-Injected: 1",
-    "victim\n",
-    "\t",
-    # sizes and types
-    "",
-    "v" * 201,
-    "v" * 10_000,
-    None,
-    7,
-    b"victim",
-    ["victim"],
-]
-#: Legal ids that look like trouble: each must work on every transport.
-TRICKY_LEGAL = ["...", ".a", "a.", "-", "=", "+", "@", ":", "a:b@c+d=e-f_g.h", "v" * 200]
+HOSTILE: list[Any] = [*hostile_ids(VICTIM), *NOT_STRINGS]
+TRICKY_LEGAL = [*TRICKY_LEGAL_IDS, "v" * 200]
 NOWHERE = Retry(attempts=1)
 
 
