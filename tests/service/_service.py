@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import grpc
 import httpx
+import numpy as np
+from _helpers import frame_for
 
 from cache_service.redis_proc import free_port
 from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
@@ -129,3 +132,33 @@ def start_service(
         time.sleep(0.1)
     svc.stop()
     raise RuntimeError(f"service did not become ready: {log.read_text()[-3000:]}")
+
+
+@dataclass
+class WriteLoad:
+    """Writers PUTting fresh rollouts over HTTP until ``stop`` is set, for fault tests.
+
+    ``acked`` holds every frame the service answered 201 for; ``statuses`` every
+    answer (-1: a connection-level failure, not acknowledged).
+    """
+
+    routing: np.ndarray
+    prefix: str
+    acked: dict[str, bytes] = field(default_factory=dict)
+    statuses: list[int] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def writer(self, client: httpx.AsyncClient, n: int) -> None:
+        """Put ``<prefix>-<n>-<i>`` for i = 0, 1, … until stopped."""
+        i = 0
+        while not self.stop.is_set():
+            r = f"{self.prefix}-{n}-{i}"
+            frame = frame_for(np.roll(self.routing, i, axis=0), 0, digest=False)
+            try:
+                resp = await client.put(f"/v1/rollouts/{r}/segments", content=frame)
+                self.statuses.append(resp.status_code)
+                if resp.status_code == 201:
+                    self.acked[r] = frame
+            except httpx.HTTPError:
+                self.statuses.append(-1)
+            i += 1

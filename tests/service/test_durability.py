@@ -21,10 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 from _helpers import LAYERS, TRAJ, frame_for, rid, same_sets
-from _service import KEY_A, start_service
+from _service import KEY_A, WriteLoad, start_service
 
 from cache_service.redis_proc import (
     RedisProcess,
@@ -449,23 +448,7 @@ async def test_fsync_mode_acknowledged_writes_survive_redis_sigkill(tmp_path: Pa
     ).start()
     svc = start_service(tmp_path, redis.url, env={"R3_CACHE_DURABILITY": "fsync"})
     routing = synthetic_routing(64, len(LAYERS), 64, 4, seed=3)
-    acked: dict[str, bytes] = {}
-    statuses: list[int] = []
-    stop = asyncio.Event()
-
-    async def writer(client: httpx.AsyncClient, n: int) -> None:
-        i = 0
-        while not stop.is_set():
-            r = f"kill-{n}-{i}"
-            frame = frame_for(np.roll(routing, i, axis=0), 0, digest=False)
-            try:
-                resp = await client.put(f"/v1/rollouts/{r}/segments", content=frame)
-                statuses.append(resp.status_code)
-                if resp.status_code == 201:
-                    acked[r] = frame
-            except httpx.HTTPError:
-                statuses.append(-1)
-            i += 1
+    load = WriteLoad(routing, "kill")
 
     async def ready(c: httpx.AsyncClient) -> None:
         deadline = time.monotonic() + 30
@@ -475,19 +458,19 @@ async def test_fsync_mode_acknowledged_writes_survive_redis_sigkill(tmp_path: Pa
 
     try:
         async with httpx.AsyncClient(base_url=svc.http_url, headers=HEADERS, timeout=30) as c:
-            tasks = [asyncio.create_task(writer(c, n)) for n in range(4)]
+            tasks = [asyncio.create_task(load.writer(c, n)) for n in range(4)]
             await asyncio.sleep(1.5)
-            before = len(acked)
+            before = len(load.acked)
             redis.kill()
             await asyncio.sleep(1.0)
             redis.start()  # same port, same AOF
             await ready(c)
             await asyncio.sleep(1.0)
-            stop.set()
+            load.stop.set()
             await asyncio.gather(*tasks)
-            assert before > 0 and len(acked) > before
-            assert set(statuses) <= {201, 503, -1}
-            for r, frame in acked.items():
+            assert before > 0 and len(load.acked) > before
+            assert set(load.statuses) <= {201, 503, -1}
+            for r, frame in load.acked.items():
                 resp = await c.get(f"/v1/rollouts/{r}")
                 assert resp.status_code == 200, r
                 assert resp.content == frame

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from _helpers import LAYERS, frame_for, rid, same_sets
-from _service import KEY_A, Service, start_service
+from _service import KEY_A, Service, WriteLoad, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import decode_frame
@@ -47,42 +47,26 @@ async def test_redis_sigkill_under_write_load_loses_no_acknowledged_write(tmp_pa
     redis = RedisProcess(free_port(), tmp_path / "redis", appendonly=True).start()
     svc = start_service(tmp_path, redis.url)
     routing = synthetic_routing(64, len(LAYERS), 64, 4, seed=1)
-    acked: dict[str, bytes] = {}
-    statuses: list[int] = []
-    stop = asyncio.Event()
-
-    async def writer(client: httpx.AsyncClient, n: int) -> None:
-        i = 0
-        while not stop.is_set():
-            r = f"load-{n}-{i}"
-            frame = frame_for(np.roll(routing, i, axis=0), 0, digest=False)
-            try:
-                resp = await client.put(f"/v1/rollouts/{r}/segments", content=frame)
-                statuses.append(resp.status_code)
-                if resp.status_code == 201:
-                    acked[r] = frame
-            except httpx.HTTPError:
-                statuses.append(-1)  # connection-level failure: not acknowledged
-            i += 1
+    load = WriteLoad(routing, "load")
 
     try:
         async with httpx.AsyncClient(base_url=svc.http_url, headers=HEADERS, timeout=30) as c:
-            tasks = [asyncio.create_task(writer(c, n)) for n in range(8)]
+            tasks = [asyncio.create_task(load.writer(c, n)) for n in range(8)]
             await asyncio.sleep(1.5)
-            before_kill = len(acked)
+            before_kill = len(load.acked)
             redis.kill()  # SIGKILL: no shutdown, only what the AOF fsynced survives
             await asyncio.sleep(1.5)
             assert (await c.get("/readyz")).status_code == 503
             redis.start()  # same port, same AOF
             await asyncio.to_thread(_wait_ready, svc)  # the service recovers by itself
             await asyncio.sleep(1.0)
-            stop.set()
+            load.stop.set()
             await asyncio.gather(*tasks)
             assert before_kill > 0
-            assert len(acked) > before_kill  # writes resumed after the restart
-            assert 503 in statuses  # the outage was seen…
-            assert set(statuses) <= {201, 503}  # …and reported as 503, never a 500
-            for r, frame in acked.items():  # every acknowledged write is still there
+            assert len(load.acked) > before_kill  # writes resumed after the restart
+            assert 503 in load.statuses  # the outage was seen…
+            assert set(load.statuses) <= {201, 503}  # …and reported as 503, never a 500
+            for r, frame in load.acked.items():  # every acknowledged write is still there
                 resp = await c.get(f"/v1/rollouts/{r}")
                 assert resp.status_code == 200, r
                 assert same_sets(
