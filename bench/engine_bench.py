@@ -98,7 +98,7 @@ from r3_client.testing import synthetic_routing
 from sglang_r3.testing import EngineServer, build_tiny_model, start_engine
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / "service")]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "service")]
 from _service import KEY_A, Service, start_service  # noqa: E402
 
 from cache_service.redis_proc import free_port  # noqa: E402
