@@ -197,6 +197,37 @@ class RedisProcess:
         self.stop(signal.SIGKILL)
 
 
+def _wait_answers(port: int, replicas: int) -> bool:
+    """Whether a write on this master reaches ``replicas`` replicas within 1 s (replicas: True).
+
+    A just-synced replica can take a few hundred ms before it acknowledges its first
+    write; the first ``WAIT`` of a test must not race that.  The probe key lives in
+    one of the master's own slots and is deleted again.
+    """
+    import redis  # the cache service's dependency; not needed to start a plain server
+    from redis.crc import key_slot
+
+    with redis.Redis(port=port, socket_timeout=5) as r:
+        if r.info("replication")["role"] != "master":
+            return True
+        ranges = [
+            (int(lo), int(hi or lo))
+            for line in r.execute_command("CLUSTER", "NODES").decode().splitlines()
+            if "myself" in line
+            for lo, _, hi in (part.partition("-") for part in line.split()[8:])
+            if lo.isdigit()
+        ]
+        key = next(
+            k
+            for i in range(1 << 20)
+            if any(lo <= key_slot(k := f"r3:probe:{i}".encode()) <= hi for lo, hi in ranges)
+        )
+        r.set(key, b"1")
+        acked = int(r.execute_command("WAIT", replicas, 1000))
+        r.delete(key)
+        return acked >= replicas
+
+
 def start_cluster(
     base_dir: Path,
     masters: int = 3,
@@ -211,7 +242,8 @@ def start_cluster(
 
     ``masters`` masters with ``replicas`` replicas each (``redis-cli`` picks the
     roles; ``INFO replication`` tells them).  Returns the processes once every node
-    reports ``cluster_state:ok`` and every replica's link to its master is up.
+    reports ``cluster_state:ok``, every replica's link to its master is up and every
+    master reports its replicas online (so ``WAIT`` is answered from the first write).
     """
     nodes: list[RedisProcess] = []
     try:
@@ -258,9 +290,16 @@ def start_cluster(
                 ).stdout
                 for n in nodes
             ]
-            if all(
-                "cluster_state:ok" in s and ("role:slave" not in s or "master_link_status:up" in s)
-                for s in states
+            # A replica counts once its master reports it ``state=online``: before that
+            # (Redis's diskless full sync waits ``repl-diskless-sync-delay``, 5 s by
+            # default) it is connected but acknowledges no WAIT.
+            masters_up = [s for s in states if "role:master" in s]
+            if (
+                all("cluster_state:ok" in s for s in states)
+                and len(masters_up) == masters
+                and all(s.count("state=online") == replicas for s in masters_up)
+                and all("role:slave" not in s or "master_link_status:up" in s for s in states)
+                and all(_wait_answers(n.port, replicas) for n in nodes if replicas)
             ):
                 return nodes
             time.sleep(0.1)

@@ -299,11 +299,19 @@ class SegmentStore:
             if s.durability_replicas > 0:
                 infos = await self._on_primaries("INFO", "replication")
                 for node, info in infos.items():
-                    have = int(info.get("connected_slaves", 0))
+                    # A replica still in its full sync is connected but acknowledges
+                    # nothing: only ``state=online`` ones answer a WAIT.
+                    have = sum(
+                        1
+                        for k, v in info.items()
+                        if k.startswith("slave")
+                        and isinstance(v, dict)
+                        and v.get("state") == "online"
+                    )
                     if have < s.durability_replicas:
                         warnings.append(
                             f"durability={s.durability} waits for {s.durability_replicas} "
-                            f"replica(s) per write but Redis {node} has {have} connected: "
+                            f"replica(s) per write but Redis {node} has {have} online: "
                             "its writes fail (503) until enough replicas are back"
                         )
         except (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterError) as exc:

@@ -176,8 +176,8 @@ async def test_replicas_mode_too_few_replicas_is_503_within_timeout_and_retry_sa
     primary = primary_replica[0]
     store = await _store(primary.url, durability="replicas", durability_replicas=2)
     try:
-        warnings = await store.check_durability()  # 1 replica connected: a warning, not a refusal
-        assert len(warnings) == 1 and "has 1 connected" in warnings[0]
+        warnings = await store.check_durability()  # 1 replica online: a warning, not a refusal
+        assert len(warnings) == 1 and "has 1 online" in warnings[0]
         r, frame = rid(), frame_for(TRAJ[:30], 0, digest=False)
         t0 = time.monotonic()
         with pytest.raises(StoreUnavailableError) as err:
@@ -401,7 +401,7 @@ def test_service_replicas_mode(tmp_path: Path, primary_replica: list[RedisProces
         tmp_path / "two", primary_replica[0].url, env={**env, "R3_CACHE_DURABILITY_REPLICAS": "2"}
     )
     try:
-        assert "has 1 connected" in svc.log.read_text()  # started, with a warning
+        assert "has 1 online" in svc.log.read_text()  # started, with a warning
         r, frame = rid(), frame_for(TRAJ[:50], 0, digest=False)
         with svc.http() as c:
             t0 = time.monotonic()
