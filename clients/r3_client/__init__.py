@@ -2,9 +2,18 @@
 
 The format module owns the bytes: the cache service and the SGLang plugin
 import it from here and nothing else encodes or decodes routing.
+
+Importing the package loads only the format, the codec, the models and the
+errors: the clients (and with them httpx, grpc and tqdm) load on first access
+to ``RoutingClient`` or ``AsyncRoutingClient``, so the SGLang plugin and
+trainers that only decode do not pay for the transports.
 """
 
-from r3_client._client import AsyncRoutingClient, RoutingClient
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from r3_client._codec import (
     CODECS,
     FORMAT_VERSION,
@@ -54,6 +63,29 @@ from r3_client._format import (
     validate_indices,
 )
 from r3_client._models import PutResult, RolloutInfo, SegmentInfo
+
+if TYPE_CHECKING:
+    from r3_client._client import AsyncRoutingClient, RoutingClient
+
+# Names served lazily by ``__getattr__`` (PEP 562), and the module that defines them.
+_LAZY: dict[str, str] = {
+    "AsyncRoutingClient": "r3_client._client",
+    "RoutingClient": "r3_client._client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CODECS",
