@@ -46,10 +46,9 @@ from r3_client._stream import (
     stream_header,
 )
 
-__all__ = ["FRAME_MEDIA_TYPE", "NPY_MEDIA_TYPE", "create_app"]
+__all__ = ["FRAME_MEDIA_TYPE", "create_app"]
 
 FRAME_MEDIA_TYPE = "application/x-r3-frame"
-NPY_MEDIA_TYPE = "application/x-npy"
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
@@ -357,8 +356,11 @@ def create_app(
         response_class=Response,
         responses={
             200: {
-                "description": "the routing, as a frame or an .npy file",
-                "content": {FRAME_MEDIA_TYPE: _BINARY, NPY_MEDIA_TYPE: _BINARY},
+                "description": (
+                    "the stored frames overlapping the request, concatenated, undecoded "
+                    "(context frames first; decode with r3_client.decode_rollout)"
+                ),
+                "content": {FRAME_MEDIA_TYPE: _BINARY},
             }
         },
     )
@@ -369,13 +371,17 @@ def create_app(
         start: StartQ = 0,
         end: EndQ = None,
         layers: LayersQ = None,
-        fmt: Annotated[Literal["frame", "npy"], Query(alias="format")] = "frame",
+        fmt: Annotated[str, Query(alias="format", max_length=16)] = "frame",
     ) -> Response:
-        """A rollout's routing, whole or a token range / layer subset."""
+        """A rollout's stored frames, whole or cut to a token range / layer subset."""
+        if fmt != "frame":
+            # format=npy meant decoding here; the service no longer decodes routing.
+            raise InvalidRequestError(
+                f"format={fmt[:16]!r} is not served: the service returns the stored frames "
+                "undecoded (format=frame); decode them with r3_client.decode_rollout, or "
+                "write a .npy with `r3 get <id> -o out.npy`"
+            )
         lay = _parse_layers(layers)
-        if fmt == "npy":
-            data = await svc.get_npy(ns, rollout_id, start=start, end=end, layers=lay)
-            return Response(data, media_type=NPY_MEDIA_TYPE)
         data = await svc.get_frame(ns, rollout_id, start=start, end=end, layers=lay)
         return Response(data, media_type=FRAME_MEDIA_TYPE)
 

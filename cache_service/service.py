@@ -9,12 +9,9 @@ HTTP and gRPC behave, and answer with bytes, identically.
 from __future__ import annotations
 
 import asyncio
-import io
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
-
-import numpy as np
 
 from cache_service.metrics import Metrics
 from cache_service.settings import ServiceSettings
@@ -69,7 +66,7 @@ class RoutingService:
             raise LimitExceededError(
                 f"frame is {len(frame)} bytes; the limit is {self.settings.max_body_bytes}"
             )
-        hdr = read_header(frame)
+        hdr = read_header(frame, verify=False)  # the store verifies the CRC
         if hdr.num_rows > self.settings.max_tokens_per_segment:
             raise LimitExceededError(
                 f"segment has {hdr.num_rows} token rows; the limit is "
@@ -90,27 +87,10 @@ class RoutingService:
         end: int | None = None,
         layers: Sequence[int] | None = None,
     ) -> bytes:
-        """The rollout (or a slice) as one frame."""
+        """The rollout's stored frames (or slices of them), concatenated, undecoded."""
         return await _bounded(
             self._ns(namespace).get_frame(rollout_id, start=start, end=end, layers=layers)
         )
-
-    async def get_npy(
-        self,
-        namespace: str,
-        rollout_id: str,
-        *,
-        start: int = 0,
-        end: int | None = None,
-        layers: Sequence[int] | None = None,
-    ) -> bytes:
-        """The rollout (or a slice) as a ``.npy`` file of ``[rows, L, K]`` int16/int32."""
-        routing = await _bounded(
-            self._ns(namespace).get(rollout_id, start=start, end=end, layers=layers)
-        )
-        buf = io.BytesIO()
-        np.save(buf, routing.indices, allow_pickle=False)
-        return buf.getvalue()
 
     async def stat(self, namespace: str, rollout_id: str) -> RolloutInfo:
         """What is stored for a rollout."""

@@ -56,6 +56,12 @@ class ServiceSettings(BaseSettings):
     max_body_bytes: int = Field(default=256 << 20, ge=1024)
     max_request_bytes: int = Field(default=1 << 20, ge=1024)
     max_tokens_per_segment: int = Field(default=1 << 20, ge=1)
+    max_gap_rows: int = Field(
+        default=1 << 17, ge=0, description="rows a segment may start past a rollout's stored end"
+    )
+    max_decoded_bytes: int = Field(
+        default=1 << 30, ge=1024, description="decoded routing bytes one segment may declare"
+    )
     max_batch: int = Field(default=1024, ge=1)
     batch_concurrency: int = Field(default=8, ge=1, le=256)
     default_ttl_s: int = Field(default=24 * 3600, ge=0)
@@ -150,6 +156,8 @@ class ServiceSettings(BaseSettings):
                 else int(self.durability == "replicas")
             ),
             durability_timeout_ms=self.durability_timeout_ms,
+            max_gap_rows=self.max_gap_rows,
+            max_decoded_bytes=self.max_decoded_bytes,
         )
 
 

@@ -56,13 +56,13 @@ from importlib import resources
 from typing import Any
 
 import msgpack
-import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from r3_client import (
     FormatError,
+    FrameError,
     InvalidRequestError,
     RolloutNotFoundError,
     Routing,
@@ -71,14 +71,19 @@ from r3_client import (
     ShapeError,
     StoreError,
     StoreUnavailableError,
+    UnsupportedFrameError,
     check_rollout_id,
-    decode_frame,
-    encode_frame,
-    index_dtype,
+    read_header,
+)
+from r3_client._codec import (
+    Context,
+    check_chunks,
+    decode_rollout,
+    encode_context,
+    slice_frame,
 )
 from r3_client._format import layer_positions
 from r3_client._models import PutResult, RolloutInfo, SegmentInfo
-from r3_client._sortnet import sort_rows
 
 __all__ = ["DURABILITY_MODES", "SegmentStore", "StoreSettings", "check_namespace"]
 
@@ -119,6 +124,8 @@ class StoreSettings:
     durability: str = "ack"
     durability_replicas: int = 0
     durability_timeout_ms: int = 1000
+    max_gap_rows: int = 1 << 17
+    max_decoded_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.durability not in DURABILITY_MODES:
@@ -154,14 +161,6 @@ def check_namespace(namespace: object) -> str:
 def _meta_bytes(num_experts: int, topk: int, layer_ids: Sequence[int]) -> bytes:
     out: bytes = msgpack.packb([num_experts, topk, list(layer_ids)], use_bin_type=True)
     return out
-
-
-def content_digest(routing: Routing, segment: Segment) -> str:
-    """SHA-256 over a segment's meta and its rows as sets (codec- and order-independent)."""
-    h = hashlib.sha256()
-    h.update(msgpack.packb([routing.num_experts, list(routing.layer_ids), segment.to_dict()]))
-    h.update(sort_rows(routing.indices).astype("<i4").tobytes())
-    return h.hexdigest()
 
 
 @asynccontextmanager
@@ -469,22 +468,55 @@ class SegmentStore:
     async def put_segment(
         self, rollout_id: str, frame: bytes, *, ttl_s: int | None = None
     ) -> PutResult:
-        """Validate ``frame`` and store it as one segment of ``rollout_id``, atomically.
+        """Check ``frame``'s header and store it unchanged as one segment of ``rollout_id``.
 
-        The segment's range and meta come from the frame header (a frame
-        without a segment entry stores a bare ``Segment(start, end)``).
-        Raises :class:`FrameError` for bad bytes, :class:`SegmentConflictError`
-        for an overlapping different segment or different E/K/layers,
-        :class:`InvalidRequestError` when the rollout has too many segments.
+        No routing is decoded: the header (geometry, limits, contiguity), the CRC,
+        each chunk's declared inflated size and the writer's content digest are
+        checked, and the bytes are stored as they are.  Raises :class:`FrameError`
+        for bad bytes (a v1 frame, which lacks declared sizes and digest, is
+        :class:`UnsupportedFrameError`), :class:`SegmentConflictError` for an
+        overlapping different segment, different E/K/layers or a continuation
+        frame whose context the rollout does not hold, and
+        :class:`InvalidRequestError` when the rollout has too many segments or the
+        segment starts too far past the stored rows.
         """
         key = self.key(rollout_id)
-        decoded = await asyncio.to_thread(decode_frame, frame)
-        hdr, routing = decoded.header, decoded.routing
-        segment = hdr.segment or Segment(hdr.start, hdr.end)
-        digest = await asyncio.to_thread(content_digest, routing, segment)
+        hdr = read_header(frame)
+        if hdr.version < 2:
+            raise UnsupportedFrameError(
+                "format v1 frames cannot be stored: the service keeps frames without decoding "
+                "them and needs format v2's declared sizes and content digest "
+                "(upgrade the writer's r3-client)"
+            )
+        if hdr.codec == "context" or hdr.segment is None or not hdr.digest:
+            raise FrameError(
+                "a stored frame must be one whole segment carrying its content digest "
+                "(what encode_frame writes with a segment)"
+            )
+        segment = hdr.segment
         ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
         if ttl < 0:
             raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
+        if hdr.base:
+            async with _translate(self._limit):
+                raw_ctx = await self._r.hget(key, f"c:{hdr.base}")
+            if not isinstance(raw_ctx, bytes):
+                raise SegmentConflictError(self._no_base(rollout_id, hdr.base))
+            hdr = read_header(frame, verify=False, context=Context.parse(raw_ctx, tables=False))
+            ctx_field, ctx_raw, base_field = "", b"", f"c:{hdr.base}"
+        else:
+            assert hdr.context is not None
+            ctx_field, ctx_raw, base_field = f"c:{hdr.context.digest}", hdr.context.raw, ""
+        assert hdr.context is not None
+        if hdr.layer_ids != hdr.context.layer_ids:
+            raise FrameError("a stored segment frame holds every layer of its context")
+        if hdr.decoded_bytes > self.settings.max_decoded_bytes:
+            raise InvalidRequestError(
+                f"segment [{segment.start}, {segment.end}) declares {hdr.decoded_bytes} bytes of "
+                f"routing; the limit is {self.settings.max_decoded_bytes}"
+            )
+        check_chunks(frame, hdr)  # every zstd chunk declares exactly what its shape allows
+        digest = hdr.digest
         meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
         value, ref, dedupe_hit = frame, "", False
         async with _translate(self._limit):
@@ -512,6 +544,10 @@ class SegmentStore:
                     self.settings.max_segments,
                     len(frame),
                     ref,
+                    ctx_field,
+                    ctx_raw,
+                    base_field,
+                    self.settings.max_gap_rows,
                 ],
                 lambda r: r[0] in _PUT_ACKED,
             )
@@ -540,12 +576,27 @@ class SegmentStore:
                 f"segment [{segment.start}, {segment.end}) of rollout {rollout_id} conflicts "
                 f"with stored segment [{a}, {b}): it {detail}"
             )
+        if status == "nobase":
+            raise SegmentConflictError(self._no_base(rollout_id, hdr.base))
+        if status == "gap":
+            raise InvalidRequestError(
+                f"segment [{segment.start}, {segment.end}) of rollout {rollout_id} starts "
+                f"{segment.start - int(res[1])} rows past its stored rows [0, {int(res[1])}); "
+                f"the limit is {self.settings.max_gap_rows} (R3_CACHE_MAX_GAP_ROWS)"
+            )
         if status == "full":
             raise InvalidRequestError(
                 f"rollout {rollout_id} already has {int(res[1])} segments "
                 f"(limit {self.settings.max_segments})"
             )
         raise StoreError(f"unexpected put result {res!r}")
+
+    @staticmethod
+    def _no_base(rollout_id: str, base: str) -> str:
+        return (
+            f"rollout {rollout_id} holds no context {base[:12]}…: a continuation frame "
+            "follows a segment that carries that context; put that segment first"
+        )
 
     async def delete(self, rollout_id: str) -> bool:
         """Delete a rollout; True if it existed."""
@@ -573,14 +624,17 @@ class SegmentStore:
     # ---- reads -------------------------------------------------------------------------
     async def _fetch(
         self, rollout_id: str, start: int, end: int | None
-    ) -> tuple[tuple[int, int, tuple[int, ...]], list[tuple[int, bytes]]]:
-        """Meta and ``(segment start, frame)`` of segments overlapping ``[start, end)``.
+    ) -> tuple[
+        tuple[int, int, tuple[int, ...]], int, list[tuple[int, int, bytes]], dict[str, bytes]
+    ]:
+        """Meta, stored end, ``(start, end, frame)`` of segments overlapping ``[start, end)``,
+        and the rollout's contexts.
 
-        Sorted by start; shared segments resolved to their frames.  A whole-rollout
-        read is one ``HGETALL``; a range asks a script for the overlapping field
-        names and then ``HMGET``s them (segments are never rewritten in place, so
-        the two steps cannot mix versions; a rollout deleted in between reads as
-        not found).
+        Sorted by start; shared segments resolved to their frames; contexts by digest.
+        A whole-rollout read is one ``HGETALL``; a range asks a script for the
+        overlapping field names (and the context names) and then ``HMGET``s them
+        (segments are never rewritten in place, so the two steps cannot mix
+        versions; a rollout deleted in between reads as not found).
         """
         key = self.key(rollout_id)
         if start < 0 or (end is not None and end <= start):
@@ -590,49 +644,38 @@ class SegmentStore:
             if start == 0 and end is None:
                 fields: dict[Any, Any] = await self._r.hgetall(key)
                 meta = fields.get(b"m")
-                named = [(f, v) for f, v in fields.items() if f[:2] == b"s:"]
+                named = [(f, v) for f, v in fields.items() if f[:2] in (b"s:", b"c:")]
+                stored_end = max(
+                    (int(f.split(b":")[2]) for f, _ in named if f[:2] == b"s:"), default=0
+                )
             else:
                 res = await self._fields(keys=[key], args=[start, -1 if end is None else end])
                 meta = res[0] if res else None
-                names = res[1:]
+                stored_end = int(res[1]) if res else 0
+                names = res[2:]
                 values: list[Any] = await self._r.hmget(key, names) if names else []
                 if any(v is None for v in values):
                     raise missing
                 named = list(zip(names, values, strict=True))
             if meta is None:
                 raise missing
-            segments = sorted((int(f.split(b":")[1]), v) for f, v in named)
-            for i, (seg_start, value) in enumerate(segments):
+            contexts = {f[2:].decode(): v for f, v in named if f[:2] == b"c:"}
+            segments = sorted(
+                (int(a), int(b), v)
+                for f, v in named
+                if f[:2] == b"s:"
+                for _, a, b in (f.split(b":"),)
+            )
+            for i, (seg_start, seg_end, value) in enumerate(segments):
                 if value[:1] == b"@":  # shared segment: one HGET in the blob's own slot
                     blob = await self._r.hget(value[1:].decode(), "f")
                     if not isinstance(blob, bytes):
                         raise StoreError(
                             f"rollout {rollout_id}: a shared segment's data has expired"
                         )
-                    segments[i] = (seg_start, blob)
+                    segments[i] = (seg_start, seg_end, blob)
         e, k, layer_ids = msgpack.unpackb(meta)
-        return (e, k, tuple(layer_ids)), segments
-
-    async def get(
-        self,
-        rollout_id: str,
-        *,
-        start: int = 0,
-        end: int | None = None,
-        layers: Sequence[int] | None = None,
-    ) -> Routing:
-        """The assembled routing for token rows ``[start, end)`` and absolute MoE ``layers``.
-
-        ``end`` defaults to the last stored row; rows no segment covers are -1.
-        Only segments overlapping the range are read and decoded.  Raises
-        :class:`RolloutNotFoundError`, or :class:`InvalidRequestError` for a
-        range outside ``[0, num_rows)`` or an unknown layer id.
-        """
-        (e, k, layer_ids), segments = await self._fetch(rollout_id, start, end)
-        frames = [f for _, f in segments]
-        return await asyncio.to_thread(
-            self._assemble, rollout_id, e, k, layer_ids, frames, start, end, layers
-        )
+        return (e, k, tuple(layer_ids)), stored_end, segments, contexts
 
     async def get_frame(
         self,
@@ -642,69 +685,90 @@ class SegmentStore:
         end: int | None = None,
         layers: Sequence[int] | None = None,
     ) -> bytes:
-        """Like :meth:`get`, as one frame.
+        """The rollout's stored frames overlapping the request, concatenated: nothing decoded.
 
-        A whole-rollout read of a rollout stored as one segment starting at row 0
-        returns the stored bytes untouched (no decode, no re-encode; for a shared
-        segment, the first writer's frame); anything
-        else is assembled and encoded with ``codec="auto"``, deterministically,
-        so every transport returns identical bytes.
+        Whole segments come back byte for byte; a segment the range or ``layers``
+        cuts comes back as a :func:`~r3_client.slice_frame` of it (the blocks and
+        layer groups that cover the request; the reader trims).  Context frames for
+        the continuation frames returned come first.  Decode with
+        :func:`r3_client.decode_rollout` using the same ``start``/``end``/``layers``.
+        Raises :class:`RolloutNotFoundError`, or :class:`InvalidRequestError` for a
+        range outside ``[0, num_rows)`` or an unknown layer id.
         """
-        meta, segments = await self._fetch(rollout_id, start, end)
-        whole = start == 0 and end is None and layers is None
-        if whole and len(segments) == 1 and segments[0][0] == 0:
-            return segments[0][1]
-        frames = [f for _, f in segments]
-        routing = await asyncio.to_thread(
-            self._assemble, rollout_id, *meta, frames, start, end, layers
+        (_, _, layer_ids), stored_end, segments, contexts = await self._fetch(
+            rollout_id, start, end
         )
-        return await asyncio.to_thread(encode_frame, routing)
-
-    @staticmethod
-    def _assemble(
-        rollout_id: str,
-        e: int,
-        k: int,
-        layer_ids: tuple[int, ...],
-        frames: list[bytes],
-        start: int,
-        end: int | None,
-        layers: Sequence[int] | None,
-    ) -> Routing:
-        decoded = sorted((decode_frame(f) for f in frames), key=lambda d: d.header.start)
-        stored_end = max((d.header.end for d in decoded), default=0)
-        if end is None:
-            end = stored_end
-            if start >= end:
-                raise InvalidRequestError(
-                    f"start {start} is past the last stored row of rollout {rollout_id} "
-                    f"(it holds rows [0, {stored_end}))"
-                )
-        try:
-            pos = (
-                list(range(len(layer_ids)))
-                if layers is None
-                else layer_positions(layer_ids, layers)
+        if end is None and start >= stored_end:
+            raise InvalidRequestError(
+                f"start {start} is past the last stored row of rollout {rollout_id} "
+                f"(it holds rows [0, {stored_end}))"
             )
-        except ShapeError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        if not decoded or end > stored_end:
+        hi = stored_end if end is None else end
+        if not start < hi <= stored_end:
             raise InvalidRequestError(
                 f"token range [{start}, {end}) is outside rollout {rollout_id}'s rows "
                 f"[0, {stored_end})"
             )
-        out = np.full((end - start, len(pos), k), -1, dtype=index_dtype(e))
-        for d in decoded:
-            a, b = max(start, d.header.start), min(end, d.header.end)
-            rows = d.routing.indices[a - d.header.start : b - d.header.start]
-            out[a - start : b - start] = rows[:, pos] if layers is not None else rows
-        out.flags.writeable = False
-        kept = tuple(layer_ids[p] for p in pos)
-        segs = tuple(d.header.segment or Segment(d.header.start, d.header.end) for d in decoded)
+        if layers is not None:
+            try:
+                layer_positions(layer_ids, layers)
+            except ShapeError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        if start == 0 and end is None and layers is None and len(segments) == 1:
+            return segments[0][2]  # a single self-contained segment: the stored bytes
+        return await asyncio.to_thread(
+            self._cut, rollout_id, segments, contexts, start, end, layers
+        )
+
+    @staticmethod
+    def _cut(
+        rollout_id: str,
+        segments: list[tuple[int, int, bytes]],
+        contexts: dict[str, bytes],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> bytes:
+        """Frames (or slices) for the request plus the contexts they continue from."""
+        parts: list[bytes] = []
+        bases: dict[str, Context] = {}
         try:
-            return Routing(out, e, kept, start, segs)
-        except FormatError as exc:  # cannot happen for frames that decoded
-            raise StoreError(f"stored routing is inconsistent: {exc}") from exc
+            for a, b, frame in segments:
+                hdr = read_header(frame, verify=False)
+                ctx = None
+                if hdr.base:
+                    if hdr.base not in bases:
+                        raw = contexts.get(hdr.base)
+                        if raw is None:
+                            raise StoreError(f"context {hdr.base[:12]}… is missing")
+                        bases[hdr.base] = Context.parse(raw, tables=False)
+                    ctx = bases[hdr.base]
+                cut = (start > a or (end is not None and end < b)) or layers is not None
+                parts.append(
+                    slice_frame(frame, start=start, end=end, layers=layers, context=ctx)
+                    if cut
+                    else frame
+                )
+        except FormatError as exc:  # FrameError: a stored frame is damaged
+            raise StoreError(f"rollout {rollout_id}: a stored segment is damaged: {exc}") from exc
+        if not parts and contexts:  # the range lies in a gap: the context says E, K, layers
+            bases = {d: Context.parse(raw, tables=False) for d, raw in list(contexts.items())[:1]}
+        return b"".join([*(encode_context(c) for c in bases.values()), *parts])
+
+    async def get(
+        self,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> Routing:
+        """:meth:`get_frame` decoded (a convenience for tests and tools: it decodes in
+        this process; the service's request paths never call it)."""
+        data = await self.get_frame(rollout_id, start=start, end=end, layers=layers)
+        return await asyncio.to_thread(
+            decode_rollout, data, start=start, end=end, layers=layers, rollout_id=rollout_id
+        )
 
     async def stat(self, rollout_id: str) -> RolloutInfo:
         """Meta, segments, sizes and TTL of a rollout; :class:`RolloutNotFoundError` if absent."""

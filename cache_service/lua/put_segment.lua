@@ -1,18 +1,25 @@
 -- Atomically add one segment to a rollout hash.
 -- KEYS[1]  rollout hash  (<prefix>:{<rollout_id>})
--- ARGV     meta, start, end, value, digest, info, ttl_ms, max_segments, nbytes, ref
+-- ARGV     meta, start, end, value, digest, info, ttl_ms, max_segments, nbytes, ref,
+--          ctx_field, ctx, base_field, max_gap
 --          value is the frame, or "@<blob key>" when the frame is shared (ref = blob key, else "")
+--          ctx_field/ctx: "c:<digest>" and the context bytes a self-contained frame carries
+--          ("" for a continuation frame); base_field: "c:<digest>" a continuation frame
+--          needs (else ""); max_gap: rows a segment may start past the stored end
 -- Fields:  m = rollout meta (E, K, layers; must match across segments)
 --          s:<a>:<b> = frame or "@<blob key>", d:<a>:<b> = content digest,
 --          h:<a>:<b> = segment info, r:<a>:<b> = blob key of a shared segment
 --          b = total frame bytes, sb = bytes of shared segments, n = segment count
+--          c:<digest> = a rollout context (format v2) that continuation frames name
 -- Returns  {"stored", refs...} | {"duplicate", refs...} | {"meta", stored_meta}
 --          | {"conflict", "<a>:<b>", "differs"|"overlaps"} | {"full", n}
+--          | {"nobase"} | {"gap", stored_end}
 --          refs = blob keys this rollout references (their TTLs are refreshed by the caller)
 local key = KEYS[1]
 local meta, s, e = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local value, dig, info = ARGV[4], ARGV[5], ARGV[6]
 local ttl, max_segments, nbytes, ref = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
+local ctx_field, ctx, base_field, max_gap = ARGV[11], ARGV[12], ARGV[13], tonumber(ARGV[14])
 
 local function refresh(status)
   if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('PERSIST', key) end
@@ -25,10 +32,12 @@ end
 
 local cur = redis.call('HGET', key, 'm')
 if cur and cur ~= meta then return {'meta', cur} end
+local stored_end = 0
 for _, f in ipairs(redis.call('HKEYS', key)) do
   local a, b = string.match(f, '^d:(%d+):(%d+)$')
   if a then
     a = tonumber(a); b = tonumber(b)
+    if b > stored_end then stored_end = b end
     if a < e and s < b then
       if a == s and b == e then
         if redis.call('HGET', key, f) == dig then
@@ -43,10 +52,13 @@ for _, f in ipairs(redis.call('HKEYS', key)) do
     end
   end
 end
+if base_field ~= '' and redis.call('HEXISTS', key, base_field) == 0 then return {'nobase'} end
+if s > stored_end + max_gap then return {'gap', stored_end} end
 local n = tonumber(redis.call('HGET', key, 'n') or '0')
 if n >= max_segments then return {'full', n} end
 local r = s .. ':' .. e
 redis.call('HSET', key, 'm', meta, 's:' .. r, value, 'd:' .. r, dig, 'h:' .. r, info)
+if ctx_field ~= '' then redis.call('HSET', key, ctx_field, ctx) end
 redis.call('HINCRBY', key, 'b', nbytes)
 if ref ~= '' then
   redis.call('HSET', key, 'r:' .. r, ref)

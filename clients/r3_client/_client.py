@@ -21,10 +21,12 @@ from typing import TypeVar
 import numpy.typing as npt
 from tqdm import tqdm
 
-from r3_client._codec import CodecName, decode_frame, encode_frame, read_header
+from r3_client._codec import CodecName, decode_rollout, encode_frame, read_header
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     ConnectError,
+    FormatError,
+    FrameError,
     ProtocolError,
     R3Error,
     RequestTimeoutError,
@@ -98,12 +100,22 @@ class _Core:
             raise ShapeError(f"token range [{start}, {end}) is empty or negative")
 
     @staticmethod
-    def decode(frame: bytes) -> Routing:
-        return decode_frame(frame).routing
+    def decode(
+        data: bytes, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+    ) -> Routing:
+        """A read's frames, stitched and trimmed to the request (the service never decodes)."""
+        return decode_rollout(data, start=start, end=end, layers=layers, rollout_id=rollout_id)
 
-    def result(self, item: StreamItem) -> Result:
+    def result(
+        self, item: StreamItem, start: int, end: int | None, layers: Sequence[int] | None
+    ) -> Result:
+        """An item's routing, or its error: a service error, or a stored body that does not
+        decode (a :class:`FrameError` naming the rollout and segment; the batch goes on)."""
         if item.frame is not None:
-            return item.rollout_id, self.decode(item.frame)
+            try:
+                return item.rollout_id, self.decode(item.frame, item.rollout_id, start, end, layers)
+            except (FormatError, FrameError) as exc:
+                return item.rollout_id, exc
         err = error_for_code(
             item.error_code or "service_error", item.error_message or "", status=item.status
         )
@@ -130,8 +142,15 @@ class _Cursor:
     down), so no path can skip an id.
     """
 
-    def __init__(self, core: _Core, ids: list[str], return_errors: bool) -> None:
+    def __init__(
+        self,
+        core: _Core,
+        ids: list[str],
+        return_errors: bool,
+        rows: tuple[int, int | None, Sequence[int] | None] = (0, None, None),
+    ) -> None:
         self._core = core
+        self._rows = rows
         self._ids = ids
         self._return_errors = return_errors
         self._done = 0
@@ -155,7 +174,7 @@ class _Cursor:
             raise ProtocolError(
                 f"batch stream answered for {item.rollout_id!r} where {expected!r} was next"
             )
-        rid, res = self._core.result(item)
+        rid, res = self._core.result(item, *self._rows)
         if isinstance(res, RETRYABLE):
             self._item_error = res
             raise res
@@ -282,7 +301,9 @@ class RoutingClient:
         end: int | None = None,
         layers: Sequence[int] | None = None,
     ) -> bytes:
-        """The rollout, or rows ``[start, end)`` of absolute MoE ``layers``, as a frame."""
+        """The stored frames for the rollout, or for rows ``[start, end)`` of absolute MoE
+        ``layers``, concatenated as the service returns them (decode with
+        :func:`r3_client.decode_rollout` and the same arguments)."""
         check_rollout_id(rollout_id)
         self._core.check_range(start, end)
         return self._retrying(lambda: self._t.get(rollout_id, start, end, layers))
@@ -295,8 +316,10 @@ class RoutingClient:
         end: int | None = None,
         layers: Sequence[int] | None = None,
     ) -> Routing:
-        """The rollout's routing, sliced on the server when ``start``/``end``/``layers`` ask."""
-        return self._core.decode(self.get_frame(rollout_id, start=start, end=end, layers=layers))
+        """The rollout's routing, cut on the server to the blocks and layer groups that
+        ``start``/``end``/``layers`` need, decoded and trimmed here."""
+        data = self.get_frame(rollout_id, start=start, end=end, layers=layers)
+        return self._core.decode(data, rollout_id, start, end, layers)
 
     def stat(self, rollout_id: str) -> RolloutInfo:
         """What is stored for the rollout (no rows)."""
@@ -338,7 +361,7 @@ class RoutingClient:
         bar = tqdm(total=len(rollout_ids), disable=not progress, unit="rollout", leave=False)
         try:
             for chunk in chunks:
-                cur = _Cursor(self._core, chunk, return_errors)
+                cur = _Cursor(self._core, chunk, return_errors, (start, end, layers))
                 while cur.remaining:
                     try:
                         with closing(self._t.batch_get(cur.remaining, start, end, layers)) as items:
@@ -437,8 +460,10 @@ class AsyncRoutingClient:
         layers: Sequence[int] | None = None,
     ) -> Routing:
         """See :meth:`RoutingClient.get`."""
-        frame = await self.get_frame(rollout_id, start=start, end=end, layers=layers)
-        return self._core.decode(frame)
+        data = await self.get_frame(rollout_id, start=start, end=end, layers=layers)
+        if len(data) > _THREAD_DECODE_BYTES:
+            return await asyncio.to_thread(self._core.decode, data, rollout_id, start, end, layers)
+        return self._core.decode(data, rollout_id, start, end, layers)
 
     async def stat(self, rollout_id: str) -> RolloutInfo:
         """See :meth:`RoutingClient.stat`."""
@@ -463,7 +488,7 @@ class AsyncRoutingClient:
         layers: Sequence[int] | None,
         return_errors: bool,
     ) -> AsyncIterator[Result]:
-        cur = _Cursor(self._core, chunk, return_errors)
+        cur = _Cursor(self._core, chunk, return_errors, (start, end, layers))
         while cur.remaining:
             try:
                 async with aclosing(self._t.batch_get(cur.remaining, start, end, layers)) as items:

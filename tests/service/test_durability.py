@@ -35,7 +35,7 @@ from cache_service.redis_proc import (
 )
 from cache_service.settings import ServiceSettings
 from cache_service.store import SegmentStore, StoreSettings
-from r3_client import StoreError, StoreUnavailableError, decode_frame
+from r3_client import StoreError, StoreUnavailableError, decode_rollout
 from r3_client.testing import synthetic_routing
 
 HEADERS = {"Authorization": f"Bearer {KEY_A}"}
@@ -377,7 +377,7 @@ def _put_get(http_url: str) -> None:
         assert c.put(f"/v1/rollouts/{r}/segments", content=frame).status_code == 200
         got = c.get(f"/v1/rollouts/{r}")
         assert got.status_code == 200
-        assert same_sets(decode_frame(got.content).routing.indices, TRAJ[:50])
+        assert same_sets(decode_rollout(got.content).indices, TRAJ[:50])
 
 
 def test_service_ack_mode(tmp_path: Path, primary_replica: list[RedisProcess]) -> None:

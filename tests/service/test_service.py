@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -17,7 +16,7 @@ from _helpers import LAYERS, TRAJ, frame_for, rid, same_sets
 from _service import KEY_A, KEY_B, METRICS_KEY, Service, grpc_md
 
 from cache_service.redis_proc import RedisProcess, free_port
-from r3_client import decode_frame, encode_frame
+from r3_client import decode_rollout, encode_frame
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client._stream import StreamDecoder
 from r3_client.testing import synthetic_routing
@@ -67,12 +66,12 @@ def test_put_over_both_transports_and_read_identical_bytes(svc: Service) -> None
             assert http.headers["content-type"] == "application/x-r3-frame"
             over_grpc = stub.GetRollout(req, metadata=grpc_md()).frame
             assert http.content == over_grpc  # byte-identical across transports
-        whole = decode_frame(c.get(f"/v1/rollouts/{r}").content).routing
+        whole = decode_rollout(c.get(f"/v1/rollouts/{r}").content)
         assert same_sets(whole.indices, TRAJ)
+        # issue 14: the service no longer decodes, so no .npy; a clear 400 says where to go
         npy = c.get(f"/v1/rollouts/{r}", params={"format": "npy", "start": 10, "end": 20})
-        assert npy.headers["content-type"] == "application/x-npy"
-        arr = np.load(io.BytesIO(npy.content), allow_pickle=False)
-        assert arr.dtype == np.int16 and same_sets(arr, TRAJ[10:20])
+        assert npy.status_code == 400
+        assert "decode_rollout" in npy.json()["error"]["message"]
 
 
 def test_single_segment_rollout_returns_the_stored_frame(svc: Service) -> None:
@@ -167,7 +166,11 @@ def test_batch_get_over_both_transports(svc: Service) -> None:
                     f"/v1/rollouts/{h.rollout_id}", params={"start": 5, "end": 25, "layers": "3"}
                 ).content
                 assert h.frame == single
-                assert decode_frame(h.frame).routing.indices.shape == (20, 1, 4)
+                assert decode_rollout(h.frame, start=5, end=25, layers=[3]).indices.shape == (
+                    20,
+                    1,
+                    4,
+                )
 
 
 def test_grpo_dedupe_is_visible_in_stat_and_metrics(svc: Service) -> None:
@@ -283,9 +286,7 @@ def test_auth_no_key_wrong_key_and_cross_tenant(svc: Service) -> None:
     )
     assert code == grpc.StatusCode.UNAUTHENTICATED
     with svc.http(KEY_A) as c:  # A's data untouched by B
-        assert same_sets(
-            decode_frame(c.get(f"/v1/rollouts/{r}").content).routing.indices, TRAJ[:10]
-        )
+        assert same_sets(decode_rollout(c.get(f"/v1/rollouts/{r}").content).indices, TRAJ[:10])
         assert c.get("/healthz").status_code == 200
 
 
@@ -312,7 +313,7 @@ def test_health_ready_metrics_and_openapi(svc: Service) -> None:
     put = spec["paths"]["/v1/rollouts/{rollout_id}/segments"]["put"]
     assert put["requestBody"]["content"]["application/x-r3-frame"]["schema"]["format"] == "binary"
     get = spec["paths"]["/v1/rollouts/{rollout_id}"]["get"]["responses"]["200"]["content"]
-    assert set(get) == {"application/x-r3-frame", "application/x-npy"}
+    assert set(get) == {"application/x-r3-frame"}
     batch = spec["paths"]["/v1/batch/get"]["post"]["responses"]["200"]["content"]
     assert "application/x-r3-stream" in batch
     json.dumps(spec)
@@ -323,7 +324,7 @@ def test_assembled_frames_carry_segment_provenance(svc: Service) -> None:
     put_http(svc, r, frame_for(TRAJ[:100], 0))
     put_http(svc, r, frame_for(TRAJ[100:150], 100, version="v2"))
     with svc.http() as c:
-        got = decode_frame(c.get(f"/v1/rollouts/{r}").content).routing
+        got = decode_rollout(c.get(f"/v1/rollouts/{r}").content)
     assert [(s.start, s.end, s.weight_version) for s in got.segments] == [
         (0, 100, "v1"),
         (100, 150, "v2"),

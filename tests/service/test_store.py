@@ -17,7 +17,7 @@ from r3_client import (
     RolloutNotFoundError,
     SegmentConflictError,
     StoreUnavailableError,
-    decode_frame,
+    decode_rollout,
     encode_frame,
 )
 from r3_client.testing import synthetic_routing
@@ -319,8 +319,10 @@ async def test_get_frame_returns_stored_bytes_or_a_deterministic_assembly(
     await store.put_segment(r, frame_for(TRAJ[100:300], 100))
     whole = await store.get_frame(r)
     assert whole == await store.get_frame(r)  # deterministic
-    dec = decode_frame(whole).routing
+    dec = decode_rollout(whole)
     assert [(s.start, s.end) for s in dec.segments] == [(0, 100), (100, 300)]
     assert np.array_equal(np.sort(dec.indices, -1), np.sort(TRAJ, -1))
-    part = decode_frame(await store.get_frame(r, start=90, end=110, layers=[3])).routing
+    part = decode_rollout(
+        await store.get_frame(r, start=90, end=110, layers=[3]), start=90, end=110, layers=[3]
+    )
     assert (part.start, part.end, part.layer_ids) == (90, 110, (3,))
