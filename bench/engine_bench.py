@@ -93,7 +93,15 @@ from typing import Any
 import httpx
 import numpy as np
 
-from r3_client import RoutingClient, Segment, decode_frame, encode_frame, read_header
+from r3_client import (
+    Context,
+    RoutingClient,
+    Segment,
+    decode_rollout,
+    encode_frame,
+    read_header,
+    split_frames,
+)
 from r3_client.testing import synthetic_routing
 from sglang_r3.testing import EngineServer, build_tiny_model, start_engine
 
@@ -381,21 +389,24 @@ def agent(ctx: Ctx, server: EngineServer, config: str) -> dict[str, Any]:
     with RoutingClient(ctx.svc.http_url, api_key=KEY_A) as client:
         frame = client.get_frame(rollout)
         seg_frames = [client.get_frame(rollout, start=t["start"], end=t["end"]) for t in turns]
-    head = read_header(frame)
-    if head.num_rows != final_rows or head.start != 0:
-        raise BenchError(f"r3: stored [{head.start}, {head.end}), expected [0, {final_rows})")
+    # Format v2: a read returns the stored segment frames (context frames first).
+    heads = [h for h in map(read_header, split_frames(frame)) if h.codec != "context"]
+    routing = decode_rollout(frame)
+    if routing.end != final_rows or routing.start != 0:
+        raise BenchError(f"r3: stored [{routing.start}, {routing.end}), expected [0, {final_rows})")
     # The same rows written in one piece, as one request over the final trajectory would.
-    routing = decode_frame(frame).routing
-    seg = head.segments[-1]
+    seg = routing.segments[-1]
     one = encode_frame(
         routing.indices,
-        num_experts=head.num_experts,
-        layer_ids=head.layer_ids,
+        num_experts=routing.num_experts,
+        layer_ids=routing.layer_ids,
         start=0,
         segment=Segment(0, final_rows, seg.model_id, seg.weight_version, seg.tokens_digest),
     )
     one_head = read_header(one)
-    seg_heads = [read_header(f) for f in seg_frames]
+    seg_heads = [
+        h for f in seg_frames for h in map(read_header, split_frames(f)) if h.codec != "context"
+    ]
     res["shape_projection"] = [
         project(ctx, [h.segment for h in seg_heads if h.segment is not None], skew)
         for skew in (1.0, 0.0)
@@ -403,16 +414,16 @@ def agent(ctx: Ctx, server: EngineServer, config: str) -> dict[str, Any]:
     res.update(
         bytes_moved=sum(t["nbytes"] for t in turns),
         final_bytes=len(frame),
-        final_header_bytes=head.frame_length - head.body_length,
-        final_body_bytes=head.body_length,
-        final_codec=head.codec,
+        final_header_bytes=len(frame) - sum(h.body_length for h in heads),
+        final_body_bytes=sum(h.body_length for h in heads),
+        final_codec="+".join(sorted({h.codec for h in heads})),
         single_piece_bytes=len(one),
         single_piece_body_bytes=one_head.body_length,
         single_piece_codec=one_head.codec,
         segments_read_back_bytes=sum(len(f) for f in seg_frames),
         segments_body_bytes=sum(h.body_length for h in seg_heads),
         segments_codecs=sorted({h.codec for h in seg_heads}),
-        segments=len(head.segments),
+        segments=len(routing.segments),
     )
     return res
 
@@ -427,15 +438,24 @@ def project(ctx: Ctx, segments: list[Segment], skew: float) -> dict[str, Any]:
     indices = synthetic_routing(rows, layers, experts, topk, skew=skew, rho=rho, seed=7)
     rollout = f"proj-{uuid.uuid4().hex[:10]}"
     moved = 0
+    base: Context | None = None
     with RoutingClient(ctx.svc.http_url, api_key=KEY_A) as client:
         for seg in segments:
+            # As the extension does: later segments continue from the first one's context
+            # when it has a relabel table (or the rows are too few to pay for one).
+            cont = base if base is not None and (base.has_table or seg.num_rows < experts) else None
             frame = encode_frame(
                 indices[seg.start : seg.end],
                 num_experts=experts,
                 layer_ids=range(layers),
                 start=seg.start,
                 segment=seg,
+                base=cont,
             )
+            if base is None:
+                own = read_header(frame).context
+                assert own is not None
+                base = Context.parse(own.raw)
             moved += client.put(rollout, frame).nbytes
         stored = len(client.get_frame(rollout))
     last = segments[-1]

@@ -13,6 +13,7 @@ import base64
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,10 @@ import numpy.typing as npt
 from r3_client import (
     AsyncRoutingClient,
     AuthError,
+    Context,
     FormatError,
     LimitExceededError,
+    PutResult,
     R3Error,
     Retry,
     RolloutNotFoundError,
@@ -35,6 +38,7 @@ from r3_client import (
     Timeout,
     TransportError,
     encode_frame,
+    read_header,
     token_digest,
 )
 from sglang_r3 import metrics
@@ -48,6 +52,8 @@ log = logging.getLogger("sglang_r3")
 # Failures that say the cache is unreachable or unwell; they fall under the
 # on-cache-error policy.  Everything else is about the request and fails it.
 _CACHE_DOWN = (TransportError, StoreUnavailableError, ServiceError, AuthError)
+#: Rollout contexts a process remembers for continuation frames (~6 KB each at 48x128).
+_CONTEXTS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +111,9 @@ class Shipper:
             timeout=Timeout(connect=min(5.0, config.put_timeout_s), read=config.put_timeout_s),
             retry=Retry(attempts=config.put_attempts, backoff=0.1, max_backoff=1.0),
         )
+        # rollout id -> the context (E, K, layers, relabel table) of its first segment
+        # this process wrote, so later turns ship as continuation frames; LRU-bounded.
+        self._contexts: OrderedDict[str, Context] = OrderedDict()
 
     async def continuation(self, rollout_id: str) -> Continuation | None:
         """The stored trajectory of ``rollout_id`` (None: new rollout).
@@ -152,6 +161,51 @@ class Shipper:
                 "cannot be checked against it; use a new rollout id",
             )
         return Continuation(info.num_rows, digest)
+
+    def _base(self, rollout_id: str, rows: int) -> Context | None:
+        """The context a new segment of ``rollout_id`` continues from, if worth it.
+
+        A continuation frame does not repeat E, K, the layer ids or a relabel
+        table, and codes its rows with the table of the rollout's first segment.
+        Used when this process wrote that segment (the context is cached) and it
+        has a table, or when the new rows are too few to pay for a table anyway.
+        """
+        ctx = self._contexts.get(rollout_id)
+        if ctx is None or not (ctx.has_table or rows < self.shape.num_experts):
+            return None
+        self._contexts.move_to_end(rollout_id)
+        return ctx
+
+    async def _put(self, rollout_id: str, rows: npt.NDArray[Any], seg: Segment) -> PutResult:
+        """Encode ``rows`` as one segment (a continuation frame when :meth:`_base` allows)
+        and store it; remember the rollout's context for its next segments."""
+        base = self._base(rollout_id, len(rows))
+        for attempt in (base, None) if base is not None else (None,):
+            frame = await asyncio.to_thread(
+                encode_frame,
+                rows,
+                num_experts=self.shape.num_experts,
+                layer_ids=self.shape.moe_layer_ids,
+                start=seg.start,
+                segment=seg,
+                base=attempt,
+            )
+            try:
+                put = await self.client.put(rollout_id, frame)
+            except SegmentConflictError as exc:
+                if attempt is None or "holds no context" not in str(exc):
+                    raise
+                # The rollout was deleted or rewritten elsewhere: its context is gone.
+                self._contexts.pop(rollout_id, None)
+                continue
+            if attempt is None and rollout_id not in self._contexts:
+                own = read_header(frame, verify=False).context
+                assert own is not None
+                self._contexts[rollout_id] = Context.parse(own.raw)  # with its table
+                while len(self._contexts) > _CONTEXTS:
+                    self._contexts.popitem(last=False)
+            return put
+        raise AssertionError("unreachable")
 
     @staticmethod
     def check_prefix(tag: OutputTag, cont: Continuation, input_ids: Sequence[int]) -> None:
@@ -232,15 +286,7 @@ class Shipper:
         try:
             for a, b in itertools.pairwise(cuts):
                 seg = Segment(a, b, self.model_id, wv, token_digest(tokens[:b]))
-                frame = await asyncio.to_thread(
-                    encode_frame,
-                    moe[a - start : b - start],
-                    num_experts=self.shape.num_experts,
-                    layer_ids=self.shape.moe_layer_ids,
-                    start=a,
-                    segment=seg,
-                )
-                put = await self.client.put(tag.rollout_id, frame)
+                put = await self._put(tag.rollout_id, moe[a - start : b - start], seg)
                 ref["nbytes"] += put.nbytes
                 ref["segments"].append(
                     {"start": a, "end": b, "nbytes": put.nbytes, "dedupe_hit": put.dedupe_hit}

@@ -524,7 +524,9 @@ def decode_frame(
             )
         if hdr.context is not None and hdr.context.has_table and hdr.context.table is None:
             hdr = read_header(data, verify=False, context=Context.parse(hdr.context.raw))
-        arr = _decode_v2(view, hdr, max_bytes, verify_chunks=False)
+        # Chunk CRCs too: a slice's outer CRC was computed by whoever cut it, so only the
+        # chunk CRCs (the writer's) vouch for the bytes end to end.
+        arr = _decode_v2(view, hdr, max_bytes, verify_chunks=True)
         arr.flags.writeable = False
         segs = hdr.segments if hdr.segment is None else (hdr.segment,)
         return Frame(hdr, Routing(arr, hdr.num_experts, hdr.layer_ids, hdr.start, segs))
@@ -1375,7 +1377,7 @@ def slice_frame(
         "end": bstarts[keep_b[-1] + 1],
     }
     if hdr.base:
-        header["base"] = hdr.base
+        header["base"] = bytes.fromhex(hdr.base)
     else:
         assert hdr.context is not None
         header["ctx"] = hdr.context.raw
@@ -1386,8 +1388,9 @@ def slice_frame(
     header["groups"] = [hdr.groups[g] for g in keep_g]
     header["chunks"] = [list(hdr.chunks[i]) for i in idx]
     prov = (hdr.segment,) if hdr.segment is not None else hdr.segments
-    if prov:
-        header["segments"] = [p.to_dict() for p in prov]
+    kept = [p for p in prov if p.overlaps(header["start"], header["end"])]
+    if kept:
+        header["segments"] = [p.to_dict() for p in kept]
     return _assemble_frame(2, CODECS[hdr.codec], header, body)
 
 
