@@ -3,6 +3,7 @@ stitching, and v1 compatibility (property tests over random geometry)."""
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
 
@@ -100,7 +101,7 @@ def test_continuation_segments_stitch(g: tuple, turns: list[int]) -> None:  # ty
     )
     ctx = Context.parse(read_header(first).context.raw)  # type: ignore[union-attr]
     frames = [first]
-    for a, b in zip(bounds[1:], bounds[2:], strict=False):
+    for a, b in itertools.pairwise(bounds[1:]):
         cont = encode_frame(
             idx[a:b],
             num_experts=e,
@@ -119,7 +120,7 @@ def test_continuation_segments_stitch(g: tuple, turns: list[int]) -> None:  # ty
     data = encode_context(ctx) + b"".join(reversed(frames))  # order does not matter
     got = decode_rollout(data)
     assert np.array_equal(_sets(got.indices), _sets(idx))
-    assert [(s.start, s.end) for s in got.segments] == list(zip(bounds, bounds[1:], strict=False))
+    assert [(s.start, s.end) for s in got.segments] == list(itertools.pairwise(bounds))
     mid = total // 2
     part = decode_rollout(data, start=mid, end=total, layers=[layers[-1]])
     assert np.array_equal(_sets(part.indices), _sets(idx[mid:, [nl - 1]]))
