@@ -149,6 +149,16 @@ def test_client_benchmark_runs_small() -> None:
     assert "identical (as sets)" in out
 
 
+def test_passthrough_benchmark_runs_quick() -> None:
+    """bench/passthrough_bench.py --quick: every scenario, both distributions, a short load."""
+    out = _run_bench("passthrough_bench.py", "--quick")
+    for heading in ("### PUT", "### GET", "### Multi-turn", "### PUT throughput"):
+        assert heading in out
+    for scenario in ("| grpo | skewed", "| agent | uniform", "| single | skewed"):
+        assert scenario in out
+    assert "load run: 0 errors" in out
+
+
 def _run_bench(script: str, *args: str) -> str:
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
