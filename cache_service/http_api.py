@@ -139,6 +139,16 @@ class TouchRequest(BaseModel):
     ttl_s: int | None = Field(default=None, ge=0, le=MAX_TTL_S)
 
 
+class ReadPlanResponse(BaseModel):
+    """Direct-read credentials: a Redis user that can only read this namespace's keys."""
+
+    redis_url: str
+    cluster: bool
+    username: str
+    password: str
+    key_prefix: str
+
+
 class BatchGetRequest(BaseModel):
     """Many rollouts at once, optionally the same token range and layers of each."""
 
@@ -447,6 +457,11 @@ def create_app(
             yield encode_trailer(count)
 
         return StreamingResponse(body(), media_type=STREAM_MEDIA_TYPE)
+
+    @app.post("/v1/read-plan", name="read_plan", response_model=ReadPlanResponse)
+    async def read_plan(svc: ServiceDep, ns: NamespaceDep) -> ReadPlanResponse:
+        """Credentials to read this namespace's rollouts from Redis directly (read-only)."""
+        return ReadPlanResponse(**await svc.read_plan(ns))  # type: ignore[arg-type]
 
     @app.get("/healthz", name="healthz")
     async def healthz() -> dict[str, str]:

@@ -12,6 +12,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 from cache_service.metrics import Metrics
 from cache_service.settings import ServiceSettings
@@ -91,6 +92,34 @@ class RoutingService:
         return await _bounded(
             self._ns(namespace).get_frame(rollout_id, start=start, end=end, layers=layers)
         )
+
+    async def read_plan(self, namespace: str) -> dict[str, object]:
+        """Where and how this namespace's trainers read Redis directly (``direct_reads``).
+
+        Auth already decided the namespace; the credentials it gets can only read
+        that namespace's keys (see :meth:`SegmentStore.grant_reader`).  The service
+        stays the only writer.
+        """
+        secret = self.settings.read_secret() if self.settings.direct_reads else None
+        if secret is None:
+            raise InvalidRequestError(
+                "direct reads are not enabled on this service (R3_CACHE_DIRECT_READS and "
+                "R3_CACHE_DIRECT_READ_SECRET); read through GET or the batch stream"
+            )
+        user, password, prefix = await self._ns(namespace).grant_reader(secret)
+        parts = urlsplit(self.settings.direct_read_url or self.store.settings.redis_url)
+        host = parts.hostname or "127.0.0.1"
+        netloc = f"[{host}]" if ":" in host else host
+        if parts.port:
+            netloc += f":{parts.port}"
+        url = urlunsplit((parts.scheme, netloc, parts.path, "", ""))  # no admin credentials
+        return {
+            "redis_url": url,
+            "cluster": self.store.settings.cluster,
+            "username": user,
+            "password": password,
+            "key_prefix": prefix,
+        }
 
     async def stat(self, namespace: str, rollout_id: str) -> RolloutInfo:
         """What is stored for a rollout."""

@@ -74,6 +74,15 @@ class ServiceSettings(BaseSettings):
         default=None, ge=0, description="replicas to wait for; unset = 1 (replicas), 0 (fsync)"
     )
     durability_timeout_ms: int = Field(default=1000, ge=1, le=5000)
+    direct_reads: bool = Field(
+        default=False,
+        description="issue read plans: per-namespace read-only Redis credentials (ACL)",
+    )
+    direct_read_url: str | None = Field(
+        default=None, description="the Redis URL trainers use for direct reads (default: redis_url)"
+    )
+    direct_read_secret: str | None = Field(default=None, min_length=16)
+    direct_read_secret_file: Path | None = None
     log_level: str = "INFO"
 
     @field_validator("api_keys")
@@ -138,6 +147,20 @@ class ServiceSettings(BaseSettings):
         if len(key) < 16:
             raise ValueError(f"{self.metrics_api_key_file}: the metrics key needs 16+ characters")
         return key
+
+    def read_secret(self) -> str | None:
+        """The secret per-namespace Redis reader passwords derive from (``direct_reads``)."""
+        if self.direct_read_secret is not None:
+            return self.direct_read_secret
+        if self.direct_read_secret_file is None:
+            return None
+        try:
+            secret = self.direct_read_secret_file.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"{self.direct_read_secret_file}: cannot read: {exc}") from None
+        if len(secret) < 16:
+            raise ValueError(f"{self.direct_read_secret_file}: the secret needs 16+ characters")
+        return secret
 
     def store_settings(self, redis_url: str) -> StoreSettings:
         """The store's view of these settings, for the Redis at ``redis_url``."""

@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import copy
 import hashlib
+import hmac
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -92,6 +93,19 @@ RedisClient = aioredis.Redis | RedisCluster
 DURABILITY_MODES = ("ack", "replicas", "fsync")
 _log = logging.getLogger("r3.cache.store")
 _PUT_ACKED = (b"stored", b"duplicate")
+#: What a direct reader may run: reads of rollout hashes and blobs, and connection set-up.
+_READER_COMMANDS = (
+    "hgetall",
+    "hget",
+    "hmget",
+    "ping",
+    "hello",
+    "cluster|slots",
+    "cluster|shards",
+    "cluster|nodes",
+    "readonly",
+    "command",
+)
 _BLOB_ACKED = (b"new", b"same")
 
 
@@ -458,6 +472,40 @@ class SegmentStore:
         """
         for ref in refs:
             await self._write(ref.decode(), self._keep_blob, [ttl_ms], bool)
+
+    async def grant_reader(self, secret: str) -> tuple[str, str, str]:
+        """Create (idempotently) this namespace's read-only Redis user; its credentials.
+
+        ``ACL SETUSER r3-read-<ns>`` on every node (ACLs are per node, also on a
+        cluster): key pattern ``<prefix>:<ns>:*`` only, commands ``HGETALL``/``HGET``/
+        ``HMGET`` and what a client needs to connect (``PING``, ``HELLO``,
+        ``CLUSTER SLOTS``/``SHARDS``/``NODES``, ``READONLY``, ``COMMAND``; redis-py
+        ignores a refused ``CLIENT SETINFO``, which Redis 7.0 does not know).
+        The password is HMAC-SHA256(``secret``, namespace), so every replica of the
+        service issues the same one.  Returns ``(username, password, key prefix)``.
+        """
+        if not self._namespace:
+            raise InvalidRequestError("direct reads are per namespace")
+        user = f"r3-read-{self._namespace}"
+        password = hmac.new(secret.encode(), self._namespace.encode(), "sha256").hexdigest()
+        prefix = f"{self._prefix}:"
+        rules = [
+            "reset",
+            "on",
+            f">{password}",
+            f"~{prefix}*",
+            "resetchannels",
+            "-@all",
+            *(f"+{c}" for c in _READER_COMMANDS),
+        ]
+        async with _translate(self._limit):
+            if isinstance(self._r, RedisCluster):
+                await self._r.execute_command(
+                    "ACL", "SETUSER", user, *rules, target_nodes=self._r.get_nodes()
+                )
+            else:
+                await self._r.execute_command("ACL", "SETUSER", user, *rules)  # type: ignore[no-untyped-call]
+        return user, password, prefix
 
     async def ping(self) -> bool:
         """True when Redis answers."""

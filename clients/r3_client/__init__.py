@@ -32,6 +32,7 @@ from r3_client._codec import (
     split_frames,
 )
 from r3_client._config import Retry, Timeout
+from r3_client._direct import DirectReader
 from r3_client._exceptions import (
     AuthError,
     ChecksumError,
@@ -107,6 +108,7 @@ __all__ = [
     "CodecError",
     "ConnectError",
     "Context",
+    "DirectReader",
     "DuplicateExpertError",
     "ExpertIdError",
     "FormatError",

@@ -1441,8 +1441,8 @@ def decode_rollout(
     for view in split_frames(data):
         hdr = read_header(view, verify=True)
         if hdr.codec == "context":
-            assert hdr.context is not None
-            contexts[hdr.context.digest] = hdr.context
+            assert hdr.context is not None  # its table inflated once, for every frame using it
+            contexts[hdr.context.digest] = Context.parse(hdr.context.raw)
         else:
             heads.append((view, hdr))
     if not heads:

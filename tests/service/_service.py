@@ -28,6 +28,8 @@ LIMITS = {
     "R3_CACHE_MAX_BODY_BYTES": str(4 << 20),
     "R3_CACHE_MAX_TOKENS_PER_SEGMENT": "20000",
     "R3_CACHE_MAX_BATCH": "64",
+    "R3_CACHE_DIRECT_READS": "true",
+    "R3_CACHE_DIRECT_READ_SECRET": "direct-read-secret-0123456789",
 }
 
 

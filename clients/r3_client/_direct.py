@@ -1,0 +1,182 @@
+"""Direct reads: a trainer reads its namespace's rollouts from Redis itself.
+
+The service authenticates the trainer and hands it a *read plan* (``POST
+/v1/read-plan``): a Redis URL and a Redis ACL user that can run only ``HGETALL``/
+``HGET``/``HMGET`` on the namespace's keys.  The service stays the only writer
+and auth still decides who reads what; the bytes no longer pass through a
+Python relay.  What comes back is exactly what the service's GET returns for a
+whole rollout (context frames and stored segment frames), decoded here with
+:func:`~r3_client.decode_rollout`.  Range and layer requests read whole
+segments and are trimmed here (the relay can cut them on the server instead).
+
+    reader = DirectReader.from_service("http://r3-cache:8080", api_key=key)
+    for rid, routing in reader.get_many(ids):
+        ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from r3_client._codec import Context, decode_rollout, encode_context
+from r3_client._exceptions import (
+    AuthError,
+    FormatError,
+    FrameError,
+    ProtocolError,
+    R3Error,
+    RolloutNotFoundError,
+    StoreError,
+    StoreUnavailableError,
+)
+from r3_client._format import Routing, check_rollout_id
+
+__all__ = ["DirectReader"]
+
+Result = tuple[str, Routing | R3Error]
+
+
+class DirectReader:
+    """Reads rollouts from Redis / Redis Cluster with a read plan's read-only credentials.
+
+    Create with :meth:`from_service` (asks the service for the plan) or from a
+    plan dict; close with :meth:`close` or use as a context manager.  Needs
+    ``redis`` (redis-py).  Synchronous; one connection pool.
+    """
+
+    def __init__(self, plan: dict[str, Any], *, timeout: float = 30.0) -> None:
+        import redis  # lazy: only direct readers need redis-py
+        from redis.cluster import RedisCluster
+
+        try:
+            self.key_prefix = str(plan["key_prefix"])
+            kw = {
+                "username": str(plan["username"]),
+                "password": str(plan["password"]),
+                "socket_timeout": timeout,
+            }
+            url = str(plan["redis_url"])
+            cluster = bool(plan["cluster"])
+        except (KeyError, TypeError) as exc:
+            raise ProtocolError(f"read plan is incomplete: {exc}") from None
+        self._r: Any = (
+            RedisCluster.from_url(url, **kw) if cluster else redis.Redis.from_url(url, **kw)
+        )
+
+    @classmethod
+    def from_service(
+        cls, url: str, *, api_key: str | None = None, timeout: float = 30.0
+    ) -> DirectReader:
+        """Ask the service at ``url`` (HTTP) for this API key's read plan."""
+        import httpx
+
+        from r3_client._exceptions import error_for_code
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        try:
+            resp = httpx.post(f"{url.rstrip('/')}/v1/read-plan", headers=headers, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise StoreUnavailableError(
+                f"cannot reach the service for a read plan: {exc}"
+            ) from None
+        if resp.status_code != 200:
+            try:
+                err = resp.json()["error"]
+            except (ValueError, KeyError, TypeError):
+                raise ProtocolError(f"read plan: HTTP {resp.status_code}") from None
+            raise error_for_code(err["code"], err["message"], status=resp.status_code)
+        return cls(resp.json(), timeout=timeout)
+
+    def __enter__(self) -> DirectReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the Redis connections."""
+        self._r.close()
+
+    def key(self, rollout_id: str) -> str:
+        """The Redis key of a rollout (the service's layout: ``<prefix>:<ns>:{<id>}``)."""
+        return f"{self.key_prefix}{{{check_rollout_id(rollout_id)}}}"
+
+    def fetch_many(
+        self, rollout_ids: Sequence[str], *, chunk_size: int = 64
+    ) -> Iterator[tuple[str, bytes | R3Error]]:
+        """Each rollout's bytes as the service's whole-rollout GET returns them, in order.
+
+        Two pipelined round trips per chunk: ``HGETALL`` of the rollout hashes,
+        then ``HGET`` of the shared (deduplicated) segments they reference.
+        """
+        import redis.exceptions as rexc
+
+        ids = [check_rollout_id(r) for r in rollout_ids]
+        for i in range(0, len(ids), chunk_size):
+            chunk = ids[i : i + chunk_size]
+            try:
+                pipe = self._r.pipeline(transaction=False)
+                for rid in chunk:
+                    pipe.hgetall(self.key(rid))
+                hashes = pipe.execute()
+                refs = [
+                    (n, f, v[1:].decode())
+                    for n, h in enumerate(hashes)
+                    for f, v in h.items()
+                    if f[:2] == b"s:" and v[:1] == b"@"
+                ]
+                if refs:
+                    pipe = self._r.pipeline(transaction=False)
+                    for _, _, blob in refs:
+                        pipe.hget(blob, "f")
+                    for (n, f, _), frame in zip(refs, pipe.execute(), strict=True):
+                        hashes[n][f] = frame
+            except rexc.AuthenticationError as exc:
+                raise AuthError(f"Redis refused the read plan's credentials: {exc}") from None
+            except rexc.NoPermissionError as exc:
+                raise AuthError(f"Redis refused a direct read: {exc}") from None
+            except (rexc.ConnectionError, rexc.TimeoutError) as exc:
+                raise StoreUnavailableError(f"Redis is unreachable: {exc}") from None
+            for rid, fields in zip(chunk, hashes, strict=True):
+                yield rid, self._assemble(rid, fields)
+
+    @staticmethod
+    def _assemble(rollout_id: str, fields: dict[bytes, Any]) -> bytes | R3Error:
+        if not fields:
+            return RolloutNotFoundError(f"rollout {rollout_id} not found")
+        segments = sorted((int(f.split(b":")[1]), v) for f, v in fields.items() if f[:2] == b"s:")
+        if any(not isinstance(v, bytes) for _, v in segments):
+            return StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
+        contexts = [v for f, v in fields.items() if f[:2] == b"c:"]
+        try:
+            parts = [encode_context(Context.parse(raw, tables=False)) for raw in contexts]
+        except FrameError as exc:
+            return type(exc)(f"rollout {rollout_id}: a stored context is damaged: {exc}")
+        return b"".join([*parts, *(v for _, v in segments)])
+
+    def get_many(
+        self,
+        rollout_ids: Sequence[str],
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+        chunk_size: int = 64,
+        return_errors: bool = False,
+    ) -> Iterator[Result]:
+        """``(rollout_id, Routing)`` for each id, in order: :meth:`fetch_many`, decoded and
+        trimmed to ``[start, end)`` / ``layers``.  A rollout that cannot be read or
+        decoded raises, or with ``return_errors`` is yielded as ``(id, R3Error)``."""
+        for rid, got in self.fetch_many(rollout_ids, chunk_size=chunk_size):
+            res: Routing | R3Error
+            if isinstance(got, R3Error):
+                res = got
+            else:
+                try:
+                    res = decode_rollout(got, start=start, end=end, layers=layers, rollout_id=rid)
+                except (FormatError, FrameError) as exc:
+                    res = exc
+            if isinstance(res, R3Error) and not return_errors:
+                raise res
+            yield rid, res

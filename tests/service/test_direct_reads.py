@@ -1,0 +1,136 @@
+"""Direct reads: the service issues a read plan, the trainer reads Redis itself.
+
+Checked against real Redis and Redis Cluster: the same routing as the relay, and
+the credentials can read only their own namespace, and never write.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+from _helpers import LAYERS, TRAJ, E, frame_for, rid
+from _service import KEY_A, KEY_B, Service, start_service
+
+from cache_service.redis_proc import RedisProcess, free_port
+from r3_client import (
+    AuthError,
+    Context,
+    DirectReader,
+    InvalidRequestError,
+    RolloutNotFoundError,
+    RoutingClient,
+    Segment,
+    encode_frame,
+    read_header,
+)
+
+
+def _put(svc: Service, r: str, frame: bytes) -> None:
+    with svc.http() as c:
+        assert c.put(f"/v1/rollouts/{r}/segments", content=frame).status_code in (200, 201)
+
+
+def _rollouts(svc: Service) -> list[str]:
+    """A multi-turn rollout with continuation frames, two sharing a prompt blob, a gap."""
+    agent, a, b, gap = rid(), rid(), rid(), rid()
+    first = frame_for(TRAJ[:100], 0)
+    _put(svc, agent, first)
+    ctx = Context.parse(read_header(first).context.raw)  # type: ignore[union-attr]
+    for lo, hi in ((100, 180), (180, 300)):
+        seg = Segment(lo, hi, "tiny-moe", "v1")
+        cont = encode_frame(TRAJ[lo:hi], num_experts=E, layer_ids=LAYERS, segment=seg, base=ctx)
+        _put(svc, agent, cont)
+    for r in (a, b):  # the prompt is stored once, as a shared blob
+        _put(svc, r, frame_for(TRAJ[:60], 0))
+        _put(svc, r, frame_for(TRAJ[60:120], 60, digest=False))
+    _put(svc, gap, frame_for(TRAJ[200:220], 200, digest=False))
+    return [agent, a, b, gap]
+
+
+def test_direct_reads_match_the_relay(svc: Service) -> None:
+    ids = _rollouts(svc)
+    with (
+        RoutingClient(svc.http_url, api_key=KEY_A) as client,
+        DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader,
+    ):
+        relay = dict(client.get_many(ids))
+        direct = dict(reader.get_many(ids))
+        assert list(direct) == ids
+        for r in ids:
+            assert relay[r].same_sets(direct[r]), r  # type: ignore[union-attr]
+            assert relay[r].segments == direct[r].segments  # type: ignore[union-attr]
+        part = dict(reader.get_many(ids[:1], start=150, end=250, layers=[LAYERS[1]]))
+        assert part[ids[0]].same_sets(  # type: ignore[union-attr]
+            client.get(ids[0], start=150, end=250, layers=[LAYERS[1]])
+        )
+        missing = rid()
+        got = dict(reader.get_many([ids[0], missing], return_errors=True))
+        assert isinstance(got[missing], RolloutNotFoundError)
+        with pytest.raises(RolloutNotFoundError):
+            list(reader.get_many([missing]))
+
+
+def test_read_plan_credentials_read_only_their_namespace(svc: Service) -> None:
+    mine, theirs = rid(), rid()
+    _put(svc, mine, frame_for(TRAJ[:20], 0, digest=False))
+    with svc.http(key=KEY_B) as c:
+        assert (
+            c.put(
+                f"/v1/rollouts/{theirs}/segments", content=frame_for(TRAJ[:20], 0, digest=False)
+            ).status_code
+            == 201
+        )
+        plan_b = c.post("/v1/read-plan").json()
+    with svc.http() as c:
+        plan = c.post("/v1/read-plan").json()
+    assert plan["username"] != plan_b["username"] and plan["password"] != plan_b["password"]
+    assert "@" not in plan["redis_url"]  # never the service's own credentials
+    with DirectReader(plan) as reader:
+        assert dict(reader.get_many([mine]))[mine].end == 20  # type: ignore[union-attr]
+        reader.key_prefix = plan_b["key_prefix"]  # try the other tenant's keys
+        with pytest.raises(AuthError, match="refused"):
+            list(reader.get_many([theirs]))
+    conn = (
+        redis.RedisCluster.from_url(
+            plan["redis_url"], username=plan["username"], password=plan["password"]
+        )
+        if plan["cluster"]
+        else redis.Redis.from_url(
+            plan["redis_url"], username=plan["username"], password=plan["password"]
+        )
+    )
+    key = f"{plan['key_prefix']}{{{mine}}}"
+    try:
+        for attempt in (
+            lambda: conn.hset(key, "x", b"1"),  # no writes, even to its own keys
+            lambda: conn.delete(key),
+            lambda: conn.execute_command("FLUSHALL"),
+            lambda: conn.execute_command("KEYS", "*"),
+            lambda: conn.execute_command("CONFIG", "GET", "*"),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                attempt()
+        assert conn.hgetall(key)  # and reads still work
+    finally:
+        conn.close()
+
+
+def test_read_plan_is_refused_when_not_enabled_and_without_a_key(
+    tmp_path: Path, service_single: Service
+) -> None:
+    with service_single.http(key=None) as c:
+        assert c.post("/v1/read-plan").status_code == 401
+    redis_proc = RedisProcess(free_port(), tmp_path / "redis", appendonly=False).start()
+    off = start_service(tmp_path, redis_proc.url, env={"R3_CACHE_DIRECT_READS": "false"})
+    try:
+        with off.http() as c:
+            resp = c.post("/v1/read-plan")
+        assert resp.status_code == 400
+        assert "not enabled" in resp.json()["error"]["message"]
+        with pytest.raises(InvalidRequestError, match="not enabled"):
+            DirectReader.from_service(off.http_url, api_key=KEY_A)
+    finally:
+        off.stop()
+        redis_proc.stop()
