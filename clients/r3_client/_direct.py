@@ -16,7 +16,9 @@ segments and are trimmed here (the relay can cut them on the server instead).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from r3_client._codec import Context, decode_rollout, encode_context
@@ -164,19 +166,38 @@ class DirectReader:
         layers: Sequence[int] | None = None,
         chunk_size: int = 64,
         return_errors: bool = False,
+        workers: int = 2,
     ) -> Iterator[Result]:
         """``(rollout_id, Routing)`` for each id, in order: :meth:`fetch_many`, decoded and
         trimmed to ``[start, end)`` / ``layers``.  A rollout that cannot be read or
-        decoded raises, or with ``return_errors`` is yielded as ``(id, R3Error)``."""
-        for rid, got in self.fetch_many(rollout_ids, chunk_size=chunk_size):
-            res: Routing | R3Error
+        decoded raises, or with ``return_errors`` is yielded as ``(id, R3Error)``.
+
+        Decoding runs in ``workers`` threads (zstd and numpy release the GIL) while
+        the next rollouts are fetched; at most ``2 * workers`` decoded rollouts wait.
+        """
+        width = max(1, workers)
+
+        def decode(rid: str, got: bytes | R3Error) -> Routing | R3Error:
             if isinstance(got, R3Error):
-                res = got
-            else:
-                try:
-                    res = decode_rollout(got, start=start, end=end, layers=layers, rollout_id=rid)
-                except (FormatError, FrameError) as exc:
-                    res = exc
-            if isinstance(res, R3Error) and not return_errors:
-                raise res
-            yield rid, res
+                return got
+            try:
+                return decode_rollout(got, start=start, end=end, layers=layers, rollout_id=rid)
+            except (FormatError, FrameError) as exc:
+                return exc
+
+        with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
+            pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
+            for rid, got in self.fetch_many(rollout_ids, chunk_size=chunk_size):
+                pending.append((rid, pool.submit(decode, rid, got)))
+                while len(pending) > 2 * width or (pending and pending[0][1].done()):
+                    yield self._ready(pending.popleft(), return_errors)
+            while pending:
+                yield self._ready(pending.popleft(), return_errors)
+
+    @staticmethod
+    def _ready(item: tuple[str, Future[Routing | R3Error]], return_errors: bool) -> Result:
+        rid, fut = item
+        res = fut.result()
+        if isinstance(res, R3Error) and not return_errors:
+            raise res
+        return rid, res
