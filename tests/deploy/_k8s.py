@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -142,3 +143,38 @@ def ingress_allows(
             if ns_ok and pod_ok:
                 return True
     return False
+
+
+def container_env(
+    obj: Obj, container: Obj, *, pod_name: str = "pod-0", secrets: dict[str, str] | None = None
+) -> dict[str, str]:
+    """A container's ``env`` as the kubelet resolves it (no ``envFrom``).
+
+    ``$(VAR)`` expands to a variable defined *earlier* in the list (the kubelet's rule;
+    a later or unknown one stays as written). ``fieldRef`` gives the object's namespace
+    or ``pod_name``; ``secretKeyRef`` values come from ``secrets``, keyed
+    ``"<secret>/<key>"`` without a generated name's hash suffix (else ``<secret/key>``).
+    """
+    secrets = secrets or {}
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = re.sub(
+                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                lambda m: env.get(m.group(1), m.group(0)),
+                e["value"],
+            )
+            continue
+        src = e["valueFrom"]
+        if "fieldRef" in src:
+            path = src["fieldRef"]["fieldPath"]
+            assert path in ("metadata.namespace", "metadata.name"), e
+            ns = obj["metadata"].get("namespace", "default")
+            env[e["name"]] = ns if path == "metadata.namespace" else pod_name
+        elif "secretKeyRef" in src:
+            name = re.sub(r"-[a-z0-9]{10}$", "", src["secretKeyRef"]["name"])  # kustomize's hash
+            ref = f"{name}/{src['secretKeyRef']['key']}"
+            env[e["name"]] = secrets.get(ref, f"<{ref}>")
+        else:
+            raise AssertionError(f"unexpected env source {src}")
+    return env

@@ -17,6 +17,7 @@ from _k8s import (
     ROOT,
     VARIANTS,
     Obj,
+    container_env,
     containers,
     find,
     has,
@@ -250,6 +251,14 @@ def test_cache_service(variant: str) -> None:
     assert vol["secret"]["secretName"].startswith("r3-cache-api-keys")
     assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
     assert cm["data"]["R3_CACHE_AUTH"] == "on"
+    # The direct-read secret: a key of the same Secret, mounted where the setting says.
+    secret_file = cm["data"]["R3_CACHE_DIRECT_READ_SECRET_FILE"]
+    mount = next(m for m in c["volumeMounts"] if secret_file.startswith(m["mountPath"] + "/"))
+    vol = next(v for v in pod_spec(dep)["volumes"] if v["name"] == mount["name"])
+    item = {"key": "direct-read-secret", "path": secret_file[len(mount["mountPath"]) + 1 :]}
+    assert item in vol["secret"]["items"]
+    # Prod enables direct reads (docs/deploy.md); a managed Redis switches them off.
+    assert cm["data"]["R3_CACHE_DIRECT_READS"] == str(variant != "prod+external-redis").lower()
     if variant.startswith("prod"):
         assert dep["spec"]["replicas"] >= 2
         hpa = find(objs, "HorizontalPodAutoscaler", "r3-cache")
@@ -285,18 +294,47 @@ def test_network_policy_admits_only_rollout_and_trainer_clients(variant: str) ->
         assert not allows({"sglang-r3.io/role": "trainer"}, {}, False, port), "label elsewhere"
     assert allows({}, {"sglang-r3.io/role": "monitoring"}, False, 8080)
     assert not allows({}, {"sglang-r3.io/role": "monitoring"}, False, 50051)
-    # Redis, when it runs in the namespace, takes clients only from the cache pods.
+    # Redis, when it runs in the namespace: the cache pods, and trainers (direct reads)
+    # on the Redis port only; never the engines or anyone else.
     cache = find(objs, "Deployment", "r3-cache")["spec"]["template"]["metadata"]["labels"]
-    for sts in (o for o in objs if o["kind"] == "StatefulSet"):
+    trainer = {"sglang-r3.io/role": "trainer"}
+    rollout = {"sglang-r3.io/role": "rollout"}
+    redis_pods = [o for o in objs if o["kind"] == "StatefulSet"]
+    assert redis_pods or variant == "prod+external-redis"
+    for sts in redis_pods:
         pod = sts["spec"]["template"]["metadata"]["labels"]
         (rpol,) = [
             p
             for p in objs
             if p["kind"] == "NetworkPolicy" and selects(p["spec"]["podSelector"], pod)
         ]
-        here = {"ns_labels": {}, "same_namespace": True, "port": 6379}
-        assert ingress_allows(rpol, pod_labels=cache, **here)
-        assert not ingress_allows(rpol, pod_labels=engine, **here)
+        assert all(rule.get("from") for rule in rpol["spec"]["ingress"]), "empty from"
+        named_ports = {p["name"] for p in pod_spec(sts)["containers"][0]["ports"]}
+        bus = [16379] if "bus" in named_ports else []
+
+        def reaches(
+            pod_labels: dict[str, str], ns: dict[str, str], same: bool, port: int, pol: Obj = rpol
+        ) -> bool:
+            return ingress_allows(
+                pol, pod_labels=pod_labels, ns_labels=ns, same_namespace=same, port=port
+            )
+
+        assert reaches(cache, {}, True, 6379)
+        assert reaches(trainer, {}, True, 6379), "a trainer pod next door"
+        assert reaches({}, trainer, False, 6379), "a pod of a trainer namespace"
+        assert reaches(trainer, trainer, False, 6379)
+        for port in bus:  # the cluster bus: the nodes only
+            assert reaches(pod, {}, True, port)
+            assert not reaches(trainer, {}, True, port) and not reaches({}, trainer, False, port)
+            assert not reaches(cache, {}, True, port)
+        for port in (6379, *bus):
+            assert not reaches(engine, {}, True, port), "the SGLang pods never talk to Redis"
+            assert not reaches(rollout, {}, True, port)
+            assert not reaches({}, rollout, False, port), "a rollout namespace"
+            assert not reaches({}, {"sglang-r3.io/role": "monitoring"}, False, port)
+            assert not reaches({}, {}, True, port), "an unlabelled pod next door"
+            assert not reaches({}, {"team": "other"}, False, port), "another namespace"
+            assert not reaches(trainer, {}, False, port), "a trainer label elsewhere"
 
 
 def _redis_target(objs: list[Obj]) -> tuple[str, dict[str, Any]]:
@@ -347,6 +385,47 @@ def test_external_redis_removes_in_namespace_redis() -> None:
     assert url["valueFrom"]["secretKeyRef"] == {"name": "r3-redis-url", "key": "url"}
 
 
+@pytest.mark.parametrize(
+    ("variant", "service", "cluster"),
+    [("dev", "redis", False), ("prod", "redis-cluster", True)],
+)
+def test_read_plans_point_trainers_at_the_deployed_redis(
+    variant: str, service: str, cluster: bool
+) -> None:
+    """The Redis URL in read plans resolves from any namespace and names the deployed Redis
+    (a cluster's seed); on a cluster, what the nodes announce resolves from anywhere too."""
+    objs = render(variant)
+    dep = find(objs, "Deployment", "r3-cache")
+    (c,) = pod_spec(dep)["containers"]
+    env = container_env(dep, c)
+    ns = dep["metadata"]["namespace"]
+    m = re.fullmatch(r"redis://([a-z0-9.-]+):(\d+)/0", env["R3_CACHE_DIRECT_READ_URL"])
+    assert m, env["R3_CACHE_DIRECT_READ_URL"]  # and no credentials: the plan carries the user's
+    assert m.group(1) == f"{service}.{ns}.svc"
+    (svc,) = [o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == service]
+    assert svc["metadata"]["namespace"] == ns
+    assert int(m.group(2)) in [p["port"] for p in svc["spec"]["ports"]]
+    cm = find(objs, "ConfigMap", "r3-cache-config")["data"]
+    assert cm["R3_CACHE_REDIS_CLUSTER"] == str(cluster).lower()  # the plan's `cluster`
+    assert "R3_CACHE_DIRECT_READ_URL" not in cm, "set once, in the Deployment"
+    if cluster:
+        sts = find(objs, "StatefulSet", service)
+        (node,) = pod_spec(sts)["containers"]
+        args = node["args"]
+        announced = args[args.index("--cluster-announce-hostname") + 1]
+        announced = announced.replace("$(POD_NAME)", f"{service}-0").replace(
+            "$(POD_NAMESPACE)", container_env(sts, node)["POD_NAMESPACE"]
+        )
+        assert announced == f"{service}-0.{sts['spec']['serviceName']}.{ns}.svc"
+        assert has(objs, "Service", sts["spec"]["serviceName"])
+
+
+def _secrets_table() -> set[tuple[str, str]]:
+    """(secret, key) rows of docs/deploy.md's Secrets table."""
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    return set(re.findall(r"^\| `([a-z0-9-]+)` \| `([A-Za-z0-9._-]+)` \|", doc, flags=re.M))
+
+
 @pytest.mark.parametrize("variant", ALL)
 def test_references_resolve(variant: str) -> None:
     """Every ConfigMap a pod reads is rendered; every Secret is rendered or documented."""
@@ -356,16 +435,19 @@ def test_references_resolve(variant: str) -> None:
     for obj in workloads(objs):
         spec = pod_spec(obj)
         refs: list[tuple[str, str]] = []
+        keys: list[tuple[str, str]] = []  # (secret, key) each pod reads
         for v in spec.get("volumes", []):
             if "configMap" in v:
                 refs.append(("ConfigMap", v["configMap"]["name"]))
             if "secret" in v:
                 refs.append(("Secret", v["secret"]["secretName"]))
+                keys += [(v["secret"]["secretName"], i["key"]) for i in v["secret"]["items"]]
         for _, c in containers(obj):
             for e in c.get("env", []):
                 src = e.get("valueFrom", {})
                 if "secretKeyRef" in src:
                     refs.append(("Secret", src["secretKeyRef"]["name"]))
+                    keys.append((src["secretKeyRef"]["name"], src["secretKeyRef"]["key"]))
                 if "configMapKeyRef" in src:
                     refs.append(("ConfigMap", src["configMapKeyRef"]["name"]))
             refs += [("ConfigMap", e["configMapRef"]["name"]) for e in c.get("envFrom", [])]
@@ -374,6 +456,13 @@ def test_references_resolve(variant: str) -> None:
                 continue
             assert kind == "Secret" and variant.startswith("prod"), f"{variant}: {kind} {name}"
             assert f"`{name}`" in deploy_doc, f"docs/deploy.md must say how to create {name}"
+        # Every key too: a missing key leaves the pod unable to start.
+        secrets = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Secret"}
+        for name, key in keys:
+            if name in secrets:
+                assert key in secrets[name].get("data", {}), f"{variant}: Secret {name} lacks {key}"
+            else:
+                assert (name, key) in _secrets_table(), f"docs/deploy.md: no row for {name}/{key}"
 
 
 @pytest.mark.parametrize("variant", ALL)

@@ -10,6 +10,8 @@ config serves.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
 import json
 import os
 import shutil
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _k8s import Obj, containers, find, pod_spec, render
+from _k8s import Obj, container_env, containers, find, pod_spec, render
 
 from cache_service.redis_proc import free_port
 from cache_service.settings import ServiceSettings
@@ -41,26 +43,57 @@ def prod() -> list[Obj]:
     return render("prod")
 
 
+def _cache_settings(
+    objs: list[Obj], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> ServiceSettings:
+    """``ServiceSettings`` from what the cache container sees: the ConfigMap (envFrom) and
+    its ``env`` as the kubelet resolves it, with the Secret files written under tmp_path."""
+    data = find(objs, "ConfigMap", "r3-cache-config")["data"]
+    fields = {f"R3_CACHE_{name.upper()}" for name in ServiceSettings.model_fields}
+    assert set(data) <= fields, f"not settings: {set(data) - fields}"
+    dep = find(objs, "Deployment", "r3-cache")
+    (c,) = pod_spec(dep)["containers"]
+    env = container_env(dep, c, secrets={"redis-auth/password": "pw"})
+    assert {k for k in env if k.startswith("R3_CACHE_")} <= fields
+    keys = tmp_path / "api-keys.json"
+    keys.write_text(json.dumps({"k" * 24: "rl"}))
+    # The Secret's keys, from the rendered (dev) Secret where there is one.
+    rendered = [
+        o
+        for o in objs
+        if o["kind"] == "Secret" and o["metadata"]["name"].startswith("r3-cache-api-keys")
+    ]
+    secret = (
+        base64.b64decode(rendered[0]["data"]["direct-read-secret"]).decode()
+        if rendered
+        else "s" * 64
+    )
+    secret_file = tmp_path / "direct-read-secret"
+    secret_file.write_text(secret + "\n")
+    for k in [k for k in os.environ if k.startswith("R3_CACHE_")]:
+        monkeypatch.delenv(k)
+    for k, v in {**data, **env}.items():  # env wins over envFrom, as in Kubernetes
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("R3_CACHE_API_KEYS_FILE", str(keys))  # the Secret's mount, here
+    monkeypatch.setenv("R3_CACHE_DIRECT_READ_SECRET_FILE", str(secret_file))
+    return ServiceSettings()
+
+
 @pytest.mark.parametrize("variant", ["dev", "prod"])
 def test_cache_configmap_is_valid_service_settings(
     variant: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     objs = render(variant)
-    data = find(objs, "ConfigMap", "r3-cache-config")["data"]
-    fields = {f"R3_CACHE_{name.upper()}" for name in ServiceSettings.model_fields}
-    assert set(data) <= fields, f"not settings: {set(data) - fields}"
-    keys = tmp_path / "api-keys.json"
-    keys.write_text(json.dumps({"k" * 24: "rl"}))
-    for k in [k for k in os.environ if k.startswith("R3_CACHE_")]:
-        monkeypatch.delenv(k)
-    for k, v in data.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("R3_CACHE_API_KEYS_FILE", str(keys))  # the Secret's mount, here
-    monkeypatch.setenv("R3_CACHE_REDIS_URL", "redis://:pw@redis:6379/0")
-    s = ServiceSettings()
+    s = _cache_settings(objs, monkeypatch, tmp_path)
     assert s.auth_enabled() and s.all_api_keys() == {"k" * 24: "rl"}
     assert s.http_port == 8080 and s.grpc_port == 50051
     assert s.redis_cluster is (variant == "prod")
+    # Direct reads on, with a secret good enough for the service and a namespaced URL.
+    ns = find(objs, "Deployment", "r3-cache")["metadata"]["namespace"]
+    host = "redis-cluster" if variant == "prod" else "redis"
+    assert s.direct_reads and s.read_secret() is not None
+    assert s.direct_read_url == f"redis://{host}.{ns}.svc:6379/0"
+    assert s.redis_url == f"redis://:pw@{host}:6379/0"
 
 
 def _sglang_argv(objs: list[Obj], tmp_path: Path) -> tuple[list[str], Path]:
@@ -213,6 +246,56 @@ def test_single_redis_config_runs(
         env={k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"},
     )
     assert "NOAUTH" in out.stdout + out.stderr
+
+
+def test_read_plan_on_the_rendered_redis(
+    dev: list[Obj],
+    tmp_path: Path,
+    procs: list[subprocess.Popen[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The deployed settings issue a read plan on a redis-server running the rendered config:
+    the trainer's user reads its namespace and nothing else (the service stays the writer)."""
+    import redis
+
+    from cache_service.metrics import Metrics
+    from cache_service.service import RoutingService
+    from cache_service.store import SegmentStore
+
+    conf = tmp_path / "redis.conf"
+    conf.write_text(find(dev, "ConfigMap", "redis-config")["data"]["redis.conf"])
+    port = free_port()
+    procs.append(_start_redis(conf, port, tmp_path / "data"))
+    settings = _cache_settings(dev, monkeypatch, tmp_path)
+    local = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+
+    async def plan() -> dict[str, object]:
+        store = await SegmentStore.connect(settings.store_settings(local))
+        try:
+            return await RoutingService(store, settings, Metrics()).read_plan("rl")
+        finally:
+            await store.close()
+
+    got = asyncio.run(plan())
+    ns = find(dev, "Deployment", "r3-cache")["metadata"]["namespace"]
+    assert got["redis_url"] == f"redis://redis.{ns}.svc:6379/0" and got["cluster"] is False
+    assert got["username"] == "r3-read-rl" and got["key_prefix"] == "r3:rl:"
+    assert _redis_cli(port, "hset", "r3:rl:{a}", "m", "x") == "1"
+    assert _redis_cli(port, "hset", "r3:other:{a}", "m", "x") == "1"
+    # What a trainer's DirectReader does with the plan, against this Redis.
+    trainer = redis.Redis(port=port, username=str(got["username"]), password=str(got["password"]))
+    try:
+        assert trainer.hgetall("r3:rl:{a}") == {b"m": b"x"}
+        for refused in (
+            lambda: trainer.hgetall("r3:other:{a}"),
+            lambda: trainer.hset("r3:rl:{a}", "m", "y"),
+            lambda: trainer.execute_command("KEYS", "*"),
+            lambda: trainer.execute_command("CONFIG", "GET", "*"),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+    finally:
+        trainer.close()
 
 
 def _cluster_files(prod: list[Obj], tmp_path: Path) -> tuple[Path, Path]:
