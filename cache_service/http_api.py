@@ -267,6 +267,7 @@ def create_app(
     settings = settings or get_settings()
     keys = KeyRing(settings.all_api_keys(), enabled=settings.auth_enabled())
     metrics_key = settings.metrics_key()
+    settings.check_direct_reads()
     metrics_access = MetricsAccess(
         required=keys.enabled,
         keys=KeyRing({metrics_key: "metrics"}, enabled=True) if metrics_key else None,

@@ -36,6 +36,7 @@ async def run(settings: ServiceSettings) -> None:
     """Serve until SIGINT/SIGTERM."""
     configure_logging(settings.log_level)
     keys = KeyRing(settings.all_api_keys(), enabled=settings.auth_enabled())
+    settings.check_direct_reads()
     embedded: RedisProcess | None = None
     redis_url = settings.redis_url
     if redis_url is None:

@@ -162,6 +162,15 @@ class ServiceSettings(BaseSettings):
             raise ValueError(f"{self.direct_read_secret_file}: the secret needs 16+ characters")
         return secret
 
+    def check_direct_reads(self) -> None:
+        """Refuse to start (``ValueError``) with direct reads on and no readable secret,
+        rather than fail every read plan later."""
+        if self.direct_reads and self.read_secret() is None:
+            raise ValueError(
+                "R3_CACHE_DIRECT_READS is on but neither R3_CACHE_DIRECT_READ_SECRET nor "
+                "R3_CACHE_DIRECT_READ_SECRET_FILE is set"
+            )
+
     def store_settings(self, redis_url: str) -> StoreSettings:
         """The store's view of these settings, for the Redis at ``redis_url``."""
         return StoreSettings(

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing, closing
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy.typing as npt
 from tqdm import tqdm
@@ -111,15 +113,34 @@ class _Core:
     ) -> Result:
         """An item's routing, or its error: a service error, or a stored body that does not
         decode (a :class:`FrameError` naming the rollout and segment; the batch goes on)."""
+        rid, got = self.raw(item)
+        return rid, self.decoded(rid, got, start, end, layers)
+
+    @staticmethod
+    def raw(item: StreamItem) -> tuple[str, bytes | R3Error]:
+        """An item's undecoded bytes, or the error the service sent for it."""
         if item.frame is not None:
-            try:
-                return item.rollout_id, self.decode(item.frame, item.rollout_id, start, end, layers)
-            except (FormatError, FrameError) as exc:
-                return item.rollout_id, exc
+            return item.rollout_id, item.frame
         err = error_for_code(
             item.error_code or "service_error", item.error_message or "", status=item.status
         )
         return item.rollout_id, err
+
+    def decoded(
+        self,
+        rid: str,
+        got: bytes | R3Error,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> Routing | R3Error:
+        """``got`` decoded (errors pass through; a decode failure becomes the result)."""
+        if isinstance(got, R3Error):
+            return got
+        try:
+            return self.decode(got, rid, start, end, layers)
+        except (FormatError, FrameError) as exc:
+            return exc
 
     @staticmethod
     def chunks(ids: Sequence[str], size: int) -> list[list[str]]:
@@ -162,24 +183,26 @@ class _Cursor:
         """The ids still to ask for."""
         return self._ids[self._done :]
 
-    def take(self, item: StreamItem) -> Result:
+    def take(self, item: StreamItem, *, decode: bool = True) -> tuple[str, Any]:
         """The result the stream's next item gives the next id.
 
         Raises a retryable item error (for the shell to retry from this id), a
         non-retryable one unless ``return_errors``, and :class:`ProtocolError`
-        when the service answers for an id out of order.
+        when the service answers for an id out of order.  With ``decode=False``
+        the result is the item's bytes or error, never raised (the caller decodes,
+        in order, and raises there).
         """
         if self._done >= len(self._ids) or item.rollout_id != self._ids[self._done]:
             expected = self._ids[self._done] if self._done < len(self._ids) else None
             raise ProtocolError(
                 f"batch stream answered for {item.rollout_id!r} where {expected!r} was next"
             )
-        rid, res = self._core.result(item, *self._rows)
+        rid, res = self._core.result(item, *self._rows) if decode else self._core.raw(item)
         if isinstance(res, RETRYABLE):
             self._item_error = res
             raise res
         self._advance()
-        if isinstance(res, R3Error) and not self._return_errors:
+        if decode and isinstance(res, R3Error) and not self._return_errors:
             raise res
         return rid, res
 
@@ -346,37 +369,59 @@ class RoutingClient:
         chunk_size: int = 64,
         progress: bool = False,
         return_errors: bool = False,
+        decode_workers: int = 2,
     ) -> Iterator[Result]:
         """``(rollout_id, Routing)`` for each id, streamed in request order.
 
-        One batch request per ``chunk_size`` ids; memory holds one item at a
-        time.  Every id is answered exactly once: a failed stream, or an item
-        that failed for a retryable reason (Redis briefly unavailable), is
-        retried from that id per ``retry``.  A rollout that cannot be served
-        raises its error, or with ``return_errors=True`` is yielded as
-        ``(rollout_id, R3Error)``.  Ids are checked before any request.
+        One batch request per ``chunk_size`` ids.  Every id is answered exactly
+        once: a failed stream, or an item that failed for a retryable reason
+        (Redis briefly unavailable), is retried from that id per ``retry``.  A
+        rollout that cannot be served or decoded raises its error, or with
+        ``return_errors=True`` is yielded as ``(rollout_id, R3Error)``.  Ids are
+        checked before any request.  Rollouts decode in ``decode_workers`` threads
+        while the stream goes on; at most ``2 * decode_workers`` wait decoded.
         """
         self._core.check_range(start, end)
         chunks = self._core.chunks(rollout_ids, chunk_size)
+        width = max(1, decode_workers)
         bar = tqdm(total=len(rollout_ids), disable=not progress, unit="rollout", leave=False)
+        pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
+
+        def ready(limit: int) -> Iterator[Result]:
+            while len(pending) > limit or (pending and pending[0][1].done()):
+                rid, fut = pending.popleft()
+                res = fut.result()
+                if isinstance(res, R3Error) and not return_errors:
+                    raise res
+                bar.update()
+                yield rid, res
+
         try:
-            for chunk in chunks:
-                cur = _Cursor(self._core, chunk, return_errors, (start, end, layers))
-                while cur.remaining:
-                    try:
-                        with closing(self._t.batch_get(cur.remaining, start, end, layers)) as items:
-                            for item in items:
-                                res = cur.take(item)
-                                bar.update()
-                                yield res
-                    except RETRYABLE as exc:
-                        delay, given_up = cur.failed(exc)
-                        if given_up is not None:
-                            bar.update()
-                            yield given_up
-                        time.sleep(delay)
-                        continue
-                    cur.ended()
+            with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
+                for chunk in chunks:
+                    cur = _Cursor(self._core, chunk, return_errors, (start, end, layers))
+                    while cur.remaining:
+                        try:
+                            with closing(
+                                self._t.batch_get(cur.remaining, start, end, layers)
+                            ) as items:
+                                for item in items:
+                                    rid, got = cur.take(item, decode=False)
+                                    job = pool.submit(
+                                        self._core.decoded, rid, got, start, end, layers
+                                    )
+                                    pending.append((rid, job))
+                                    yield from ready(2 * width)
+                        except RETRYABLE as exc:
+                            delay, given_up = cur.failed(exc)
+                            if given_up is not None:
+                                done: Future[Routing | R3Error] = Future()
+                                done.set_result(given_up[1])
+                                pending.append((given_up[0], done))
+                            time.sleep(delay)
+                            continue
+                        cur.ended()
+                yield from ready(0)
         finally:
             bar.close()
 

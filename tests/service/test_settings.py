@@ -104,3 +104,15 @@ def test_bad_api_keys_file_refuses_to_start_naming_the_entry(
     assert reason in res.stderr
     assert "0123456789abcdef" not in res.stderr  # the key is a secret: only its start is shown
     assert "Traceback" not in res.stderr
+
+
+def test_direct_reads_without_a_secret_refuse_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("R3_CACHE_DIRECT_READS", "true")
+    res = _serve(tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert "R3_CACHE_DIRECT_READ_SECRET" in res.stderr and "Traceback" not in res.stderr
+    monkeypatch.setenv("R3_CACHE_DIRECT_READ_SECRET_FILE", str(tmp_path / "missing"))
+    res = _serve(tmp_path)
+    assert res.returncode == 2 and "cannot read" in res.stderr, res.stderr
