@@ -783,6 +783,9 @@ class SegmentStore:
         try:
             for a, b, frame in segments:
                 hdr = read_header(frame, verify=False)
+                if hdr.version == 1:  # stored before format v2: whole, the reader trims
+                    parts.append(frame)
+                    continue
                 ctx = None
                 if hdr.base:
                     if hdr.base not in bases:
@@ -797,7 +800,7 @@ class SegmentStore:
                     if cut
                     else frame
                 )
-        except FormatError as exc:  # FrameError: a stored frame is damaged
+        except (FormatError, FrameError) as exc:  # a stored frame is damaged
             raise StoreError(f"rollout {rollout_id}: a stored segment is damaged: {exc}") from exc
         if not parts and contexts:  # the range lies in a gap: the context says E, K, layers
             bases = {d: Context.parse(raw, tables=False) for d, raw in list(contexts.items())[:1]}

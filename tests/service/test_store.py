@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import msgpack
 import numpy as np
 import pytest
 from _helpers import LAYERS, TRAJ, E, K, frame_for, rid
@@ -15,6 +16,7 @@ from r3_client import (
     ChecksumError,
     InvalidRequestError,
     RolloutNotFoundError,
+    Segment,
     SegmentConflictError,
     StoreUnavailableError,
     decode_rollout,
@@ -326,3 +328,19 @@ async def test_get_frame_returns_stored_bytes_or_a_deterministic_assembly(
         await store.get_frame(r, start=90, end=110, layers=[3]), start=90, end=110, layers=[3]
     )
     assert (part.start, part.end, part.layer_ids) == (90, 110, (3,))
+
+
+async def test_rollouts_stored_before_format_v2_still_read(store: SegmentStore) -> None:
+    """A rollout the v1 service wrote (v1 frames in its hash) reads back whole and cut."""
+    r = rid()
+    key = store.key(r)
+    meta = msgpack.packb([E, K, list(LAYERS)], use_bin_type=True)
+    for a, b in ((0, 100), (100, 300)):
+        v1 = encode_frame(
+            TRAJ[a:b], num_experts=E, layer_ids=LAYERS, segment=Segment(a, b), version=1
+        )
+        await store._r.hset(key, mapping={"m": meta, f"s:{a}:{b}": v1, f"d:{a}:{b}": "x"})
+    got = decode_rollout(await store.get_frame(r))
+    assert got.end == 300 and np.array_equal(np.sort(got.indices, -1), np.sort(TRAJ, -1))
+    part = await store.get(r, start=150, end=160, layers=[LAYERS[0]])
+    assert np.array_equal(np.sort(part.indices, -1), np.sort(TRAJ[150:160, :1], -1))
