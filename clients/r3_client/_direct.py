@@ -105,43 +105,57 @@ class DirectReader:
         return f"{self.key_prefix}{{{check_rollout_id(rollout_id)}}}"
 
     def fetch_many(
-        self, rollout_ids: Sequence[str], *, chunk_size: int = 64
+        self, rollout_ids: Sequence[str], *, chunk_size: int = 16, concurrency: int = 4
     ) -> Iterator[tuple[str, bytes | R3Error]]:
         """Each rollout's bytes as the service's whole-rollout GET returns them, in order.
 
-        Two pipelined round trips per chunk: ``HGETALL`` of the rollout hashes,
-        then ``HGET`` of the shared (deduplicated) segments they reference.
+        Per chunk of ``chunk_size`` ids, two pipelined round trips: ``HGETALL`` of the
+        rollout hashes, then ``HGET`` of the shared (deduplicated) segments they
+        reference.  ``concurrency`` chunks are in flight at once, each on its own
+        pooled connection, so Redis sending one reply overlaps redis-py parsing
+        another; at most ``concurrency`` chunks wait for the consumer.
         """
+        ids = [check_rollout_id(r) for r in rollout_ids]
+        chunks = [ids[i : i + chunk_size] for i in range(0, len(ids), max(1, chunk_size))]
+        width = max(1, concurrency)
+        with ThreadPoolExecutor(width, thread_name_prefix="r3-fetch") as pool:
+            pending: deque[Future[list[tuple[str, bytes | R3Error]]]] = deque()
+            for chunk in chunks:
+                pending.append(pool.submit(self._fetch_chunk, chunk))
+                if len(pending) >= width:
+                    yield from pending.popleft().result()
+            while pending:
+                yield from pending.popleft().result()
+
+    def _fetch_chunk(self, chunk: list[str]) -> list[tuple[str, bytes | R3Error]]:
         import redis.exceptions as rexc
 
-        ids = [check_rollout_id(r) for r in rollout_ids]
-        for i in range(0, len(ids), chunk_size):
-            chunk = ids[i : i + chunk_size]
-            try:
+        try:
+            pipe = self._r.pipeline(transaction=False)
+            for rid in chunk:
+                pipe.hgetall(self.key(rid))
+            hashes = pipe.execute()
+            refs = [
+                (n, f, v[1:].decode())
+                for n, h in enumerate(hashes)
+                for f, v in h.items()
+                if f[:2] == b"s:" and v[:1] == b"@"
+            ]
+            if refs:
                 pipe = self._r.pipeline(transaction=False)
-                for rid in chunk:
-                    pipe.hgetall(self.key(rid))
-                hashes = pipe.execute()
-                refs = [
-                    (n, f, v[1:].decode())
-                    for n, h in enumerate(hashes)
-                    for f, v in h.items()
-                    if f[:2] == b"s:" and v[:1] == b"@"
-                ]
-                if refs:
-                    pipe = self._r.pipeline(transaction=False)
-                    for _, _, blob in refs:
-                        pipe.hget(blob, "f")
-                    for (n, f, _), frame in zip(refs, pipe.execute(), strict=True):
-                        hashes[n][f] = frame
-            except rexc.AuthenticationError as exc:
-                raise AuthError(f"Redis refused the read plan's credentials: {exc}") from None
-            except rexc.NoPermissionError as exc:
-                raise AuthError(f"Redis refused a direct read: {exc}") from None
-            except (rexc.ConnectionError, rexc.TimeoutError) as exc:
-                raise StoreUnavailableError(f"Redis is unreachable: {exc}") from None
-            for rid, fields in zip(chunk, hashes, strict=True):
-                yield rid, self._assemble(rid, fields)
+                for _, _, blob in refs:
+                    pipe.hget(blob, "f")
+                for (n, f, _), frame in zip(refs, pipe.execute(), strict=True):
+                    hashes[n][f] = frame
+        except rexc.AuthenticationError as exc:
+            raise AuthError(f"Redis refused the read plan's credentials: {exc}") from None
+        except rexc.NoPermissionError as exc:
+            raise AuthError(f"Redis refused a direct read: {exc}") from None
+        except (rexc.ConnectionError, rexc.TimeoutError) as exc:
+            raise StoreUnavailableError(f"Redis is unreachable: {exc}") from None
+        return [
+            (rid, self._assemble(rid, fields)) for rid, fields in zip(chunk, hashes, strict=True)
+        ]
 
     @staticmethod
     def _assemble(rollout_id: str, fields: dict[bytes, Any]) -> bytes | R3Error:
@@ -164,9 +178,10 @@ class DirectReader:
         start: int = 0,
         end: int | None = None,
         layers: Sequence[int] | None = None,
-        chunk_size: int = 64,
+        chunk_size: int = 16,
         return_errors: bool = False,
         workers: int = 2,
+        concurrency: int = 4,
     ) -> Iterator[Result]:
         """``(rollout_id, Routing)`` for each id, in order: :meth:`fetch_many`, decoded and
         trimmed to ``[start, end)`` / ``layers``.  A rollout that cannot be read or
@@ -187,7 +202,8 @@ class DirectReader:
 
         with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
             pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
-            for rid, got in self.fetch_many(rollout_ids, chunk_size=chunk_size):
+            fetched = self.fetch_many(rollout_ids, chunk_size=chunk_size, concurrency=concurrency)
+            for rid, got in fetched:
                 pending.append((rid, pool.submit(decode, rid, got)))
                 while len(pending) > 2 * width or (pending and pending[0][1].done()):
                     yield self._ready(pending.popleft(), return_errors)
