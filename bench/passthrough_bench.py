@@ -393,7 +393,7 @@ def raw_pipelined(r: redis.Redis, ids: Sequence[str]) -> int:
 def direct_fetch(reader: DirectReader, ids: Sequence[str], keep: dict[str, bytes] | None) -> int:
     """``DirectReader.fetch_many`` (bytes only); bytes read.  Keeps them in ``keep``."""
     n = 0
-    for rid, got in reader.fetch_many(ids, chunk_size=CHUNK):
+    for rid, got in reader.fetch_many(ids):
         if isinstance(got, R3Error):
             raise got
         n += len(got)

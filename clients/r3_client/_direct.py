@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from r3_client._codec import Context, decode_rollout, encode_context
+from r3_client._codec import Context, decode_rollout, encode_context, read_header
 from r3_client._exceptions import (
     AuthError,
     FormatError,
@@ -164,12 +164,21 @@ class DirectReader:
         segments = sorted((int(f.split(b":")[1]), v) for f, v in fields.items() if f[:2] == b"s:")
         if any(not isinstance(v, bytes) for _, v in segments):
             return StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
-        contexts = [v for f, v in fields.items() if f[:2] == b"c:"]
+        frames: list[bytes] = [v for _, v in segments]
         try:
-            parts = [encode_context(Context.parse(raw, tables=False)) for raw in contexts]
-        except FrameError as exc:
-            return type(exc)(f"rollout {rollout_id}: a stored context is damaged: {exc}")
-        return b"".join([*parts, *(v for _, v in segments)])
+            # Contexts travel only for continuation frames (a self-contained frame
+            # carries its own), as in the service's GET; one such frame is returned as is.
+            bases = {h.base for h in (read_header(v, verify=False) for v in frames) if h.base}
+            if not bases and len(frames) == 1:
+                return frames[0]
+            parts = [
+                encode_context(Context.parse(raw, tables=False))
+                for f, raw in fields.items()
+                if f[:2] == b"c:" and f[2:].decode() in bases
+            ]
+        except FrameError:  # damaged: the decode of the whole names the segment
+            parts = []
+        return b"".join([*parts, *frames])
 
     def get_many(
         self,
