@@ -390,13 +390,15 @@ def raw_pipelined(r: redis.Redis, ids: Sequence[str]) -> int:
     return n
 
 
-def direct_fetch(reader: DirectReader, ids: Sequence[str], keep: dict[str, bytes] | None) -> int:
+def direct_fetch(
+    reader: DirectReader, ids: Sequence[str], keep: dict[str, list[bytes]] | None
+) -> int:
     """``DirectReader.fetch_many`` (bytes only); bytes read.  Keeps them in ``keep``."""
     n = 0
     for rid, got in reader.fetch_many(ids):
         if isinstance(got, R3Error):
             raise got
-        n += len(got)
+        n += sum(len(p) for p in got)
         if keep is not None:
             keep[rid] = got
     return n
@@ -423,7 +425,7 @@ def check_result(sc: Scenario, rid: str, idx: npt.NDArray[Any], want_rows: int) 
         raise BenchError(f"{rid}: rows differ from the ones PUT")
 
 
-def decode_all(sc: Scenario, fetched: dict[str, bytes]) -> int:
+def decode_all(sc: Scenario, fetched: dict[str, list[bytes]]) -> int:
     """``decode_rollout`` of each rollout's bytes, one thread; rows decoded."""
     rows = {ro.rid: ro.rows for ro in sc.rollouts}
     n = 0
@@ -492,7 +494,7 @@ def measure(svc: Service, sc: Scenario, redis_url: str, args: argparse.Namespace
     with RoutingClient(url, api_key=KEY_A, timeout=TIMEOUT) as c:
         stored = sum(c.stat(rid).stored_bytes for rid in ids)
         served = sum(len(c.get_frame(rid)) for rid in ids)
-    fetched: dict[str, bytes] = {}
+    fetched: dict[str, list[bytes]] = {}
     with (
         redis.Redis.from_url(redis_url) as r,
         DirectReader.from_service(url, api_key=KEY_A, timeout=600) as reader,

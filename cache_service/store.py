@@ -780,10 +780,13 @@ class SegmentStore:
         """Frames (or slices) for the request plus the contexts they continue from."""
         parts: list[bytes] = []
         bases: dict[str, Context] = {}
+        carried: set[str] = set()  # contexts a returned frame carries itself
         for a, b, frame in segments:
             try:
                 hdr = read_header(frame, verify=False)
                 ctx = None
+                if hdr.context is not None and not hdr.base:
+                    carried.add(hdr.context.digest)
                 if hdr.version == 1:  # stored before format v2: whole, the reader trims
                     parts.append(frame)
                     continue
@@ -807,7 +810,8 @@ class SegmentStore:
                 parts.append(frame)
         if not parts and contexts:  # the range lies in a gap: the context says E, K, layers
             bases = {d: Context.parse(raw, tables=False) for d, raw in list(contexts.items())[:1]}
-        return b"".join([*(encode_context(c) for c in bases.values()), *parts])
+        extra = [encode_context(c) for d, c in bases.items() if d not in carried]
+        return b"".join([*extra, *parts])
 
     async def get(
         self,

@@ -1418,7 +1418,7 @@ def split_frames(data: bytes | bytearray | memoryview) -> list[memoryview]:
 
 
 def decode_rollout(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview],
     *,
     start: int = 0,
     end: int | None = None,
@@ -1431,19 +1431,25 @@ def decode_rollout(
     The one implementation of stitching: segments are placed by their rows, rows
     no segment covers are ``-1``, frames that overlap are an error, and the
     result is trimmed to ``[start, end)`` (``end`` defaults to the last row held)
-    and to the absolute MoE ``layers``.  The output's size is checked against
-    ``max_bytes`` before it is allocated.  A frame that fails to decode raises a
-    :class:`FrameError` naming the rollout and the segment.
+    and to the absolute MoE ``layers``.  ``data`` is the read's bytes, or a list of
+    pieces each holding whole frames (what :meth:`DirectReader.fetch_many` yields).
+    The output's size is checked against ``max_bytes`` before it is allocated.  A
+    frame that fails to decode raises a :class:`FrameError` naming the rollout and
+    the segment.
     """
     who = f"rollout {rollout_id}" if rollout_id else "rollout"
     contexts: dict[str, Context] = {}
     heads: list[tuple[memoryview, FrameHeader]] = []
-    for view in split_frames(data):
+    pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+    for view in (v for piece in pieces for v in split_frames(piece)):
         hdr = read_header(view, verify=True)
-        if hdr.codec == "context":
-            assert hdr.context is not None  # its table inflated once, for every frame using it
-            contexts[hdr.context.digest] = Context.parse(hdr.context.raw)
-        else:
+        if hdr.codec == "context" or (hdr.context is not None and not hdr.base):
+            # A context frame, or a frame carrying its own context (which continuation
+            # frames of the read may name): its table inflated once, for every frame.
+            assert hdr.context is not None
+            if hdr.context.digest not in contexts:
+                contexts[hdr.context.digest] = Context.parse(hdr.context.raw)
+        if hdr.codec != "context":
             heads.append((view, hdr))
     if not heads:
         # A range that falls wholly in a gap between segments: the read carries only
@@ -1465,7 +1471,8 @@ def decode_rollout(
     for view, hdr in heads:
         where = f"{who}, segment [{hdr.start}, {hdr.end})"
         try:
-            needed = contexts.get(hdr.base) if hdr.base else None
+            own = hdr.context.digest if hdr.context is not None and not hdr.base else ""
+            needed = contexts.get(hdr.base or own)
             if hdr.base and needed is None:
                 raise FrameError(f"its context {hdr.base[:12]}… is missing from the read")
             frame = decode_frame(view, context=needed, max_bytes=max_bytes)

@@ -106,8 +106,11 @@ class DirectReader:
 
     def fetch_many(
         self, rollout_ids: Sequence[str], *, chunk_size: int = 16, concurrency: int = 4
-    ) -> Iterator[tuple[str, bytes | R3Error]]:
-        """Each rollout's bytes as the service's whole-rollout GET returns them, in order.
+    ) -> Iterator[tuple[str, list[bytes] | R3Error]]:
+        """Each rollout's frames, in order: context frames (only those its continuation
+        frames need), then its stored segment frames by start, as Redis returned them
+        (no copy; ``b"".join(frames)`` is exactly what the service's whole-rollout GET
+        returns, and :func:`~r3_client.decode_rollout` takes the list as it is).
 
         Per chunk of ``chunk_size`` ids, two pipelined round trips: ``HGETALL`` of the
         rollout hashes, then ``HGET`` of the shared (deduplicated) segments they
@@ -119,7 +122,7 @@ class DirectReader:
         chunks = [ids[i : i + chunk_size] for i in range(0, len(ids), max(1, chunk_size))]
         width = max(1, concurrency)
         with ThreadPoolExecutor(width, thread_name_prefix="r3-fetch") as pool:
-            pending: deque[Future[list[tuple[str, bytes | R3Error]]]] = deque()
+            pending: deque[Future[list[tuple[str, list[bytes] | R3Error]]]] = deque()
             for chunk in chunks:
                 pending.append(pool.submit(self._fetch_chunk, chunk))
                 if len(pending) >= width:
@@ -127,7 +130,7 @@ class DirectReader:
             while pending:
                 yield from pending.popleft().result()
 
-    def _fetch_chunk(self, chunk: list[str]) -> list[tuple[str, bytes | R3Error]]:
+    def _fetch_chunk(self, chunk: list[str]) -> list[tuple[str, list[bytes] | R3Error]]:
         import redis.exceptions as rexc
 
         try:
@@ -158,7 +161,7 @@ class DirectReader:
         ]
 
     @staticmethod
-    def _assemble(rollout_id: str, fields: dict[bytes, Any]) -> bytes | R3Error:
+    def _assemble(rollout_id: str, fields: dict[bytes, Any]) -> list[bytes] | R3Error:
         if not fields:
             return RolloutNotFoundError(f"rollout {rollout_id} not found")
         segments = sorted((int(f.split(b":")[1]), v) for f, v in fields.items() if f[:2] == b"s:")
@@ -168,9 +171,9 @@ class DirectReader:
         try:
             # Contexts travel only for continuation frames (a self-contained frame
             # carries its own), as in the service's GET; one such frame is returned as is.
-            bases = {h.base for h in (read_header(v, verify=False) for v in frames) if h.base}
-            if not bases and len(frames) == 1:
-                return frames[0]
+            heads = [read_header(v, verify=False) for v in frames]
+            carried = {h.context.digest for h in heads if h.context is not None and not h.base}
+            bases = {h.base for h in heads if h.base} - carried
             parts = [
                 encode_context(Context.parse(raw, tables=False))
                 for f, raw in fields.items()
@@ -178,7 +181,7 @@ class DirectReader:
             ]
         except FrameError:  # damaged: the decode of the whole names the segment
             parts = []
-        return b"".join([*parts, *frames])
+        return [*parts, *frames]
 
     def get_many(
         self,
@@ -201,7 +204,7 @@ class DirectReader:
         """
         width = max(1, workers)
 
-        def decode(rid: str, got: bytes | R3Error) -> Routing | R3Error:
+        def decode(rid: str, got: list[bytes] | R3Error) -> Routing | R3Error:
             if isinstance(got, R3Error):
                 return got
             try:
