@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from r3_client._codec import Context, decode_rollout, encode_context, read_header
+from r3_client._config import Timeout
 from r3_client._exceptions import (
     AuthError,
     FormatError,
@@ -70,25 +71,19 @@ class DirectReader:
     def from_service(
         cls, url: str, *, api_key: str | None = None, timeout: float = 30.0
     ) -> DirectReader:
-        """Ask the service at ``url`` (HTTP) for this API key's read plan."""
-        import httpx
+        """Ask the service at ``url`` (HTTP) for this API key's read plan.
 
-        from r3_client._exceptions import error_for_code
+        Errors as from any client call: the service's own (``AuthError``, ``InvalidRequestError``
+        when direct reads are off, ...) or a :class:`TransportError` when it is unreachable.
+        """
+        from r3_client._transports import HTTPTransport  # lazy: httpx only when asked
 
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        http = HTTPTransport(url, api_key=api_key, timeout=Timeout(read=timeout))
         try:
-            resp = httpx.post(f"{url.rstrip('/')}/v1/read-plan", headers=headers, timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise StoreUnavailableError(
-                f"cannot reach the service for a read plan: {exc}"
-            ) from None
-        if resp.status_code != 200:
-            try:
-                err = resp.json()["error"]
-            except (ValueError, KeyError, TypeError):
-                raise ProtocolError(f"read plan: HTTP {resp.status_code}") from None
-            raise error_for_code(err["code"], err["message"], status=resp.status_code)
-        return cls(resp.json(), timeout=timeout)
+            plan = http.read_plan()
+        finally:
+            http.close()
+        return cls(plan, timeout=timeout)
 
     def __enter__(self) -> DirectReader:
         return self

@@ -119,6 +119,13 @@ class HTTPTransport:
         _raise_for(resp)
         return _json(resp)
 
+    def read_plan(self) -> dict[str, Any]:
+        """``POST /v1/read-plan``: this key's direct-read credentials (HTTP only)."""
+        with _translate():
+            resp = self._http.post("/v1/read-plan")
+        _raise_for(resp)
+        return _json(resp)
+
     def get(
         self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
     ) -> bytes:
