@@ -366,33 +366,12 @@ def _gap_dtype(e: int, k: int) -> np.dtype[Any]:
 
 
 def _zset_encode(srt: npt.NDArray[Any], e: int, k: int, level: int) -> tuple[dict[str, Any], bytes]:
-    rows, nl, _ = srt.shape
-    # Work layer-major ([L, R, K], contiguous) in the narrow index dtype: every pass
-    # below is memory-bound, so fewer bytes is faster.
-    ids = np.ascontiguousarray(srt.transpose(1, 0, 2), dtype=index_dtype(e))
-    empty = ids[..., 0] < 0
-    table_bytes = b""
-    relabel = rows >= e  # a popularity table pays for itself only with enough tokens
-    if relabel:
-        # Flat (layer, expert) indices; -1 rows go to one extra bin that is dropped.
-        offset = (np.arange(nl, dtype=np.int32) * e)[:, None, None]
-        flat = np.where(ids < 0, nl * e, ids + offset)
-        counts = np.bincount(flat.reshape(-1), minlength=nl * e + 1)[: nl * e].reshape(nl, e)
-        order = np.argsort(-counts, axis=1, kind="stable")  # order[l, rank] = expert
-        to_rank = np.empty((nl, e), dtype=ids.dtype)
-        np.put_along_axis(to_rank, order, np.arange(e, dtype=ids.dtype)[None, :], axis=1)
-        lookup = np.append(to_rank.reshape(-1), ids.dtype.type(-1))
-        ids = sort_rows(lookup.take(flat))
-        table_bytes = order.astype(_raw_dtype(e)).tobytes()
-    gaps = np.empty_like(ids)
-    gaps[..., 0] = ids[..., 0]
-    np.subtract(ids[..., 1:], ids[..., :-1], out=gaps[..., 1:])
-    gaps[..., 1:] -= 1
-    gaps[empty] = 0
-    gaps[..., 0][empty] = e - k + 1  # an impossible first gap marks a -1 row
-    payload = table_bytes + _gap_planes(gaps, _gap_dtype(e, k))
-    body = zstandard.ZstdCompressor(level=level).compress(payload)
-    return {"relabel": relabel}, body
+    """v1 ``set-zstd``: one zstd frame of [relabel table] + gap planes over all rows."""
+    relabel = srt.shape[0] >= e  # a popularity table pays for itself only with enough tokens
+    order = _popularity(srt, e) if relabel else None
+    table_bytes = b"" if order is None else order.tobytes()
+    payload = table_bytes + _gap_payload(srt, e, k, None if order is None else _inverse(order))
+    return {"relabel": relabel}, zstandard.ZstdCompressor(level=level).compress(payload)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,38 +602,9 @@ def _zset_decode(
         raise CodecError(f"set-zstd body does not decompress: {exc}") from None
     if len(payload) != want:
         raise CodecError(f"set-zstd payload is {len(payload)} bytes, expected {want}")
-    n = rows * nl * k
-    if gdt.itemsize == 1:
-        gaps = np.frombuffer(payload, dtype=np.uint8, offset=table_len).reshape(nl, rows, k)
-    else:
-        planes = np.frombuffer(payload, dtype=np.uint8, offset=table_len)
-        gaps = planes[:n].astype(np.uint16)
-        gaps |= planes[n:].astype(np.uint16) << 8
-        gaps = gaps.reshape(nl, rows, k)
-    empty = gaps[..., 0] == e - k + 1
-    if empty.any() and gaps[empty][:, 1:].any():
-        raise CodecError("set-zstd body has a malformed empty-row marker")
-    if gaps.max(initial=0) > e - k + 1:
-        raise CodecError("set-zstd gap larger than the expert count allows: body is corrupt")
-    # ids = cumsum(gap + 1) - 1 along K, column by column, in the narrow index dtype
-    # unless K gaps of up to E-K+1 could overflow it.
-    dt = index_dtype(e) if k * (e - k + 2) < np.iinfo(np.int16).max else np.dtype(np.int32)
-    ids = np.empty((nl, rows, k), dtype=dt)
-    ids[..., 0] = gaps[..., 0]
-    for j in range(1, k):
-        np.add(ids[..., j - 1], gaps[..., j], out=ids[..., j], dtype=dt)
-        ids[..., j] += 1
-    ids[empty] = 0
-    if ids[..., -1].max(initial=0) >= e:
-        raise CodecError("set-zstd gaps run past the expert count: body is corrupt")
-    if relabel:
-        order = np.frombuffer(payload, dtype=tdt, count=nl * e).reshape(nl, e)
-        if not (np.sort(order, axis=1) == np.arange(e)).all():
-            raise CodecError("set-zstd relabel table is not a permutation")
-        offset = (np.arange(nl, dtype=np.int32) * e)[:, None, None]
-        ids = order.astype(dt).reshape(-1).take(ids + offset)
-    ids[empty] = -1
-    return np.ascontiguousarray(ids.transpose(1, 0, 2), dtype=index_dtype(e))
+    gaps = _planes_to_gaps(payload, (nl, rows, k), gdt, offset=table_len)
+    order = np.frombuffer(payload, dtype=tdt, count=nl * e).reshape(nl, e) if relabel else None
+    return _gaps_to_ids(gaps, e, k, order, check_order=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -749,10 +699,7 @@ class Context:
     def to_rank(self, positions: Sequence[int]) -> npt.NDArray[Any]:
         """``[len(positions), E]`` inverse tables (expert -> rank) for these layer positions."""
         assert self.table is not None
-        order = self.table[list(positions)]
-        inv = np.empty_like(order)
-        np.put_along_axis(inv, order.astype(np.intp), np.arange(self.num_experts)[None, :], axis=1)
-        return inv
+        return _inverse(self.table[list(positions)])
 
 
 def _unpack_map(raw: bytes, what: str, *, allow_bin: bool = False) -> dict[Any, Any]:
@@ -853,13 +800,22 @@ def _popularity(srt: npt.NDArray[Any], e: int) -> npt.NDArray[Any]:
     return np.argsort(-counts, axis=1, kind="stable").astype(_raw_dtype(e))
 
 
-def _zset_chunk(
-    sub: npt.NDArray[Any], e: int, k: int, level: int, to_rank: npt.NDArray[Any] | None
-) -> bytes:
-    """One set-zstd chunk: ``sub`` is ``[rows, layers, K]`` canonical (ascending) rows."""
-    ids = np.ascontiguousarray(sub.transpose(1, 0, 2), dtype=index_dtype(e))
+def _inverse(order: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """Inverse relabel tables: ``order[l, rank] = expert`` -> ``to_rank[l, expert] = rank``."""
+    inv = np.empty_like(order)
+    np.put_along_axis(inv, order.astype(np.intp), np.arange(order.shape[1])[None, :], axis=1)
+    return inv
+
+
+def _gap_payload(srt: npt.NDArray[Any], e: int, k: int, to_rank: npt.NDArray[Any] | None) -> bytes:
+    """Gap planes of canonical rows ``[rows, layers, K]``, layer-major, relabelled by
+    ``to_rank`` (``[layers, E]``) when given; a -1 row is the impossible first gap."""
+    # Work layer-major ([L, R, K], contiguous) in the narrow index dtype: every pass
+    # below is memory-bound, so fewer bytes is faster.
+    ids = np.ascontiguousarray(srt.transpose(1, 0, 2), dtype=index_dtype(e))
     empty = ids[..., 0] < 0
     if to_rank is not None:
+        # Flat (layer, expert) indices; -1 rows go to one extra slot that maps to -1.
         nl = ids.shape[0]
         offset = (np.arange(nl, dtype=np.int64) * e)[:, None, None]
         flat = np.where(ids < 0, nl * e, ids + offset)
@@ -871,7 +827,14 @@ def _zset_chunk(
     gaps[..., 1:] -= 1
     gaps[empty] = 0
     gaps[..., 0][empty] = e - k + 1
-    return zstandard.ZstdCompressor(level=level).compress(_gap_planes(gaps, _gap_dtype(e, k)))
+    return _gap_planes(gaps, _gap_dtype(e, k))
+
+
+def _zset_chunk(
+    sub: npt.NDArray[Any], e: int, k: int, level: int, to_rank: npt.NDArray[Any] | None
+) -> bytes:
+    """One v2 set-zstd chunk: ``sub`` is ``[rows, layers, K]`` canonical (ascending) rows."""
+    return zstandard.ZstdCompressor(level=level).compress(_gap_payload(sub, e, k, to_rank))
 
 
 def _encode_chunk(
@@ -1294,26 +1257,44 @@ def _zchunk_decode(
     n = rows * nl * k
     payload = _inflate(body, n * gdt.itemsize, "set-zstd chunk")
     assert payload is not None
+    return _gaps_to_ids(_planes_to_gaps(payload, (nl, rows, k), gdt), e, k, order)
+
+
+def _planes_to_gaps(
+    payload: bytes, shape: tuple[int, int, int], gdt: np.dtype[Any], *, offset: int = 0
+) -> npt.NDArray[Any]:
+    """Inverse of :func:`_gap_planes`: gaps ``shape`` (layer-major) from ``payload[offset:]``."""
     if gdt.itemsize == 1:
-        gaps = np.frombuffer(payload, dtype=np.uint8).reshape(nl, rows, k)
-    else:
-        planes = np.frombuffer(payload, dtype=np.uint8)
-        wide = planes[:n].astype(np.uint16)
-        wide |= planes[n:].astype(np.uint16) << 8
-        return _gaps_to_ids(wide.reshape(nl, rows, k), e, k, order)
-    return _gaps_to_ids(gaps, e, k, order)
+        return np.frombuffer(payload, dtype=np.uint8, offset=offset).reshape(shape)
+    n = shape[0] * shape[1] * shape[2]
+    planes = np.frombuffer(payload, dtype=np.uint8, offset=offset)
+    wide = planes[:n].astype(np.uint16)
+    wide |= planes[n:].astype(np.uint16) << 8
+    return wide.reshape(shape)
 
 
 def _gaps_to_ids(
-    gaps: npt.NDArray[Any], e: int, k: int, order: npt.NDArray[Any] | None
+    gaps: npt.NDArray[Any],
+    e: int,
+    k: int,
+    order: npt.NDArray[Any] | None,
+    *,
+    check_order: bool = False,
 ) -> npt.NDArray[Any]:
-    """Layer-major gaps ``[L, R, K]`` to token-major ids ``[R, L, K]`` (checks every rule)."""
+    """Layer-major gaps ``[L, R, K]`` to token-major ids ``[R, L, K]`` (checks every rule).
+
+    ``order`` is the ``[L, E]`` relabel table (rank -> expert), or None; with
+    ``check_order`` it is checked to be a permutation first (a v1 body carries its
+    own; a v2 context's was checked when it was parsed).
+    """
     nl = gaps.shape[0]
     empty = gaps[..., 0] == e - k + 1
     if empty.any() and gaps[empty][:, 1:].any():
         raise CodecError("set-zstd body has a malformed empty-row marker")
     if gaps.max(initial=0) > e - k + 1:
         raise CodecError("set-zstd gap larger than the expert count allows: body is corrupt")
+    # ids = cumsum(gap + 1) - 1 along K, column by column, in the narrow index dtype
+    # unless K gaps of up to E-K+1 could overflow it.
     dt = index_dtype(e) if k * (e - k + 2) < np.iinfo(np.int16).max else np.dtype(np.int32)
     ids = np.empty(gaps.shape, dtype=dt)
     ids[..., 0] = gaps[..., 0]
@@ -1324,6 +1305,8 @@ def _gaps_to_ids(
     if ids[..., -1].max(initial=0) >= e:
         raise CodecError("set-zstd gaps run past the expert count: body is corrupt")
     if order is not None:
+        if check_order and not (np.sort(order, axis=1) == np.arange(e)).all():
+            raise CodecError("set-zstd relabel table is not a permutation")
         offset = (np.arange(nl, dtype=np.int32) * e)[:, None, None]
         ids = order.astype(dt).reshape(-1).take(ids + offset)
     ids[empty] = -1
