@@ -453,24 +453,34 @@ def _parse_header(hdr: object, codec: str, blen: int, total: int) -> FrameHeader
             raise FrameError("header layers must be a list")
         layers = check_layer_ids(hdr["layers"])
         seg = None if "segment" not in hdr else Segment.from_dict(hdr["segment"])
-        prov = hdr.get("segments", [])
-        if not isinstance(prov, list) or len(prov) > MAX_SEGMENTS:
-            raise FrameError(f"header segments must be a list of at most {MAX_SEGMENTS}")
-        segs = tuple(Segment.from_dict(p) for p in prov)
+        segs = _provenance_field(hdr)
     except FormatError as exc:
         raise FrameError(f"invalid frame header: {exc}") from None
     if not 0 <= start < end:
         raise FrameError(f"frame token range [{start}, {end}) is empty or negative")
     if seg is not None and (seg.start, seg.end) != (start, end):
         raise FrameError("frame segment range differs from its token range")
-    if seg is not None and segs:
-        raise FrameError("a frame carries either segment or segments, not both")
-    if not all(p.overlaps(start, end) for p in segs):
-        raise FrameError("a provenance segment does not overlap the frame's rows")
+    _check_provenance(seg, segs, start, end)
     params = hdr["params"]
     if not isinstance(params, dict):
         raise FrameError("header params must be a map")
     return FrameHeader(codec, e, k, layers, start, end, seg, segs, params, blen, total)
+
+
+def _provenance_field(hdr: dict[Any, Any]) -> tuple[Segment, ...]:
+    """The header's ``segments`` list (provenance), parsed; raises for a bad one."""
+    prov = hdr.get("segments", [])
+    if not isinstance(prov, list) or len(prov) > MAX_SEGMENTS:
+        raise FrameError(f"header segments must be a list of at most {MAX_SEGMENTS}")
+    return tuple(Segment.from_dict(p) for p in prov)
+
+
+def _check_provenance(seg: Segment | None, segs: tuple[Segment, ...], start: int, end: int) -> None:
+    """A frame is one segment or lists provenance, and provenance overlaps its rows."""
+    if seg is not None and segs:
+        raise FrameError("a frame carries either segment or segments, not both")
+    if not all(p.overlaps(start, end) for p in segs):
+        raise FrameError("a provenance segment does not overlap the frame's rows")
 
 
 def _int(value: object, name: str) -> int:
@@ -1015,22 +1025,14 @@ def _parse_v2(
             if not isinstance(fields, dict) or not set(fields) <= set(_SEGMENT_TEXT):
                 raise FrameError(f"a v2 segment is a map of some of {list(_SEGMENT_TEXT)}")
             seg = Segment(start, end, **fields) if end > start else None
-        prov = hdr.get("segments", [])
-        if not isinstance(prov, list) or len(prov) > MAX_SEGMENTS:
-            raise FrameError(f"header segments must be a list of at most {MAX_SEGMENTS}")
-        segs = tuple(Segment.from_dict(p) for p in prov)
+        segs = _provenance_field(hdr)
     except FormatError as exc:
         raise FrameError(f"invalid frame header: {exc}") from None
     if not 0 <= start < end:
         raise FrameError(f"frame token range [{start}, {end}) is empty or negative")
     if end > 2**40:
         raise FrameError(f"frame end {end} is implausibly large")
-    if seg is not None and segs:
-        raise FrameError("a frame carries either segment or segments, not both")
-    if seg is not None and not (seg.start <= start and end <= seg.end):
-        raise FrameError("frame rows lie outside its segment")
-    if not all(p.overlaps(start, end) for p in segs):
-        raise FrameError("a provenance segment does not overlap the frame's rows")
+    _check_provenance(seg, segs, start, end)  # (a v2 segment's rows are the frame's)
     digest = _sha_field(hdr.get("digest", b""), "digest")
     if digest and (seg is None or (seg.start, seg.end) != (start, end)):
         raise FrameError("a content digest belongs to a whole segment frame")
