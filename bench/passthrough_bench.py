@@ -122,7 +122,12 @@ for _p in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "service"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 from _service import KEY_A, Service, start_service  # noqa: E402
-from service_bench import _raise_interrupt, machine_info, proc_cpu_s  # noqa: E402
+from service_bench import (  # noqa: E402
+    _raise_interrupt,
+    machine_info,
+    machine_line,
+    proc_cpu_s,
+)
 
 L, E, K = 48, 128, 8
 ROWS = 4096  # rows per rollout in grpo and single; the pool arrays' length
@@ -997,12 +1002,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     info = machine_info()
-    print(
-        f"machine: Python {info['python']}, {info['cpu_count']} cores (os.cpu_count), "
-        f"{info['platform']}, load avg {info['loadavg_at_start'][0]:.2f}, "
-        f"redis-server {info['redis_server']} (AOF off), commit {info['git']}",
-        flush=True,
-    )
+    print(machine_line(info), flush=True)
     env = {
         "R3_CACHE_MAX_BATCH": "1024",
         "R3_CACHE_MAX_BODY_BYTES": str(256 << 20),

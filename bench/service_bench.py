@@ -708,6 +708,15 @@ async def run(svc: Service, redis: RedisProcess, args: argparse.Namespace) -> di
     return report
 
 
+def machine_line(info: dict[str, Any]) -> str:
+    """The one-line summary of :func:`machine_info` every service benchmark prints first."""
+    return (
+        f"machine: Python {info['python']}, {info['cpu_count']} cores (os.cpu_count), "
+        f"{info['platform']}, load avg {info['loadavg_at_start'][0]:.2f}, "
+        f"redis-server {info['redis_server']} (AOF off), commit {info['git']}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, start Redis and the service, run, stop both."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -733,12 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     info = machine_info()
-    print(
-        f"machine: Python {info['python']}, {info['cpu_count']} cores (os.cpu_count), "
-        f"{info['platform']}, load avg {info['loadavg_at_start'][0]:.2f}, "
-        f"redis-server {info['redis_server']} (AOF off), commit {info['git']}",
-        flush=True,
-    )
+    print(machine_line(info), flush=True)
     env = {
         "R3_CACHE_MAX_BATCH": str(max(1024, args.rollouts)),
         "R3_CACHE_MAX_BODY_BYTES": str(256 << 20),
