@@ -24,6 +24,7 @@ __all__ = [
     "RedisProcess",
     "free_port",
     "redis_server_binary",
+    "replicas_acknowledge",
     "server_version",
     "start_cluster",
     "waitaof_server_binary",
@@ -197,19 +198,27 @@ class RedisProcess:
         self.stop(signal.SIGKILL)
 
 
-def _wait_answers(port: int, replicas: int) -> bool:
-    """Whether a write on this master reaches ``replicas`` replicas within 1 s (replicas: True).
+def replicas_acknowledge(port: int, replicas: int | None = None) -> bool:
+    """Whether a write on this master reaches ``replicas`` replicas within 1 s.
 
+    ``replicas`` defaults to the master's connected replicas; a replica answers True.
     A just-synced replica can take a few hundred ms before it acknowledges its first
-    write; the first ``WAIT`` of a test must not race that.  The probe key lives in
-    one of the master's own slots and is deleted again.
+    write, so a test's first ``WAIT`` must not race that: fixtures poll this.  The
+    probe key (in one of the master's own slots on a cluster) is deleted again.
     """
     import redis  # the cache service's dependency; not needed to start a plain server
     from redis.crc import key_slot
 
     with redis.Redis(port=port, socket_timeout=5) as r:
-        if r.info("replication")["role"] != "master":
+        info = r.info("replication")
+        if info["role"] != "master":
             return True
+        want = int(info.get("connected_slaves", 0)) if replicas is None else replicas
+        if not r.info("cluster").get("cluster_enabled"):
+            r.set(b"r3:probe", b"1")
+            acked = int(r.execute_command("WAIT", want, 1000))
+            r.delete(b"r3:probe")
+            return acked >= want
         ranges = [
             (int(lo), int(hi or lo))
             for line in r.execute_command("CLUSTER", "NODES").decode().splitlines()
@@ -223,9 +232,9 @@ def _wait_answers(port: int, replicas: int) -> bool:
             if any(lo <= key_slot(k := f"r3:probe:{i}".encode()) <= hi for lo, hi in ranges)
         )
         r.set(key, b"1")
-        acked = int(r.execute_command("WAIT", replicas, 1000))
+        acked = int(r.execute_command("WAIT", want, 1000))
         r.delete(key)
-        return acked >= replicas
+        return acked >= want
 
 
 def start_cluster(
@@ -299,7 +308,7 @@ def start_cluster(
                 and len(masters_up) == masters
                 and all(s.count("state=online") == replicas for s in masters_up)
                 and all("role:slave" not in s or "master_link_status:up" in s for s in states)
-                and all(_wait_answers(n.port, replicas) for n in nodes if replicas)
+                and all(replicas_acknowledge(n.port, replicas) for n in nodes if replicas)
             ):
                 return nodes
             time.sleep(0.1)

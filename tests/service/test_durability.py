@@ -29,6 +29,7 @@ from cache_service.redis_proc import (
     RedisProcess,
     free_port,
     redis_server_binary,
+    replicas_acknowledge,
     server_version,
     start_cluster,
     waitaof_server_binary,
@@ -53,8 +54,13 @@ def _info(port: int, section: str) -> str:
 
 
 def _wait_replica_up(replica: RedisProcess, timeout: float = 20) -> None:
+    """Until the replica is synced *and* its master's writes are acknowledged (a just-synced
+    replica can take a few hundred ms to answer its first WAIT: seen failing CI under load)."""
     deadline = time.monotonic() + timeout
-    while "master_link_status:up" not in _info(replica.port, "replication"):
+    assert replica.replicaof is not None
+    while "master_link_status:up" not in _info(
+        replica.port, "replication"
+    ) or not replicas_acknowledge(replica.replicaof):
         if time.monotonic() > deadline:
             raise AssertionError("replica did not sync with its master")
         time.sleep(0.05)
