@@ -22,9 +22,11 @@ ENV_ATTEMPTS = "SGLANG_R3_PUT_ATTEMPTS"
 ENV_TIMEOUT = "SGLANG_R3_PUT_TIMEOUT_S"
 ENV_MODEL_ID = "SGLANG_R3_MODEL_ID"
 ENV_MAX_OUTPUTS = "SGLANG_R3_MAX_OUTPUTS"
+ENV_LOOKUP = "SGLANG_R3_LOOKUP"
 
 CacheErrorPolicy = Literal["fail", "inline"]
 RetractionPolicy = Literal["mark", "fail"]
+LookupPolicy = Literal["always", "seen"]
 
 
 class ConfigError(ValueError):
@@ -39,6 +41,12 @@ class EngineConfig:
     means the extension is off and tagged requests are refused with a 400.
     ``on_cache_error``: after ``put_attempts`` tries fail, ``fail`` answers 503,
     ``inline`` answers with upstream's base64 routing and ``stored: false``.
+    ``lookup``: ``always`` looks every tagged rollout up in the cache before generation
+    (conflicts and an unreachable cache are refused before any compute); ``seen``
+    skips that round trip for rollout ids this process has not written or looked up,
+    which are then generated from row 0 and checked against the cache when written
+    (a stored trajectory they extend is continued; a conflict or an unreachable
+    cache is then answered after generation, in a stream's final error event).
     ``on_retraction``: a request the scheduler retracted may carry re-prefilled
     rows (miles#3277); ``mark`` stores them and says so, ``fail`` answers 503.
     """
@@ -51,6 +59,7 @@ class EngineConfig:
     put_timeout_s: float = 10.0
     model_id: str = ""
     max_outputs: int = 1024
+    lookup: LookupPolicy = "always"
 
     @property
     def enabled(self) -> bool:
@@ -76,6 +85,9 @@ class EngineConfig:
             max_outputs = int(env.get(ENV_MAX_OUTPUTS, "1024"))
         except ValueError as exc:
             raise ConfigError(f"bad number in SGLANG_R3_* settings: {exc}") from None
+        lookup = env.get(ENV_LOOKUP, "always")
+        if lookup not in ("always", "seen"):
+            raise ConfigError(f"{ENV_LOOKUP}={lookup!r}: use always or seen")
         if attempts < 1 or timeout <= 0 or max_outputs < 1:
             raise ConfigError("put attempts, timeout and max outputs must be positive")
         return cls(
@@ -87,6 +99,7 @@ class EngineConfig:
             put_timeout_s=timeout,
             model_id=env.get(ENV_MODEL_ID, ""),
             max_outputs=max_outputs,
+            lookup=lookup,  # type: ignore[arg-type]
         )
 
     def to_env(self) -> dict[str, str]:
@@ -98,6 +111,7 @@ class EngineConfig:
             ENV_ATTEMPTS: str(self.put_attempts),
             ENV_TIMEOUT: str(self.put_timeout_s),
             ENV_MAX_OUTPUTS: str(self.max_outputs),
+            ENV_LOOKUP: self.lookup,
         }
         if self.api_key:
             out[ENV_API_KEY] = self.api_key

@@ -23,6 +23,11 @@ Where the work happens (all in SGLang's HTTP process unless noted):
   refuses unsupported options, adds ``/r3/metrics`` and ``/r3/info``.
 - ``Scheduler.__init__`` (AROUND, scheduler process): the same verification and
   refusal there, and the CPU allocator check.
+- ``SchedulerBatchResultProcessor._maybe_collect_routed_experts`` (AROUND, scheduler
+  process): marks a tagged request's rows (:class:`sglang_r3.rows.TaggedRows`); O(1).
+- ``DetokenizerManager.handle_batch_token_id_out`` (AROUND, detokenizer process):
+  marked rows become compact :class:`sglang_r3.rows.EngineRows` instead of base64.
+- ``DetokenizerManager.__init__`` (AROUND, detokenizer process): verification there.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ from sglang_r3 import metrics
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import R3RequestError, bad_request
 from sglang_r3.layers import MoeShape, moe_shape
-from sglang_r3.shipping import CacheUnavailableError, Continuation, Shipper
+from sglang_r3.probe import LOOP_PROBE
+from sglang_r3.rows import TaggedRows, compact_rows
+from sglang_r3.shipping import CacheUnavailableError, Continuation, Shipper, to_base64
 from sglang_r3.tagging import OutputTag, output_tags, request_shape
 
 log = logging.getLogger("sglang_r3")
@@ -56,6 +63,13 @@ T_OPENAI = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_
 T_LAUNCH = "sglang.srt.entrypoints.http_server.launch_server"
 T_SERVE_GENERATE = "sglang.srt.entrypoints.http_server.serve_generate_request"
 T_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler.__init__"
+T_COLLECT = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor."
+    "SchedulerBatchResultProcessor._maybe_collect_routed_experts"
+)
+_DETOK = "sglang.srt.managers.detokenizer_manager.DetokenizerManager"
+T_DETOKENIZE = f"{_DETOK}.handle_batch_token_id_out"
+T_DETOKENIZER = f"{_DETOK}.__init__"
 
 # Attributes of upstream objects the hooks read or write (canary-tested).
 UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
@@ -75,6 +89,10 @@ UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
         "routed_experts_start_len",
         "return_routed_experts",
     ),
+    "sglang.srt.managers.io_struct.BatchTokenIDOutput": ("rids", "routed_experts"),
+    "sglang.srt.managers.io_struct.BatchStrOutput": ("rids", "routed_experts"),
+    # The IPC mode: compact rows only cross pickle IPC (msgpack types the field as str).
+    "sglang.srt.managers.io_struct": ("_USE_PICKLE_IPC",),
     "sglang.srt.server_args.ServerArgs": (
         "enable_return_routed_experts",
         "enable_hierarchical_cache",
@@ -209,6 +227,7 @@ async def around_generate_request(
     original: Callable[..., AsyncIterator[Any]], self: Any, obj: Any, request: Any = None
 ) -> AsyncIterator[Any]:
     """AROUND ``TokenizerManager.generate_request``: ship tagged outputs' routing."""
+    LOOP_PROBE.ensure_started()
     sampling_params = getattr(obj, "sampling_params", None)
     tagged = _is_tagged(sampling_params)
     if not tagged and _misplaced_tag(sampling_params) is None:
@@ -248,8 +267,14 @@ async def _tagged_generate(
             "routed_experts_start_len is managed by r3 for tagged requests; leave it 0"
         )
     shipper = _shipper(tm)
+    # --routing-lookup seen: a rollout this process has not seen is assumed new, with
+    # no lookup before generation (its first write cannot overlap stored rows;
+    # Shipper.ship resolves that case after generation).
+    assumed_new = [config.lookup == "seen" and not shipper.seen(t.rollout_id) for t in tags]
 
-    async def lookup(tag: OutputTag) -> Continuation | None:
+    async def lookup(tag: OutputTag, new: bool) -> Continuation | None:
+        if new:
+            return None
         try:
             return await shipper.continuation(tag.rollout_id)
         except CacheUnavailableError:
@@ -259,7 +284,9 @@ async def _tagged_generate(
                 return None
             raise
 
-    conts: list[Continuation | None] = list(await asyncio.gather(*(lookup(t) for t in tags)))
+    conts: list[Continuation | None] = list(
+        await asyncio.gather(*(lookup(t, new) for t, new in zip(tags, assumed_new, strict=True)))
+    )
     if n > 1:
         taken = [t.rollout_id for t, c in zip(tags, conts, strict=True) if c is not None]
         if taken:
@@ -296,14 +323,27 @@ async def _tagged_generate(
                 out.pop("prompt_token_ids", None)
             return
         tag = tags[k]
-        b64 = meta.pop("routed_experts", None)
+        routing = meta.pop("routed_experts", None)
         prompt_ids = out.get("prompt_token_ids") or []
         output_ids = streamed_ids.get(k, []) if incremental else out.get("output_ids") or []
-        ref = await shipper.ship(tag, starts[k], b64, prompt_ids, output_ids, meta)
+        ref = await shipper.ship(
+            tag,
+            starts[k],
+            routing,
+            prompt_ids,
+            output_ids,
+            meta,
+            assumed_new=assumed_new[k],
+            may_continue=n == 1,
+        )
         ref["index"] = k
         meta["r3"] = ref
-        if b64 is not None and (tag.inline or ref.get("inline")):
-            meta["routed_experts"] = b64
+        if routing is not None and (tag.inline or ref.get("inline")):
+            # Upstream's base64 int32 of the rows from the reference's start.
+            skip = ref["start"] - starts[k]
+            meta["routed_experts"] = await asyncio.to_thread(
+                to_base64, routing, shipper.shape, skip
+            )
         if not user_wants_prompt_ids:
             out.pop("prompt_token_ids", None)
         if holder is not None:
@@ -582,7 +622,8 @@ def verify_hooks(targets: list[str]) -> list[str]:
 
 
 HTTP_TARGETS = [T_GENERATE, T_SEND_ONE, T_SEND_BATCH, T_OPENAI, T_SERVE_GENERATE, T_LAUNCH]
-SCHEDULER_TARGETS = [T_SCHEDULER]
+SCHEDULER_TARGETS = [T_SCHEDULER, T_COLLECT]
+DETOKENIZER_TARGETS = [T_DETOKENIZER, T_DETOKENIZE]
 
 
 class StartupError(RuntimeError):
@@ -632,6 +673,60 @@ def around_scheduler_init(
     return original(self, *args, **kwargs)
 
 
+def _req_tagged(req: Any) -> bool:
+    cp = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(cp, Mapping) and "r3" in cp
+
+
+def _pickle_ipc() -> bool:
+    from sglang.srt.managers import io_struct
+
+    return bool(io_struct._USE_PICKLE_IPC)
+
+
+def around_collect_routed_experts(original: Callable[..., Any], self: Any, req: Any) -> Any:
+    """AROUND the scheduler's ``_maybe_collect_routed_experts``: mark a tagged request's
+    rows for the detokenizer (:class:`TaggedRows`).  Upstream's gather is unchanged and
+    nothing proportional to rows is added to the scheduler."""
+    result = original(self, req)
+    rows = getattr(req, "routed_experts", None)
+    if (
+        rows is not None
+        and not isinstance(rows, TaggedRows)
+        and _req_tagged(req)
+        and engine_config().enabled
+        and _pickle_ipc()
+    ):
+        req.routed_experts = TaggedRows(rows)
+    return result
+
+
+def around_detokenize(original: Callable[..., Any], self: Any, recv_obj: Any) -> Any:
+    """AROUND ``DetokenizerManager.handle_batch_token_id_out``: tagged rows cross to
+    the HTTP process compact (uint8/uint16), not as base64 int32."""
+    items = getattr(recv_obj, "routed_experts", None)
+    marked = [i for i, x in enumerate(items or ()) if isinstance(x, TaggedRows)]
+    if not marked:
+        return original(self, recv_obj)
+    assert items is not None
+    compact = {i: compact_rows(items[i]) for i in marked}
+    for i in marked:
+        items[i] = None  # upstream base64-encodes the others, as before
+    out = original(self, recv_obj)
+    for i, rows in compact.items():
+        out.routed_experts[i] = rows
+    return out
+
+
+def around_detokenizer_init(
+    original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``DetokenizerManager.__init__``: the start-up check of that process."""
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    check_startup(DETOKENIZER_TARGETS, server_args)
+    return original(self, *args, **kwargs)
+
+
 def _add_routes() -> None:
     from fastapi import Response
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -655,7 +750,12 @@ def _add_routes() -> None:
             "hooks": HTTP_TARGETS,
         }
 
+    async def r3_loop() -> dict[str, Any]:
+        LOOP_PROBE.ensure_started()
+        return LOOP_PROBE.take()
+
     app.add_api_route("/r3/metrics", r3_metrics, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/r3/loop", r3_loop, methods=["GET"], include_in_schema=False)
     app.add_api_route("/r3/info", r3_info, methods=["GET"], include_in_schema=False)
 
 
@@ -674,6 +774,9 @@ HOOKS: list[tuple[str, Callable[..., Any], str]] = [
     (T_SERVE_GENERATE, around_serve_generate_request, "AROUND"),
     (T_LAUNCH, before_launch_server, "BEFORE"),
     (T_SCHEDULER, around_scheduler_init, "AROUND"),
+    (T_COLLECT, around_collect_routed_experts, "AROUND"),
+    (T_DETOKENIZER, around_detokenizer_init, "AROUND"),
+    (T_DETOKENIZE, around_detokenize, "AROUND"),
 ]
 
 

@@ -8,7 +8,7 @@ Takes every ``python -m sglang.launch_server`` argument plus::
     --routing-api-key KEY            its API key (or SGLANG_R3_API_KEY)
     --routing-on-cache-error {fail,inline}
     --routing-on-retraction {mark,fail}
-    --routing-put-attempts N, --routing-put-timeout S
+    --routing-put-attempts N, --routing-put-timeout S, --routing-lookup always|seen
 
 ``--help`` shows SGLang's options and these, in their own group.
 
@@ -74,6 +74,14 @@ def _add_r3_args(p: argparse.ArgumentParser) -> Any:
         default="mark",
         help="a request the scheduler retracted: store its rows and mark the reference, "
         "or fail it with 503 (default: mark)",
+    )
+    g.add_argument(
+        "--routing-lookup",
+        choices=["always", "seen"],
+        default="always",
+        help="look tagged rollouts up before generation: always (default; conflicts and "
+        "an unreachable cache refused before compute), or only rollout ids this server "
+        "has seen (no round trip for new rollouts; conflicts found at write time)",
     )
     g.add_argument(
         "--routing-put-attempts",
@@ -200,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 on_retraction=ours.routing_on_retraction,
                 put_attempts=ours.routing_put_attempts,
                 put_timeout_s=ours.routing_put_timeout,
+                lookup=ours.routing_lookup,
             )
             EngineConfig.from_env(config.to_env())  # the same checks children will run
         except ConfigError as exc:

@@ -44,7 +44,15 @@ BYTES_SHIPPED = Counter(
 )
 BYTES_UPSTREAM = Counter(
     "r3_engine_bytes_engine_total",
-    "Bytes of upstream's int32 routing the engine handed over (all layers).",
+    "Routing the engine handed over for tagged outputs, counted as upstream's int32 "
+    "(rows x all layers x K x 4 bytes), whatever form it came in.",
+    registry=REGISTRY,
+)
+HANDOVER = Counter(
+    "r3_engine_routing_handover_total",
+    "Tagged outputs by the form their rows reached the HTTP process in: compact (the "
+    "detokenizer's uint8/uint16 rows), tensor (--skip-tokenizer-init), base64 (msgpack IPC).",
+    ["form"],
     registry=REGISTRY,
 )
 SHIP_SECONDS = Histogram(

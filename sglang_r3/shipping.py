@@ -12,6 +12,7 @@ import asyncio
 import base64
 import itertools
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ from sglang_r3 import metrics
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import R3RequestError
 from sglang_r3.layers import MoeShape
+from sglang_r3.rows import EngineRows, TaggedRows
 from sglang_r3.tagging import OutputTag
 
 log = logging.getLogger("sglang_r3")
@@ -54,6 +56,14 @@ log = logging.getLogger("sglang_r3")
 _CACHE_DOWN = (TransportError, StoreUnavailableError, ServiceError, AuthError)
 #: Rollout contexts a process remembers for continuation frames (~6 KB each at 48x128).
 _CONTEXTS = 4096
+#: Rollout ids a process remembers having written or looked up (see Shipper.seen).
+_SEEN = 1 << 16
+
+#: What the engine hands over for a finished tagged output: the detokenizer's
+#: compact rows (default), the scheduler's tensor (``--skip-tokenizer-init``) or
+#: upstream's base64 int32 (msgpack IPC).
+Routing = EngineRows | TaggedRows | str
+_FORMS = {EngineRows: "compact", TaggedRows: "tensor", str: "base64"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +87,48 @@ def decode_rows(b64: str, shape: MoeShape) -> npt.NDArray[np.int32]:
     return np.frombuffer(raw, dtype=np.int32).reshape(-1, shape.num_layers, shape.topk)
 
 
-def check_rows(rows: npt.NDArray[np.int32], expected: int) -> None:
+def engine_rows_of(routing: Routing, shape: MoeShape) -> npt.NDArray[Any]:
+    """The rows ``[rows, all layers, K]`` of what the engine handed over (no copy when
+    they are compact already)."""
+    if isinstance(routing, EngineRows):
+        rows = routing.array
+    elif isinstance(routing, TaggedRows):
+        rows = routing.numpy()
+    elif isinstance(routing, str):
+        return decode_rows(routing, shape)
+    else:
+        raise R3RequestError(500, f"r3: unexpected routing from the engine: {type(routing)}")
+    if rows.ndim != 3 or rows.shape[1:] != (shape.num_layers, shape.topk):
+        raise R3RequestError(
+            500,
+            f"r3: engine routing has shape {rows.shape}, not [rows, {shape.num_layers} layers, "
+            f"{shape.topk}]",
+        )
+    return rows
+
+
+def _nrows(routing: Routing, shape: MoeShape) -> int:
+    """Rows in ``routing`` without decoding it."""
+    if isinstance(routing, str):
+        return (len(routing) * 3 // 4) // (shape.num_layers * shape.topk * 4)
+    if isinstance(routing, EngineRows):
+        return int(routing.array.shape[0])
+    return int(routing.tensor.shape[0])
+
+
+def to_base64(routing: Routing, shape: MoeShape, skip: int = 0) -> str:
+    """Upstream's ``meta_info["routed_experts"]`` for ``routing`` without its first
+    ``skip`` rows (inline answers; run it in a worker thread)."""
+    if isinstance(routing, str):
+        if not skip:
+            return routing
+        array: npt.NDArray[Any] = decode_rows(routing, shape)
+    else:
+        array = routing.array if isinstance(routing, EngineRows) else routing.numpy()
+    return EngineRows(array[skip:]).to_base64()
+
+
+def check_rows(rows: npt.NDArray[Any], expected: int) -> None:
     """Guards on what the engine returned, before anything is stored.
 
     The row count must match the tokens (upstream only logs a warning).  All-zero
@@ -92,6 +143,18 @@ def check_rows(rows: npt.NDArray[np.int32], expected: int) -> None:
             f"r3: engine returned {rows.shape[0]} routing rows for {expected} token positions; "
             "refusing to store misaligned routing",
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The frames of one output, ready to write (built off the event loop)."""
+
+    moe: npt.NDArray[Any]  # the output's rows of the MoE layers, from its start
+    segs: list[Segment]
+    parts: list[npt.NDArray[Any]]
+    frames: list[bytes]
+    bases: list[Context | None]  # the context each frame continues (None: its own)
+    own: Context | None  # the first frame's own context, when it carries one
 
 
 class CacheUnavailableError(R3RequestError):
@@ -114,6 +177,11 @@ class Shipper:
         # rollout id -> the context (E, K, layers, relabel table) of its first segment
         # this process wrote, so later turns ship as continuation frames; LRU-bounded.
         self._contexts: OrderedDict[str, Context] = OrderedDict()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._all_moe = shape.moe_layer_ids == tuple(range(shape.num_layers))
+        # Test-only: a pause inside the worker-thread step, so a test can tell by the
+        # order of events that it does not hold the event loop.
+        self._test_delay = float(os.environ.get("SGLANG_R3_TEST_SHIP_DELAY_S", "0") or 0)
 
     async def continuation(self, rollout_id: str) -> Continuation | None:
         """The stored trajectory of ``rollout_id`` (None: new rollout).
@@ -121,6 +189,7 @@ class Shipper:
         A stored rollout must be one contiguous run ``[0, end)`` from this model's
         geometry; anything else is a 409, since appending to it would misalign rows.
         """
+        self._remember(rollout_id)
         try:
             info = await self.client.stat(rollout_id)
         except RolloutNotFoundError:
@@ -162,50 +231,136 @@ class Shipper:
             )
         return Continuation(info.num_rows, digest)
 
-    def _base(self, rollout_id: str, rows: int) -> Context | None:
-        """The context a new segment of ``rollout_id`` continues from, if worth it.
+    def _worth(self, ctx: Context, rows: int) -> bool:
+        return ctx.has_table or rows < self.shape.num_experts
 
-        A continuation frame does not repeat E, K, the layer ids or a relabel
-        table, and codes its rows with the table of the rollout's first segment.
-        Used when this process wrote that segment (the context is cached) and it
-        has a table, or when the new rows are too few to pay for a table anyway.
+    def seen(self, rollout_id: str) -> bool:
+        """True when this process wrote or looked up ``rollout_id`` (recently)."""
+        return rollout_id in self._seen
+
+    def _remember(self, rollout_id: str) -> None:
+        self._seen[rollout_id] = None
+        self._seen.move_to_end(rollout_id)
+        while len(self._seen) > _SEEN:
+            self._seen.popitem(last=False)
+
+    def _encode(self, rows: npt.NDArray[Any], seg: Segment, base: Context | None) -> bytes:
+        return encode_frame(
+            rows,
+            num_experts=self.shape.num_experts,
+            layer_ids=self.shape.moe_layer_ids,
+            start=seg.start,
+            segment=seg,
+            base=base,
+        )
+
+    def _plan(
+        self,
+        rollout_id: str,
+        routing: Routing,
+        start: int,
+        cuts: list[int],
+        tokens: list[int],
+        wv: str,
+    ) -> _Plan:
+        """Everything proportional to rows, run in a worker thread (numpy, zstd and
+        sha256 release the GIL there): rows of the MoE layers, per-segment token
+        digests, frames.  Raises :class:`R3RequestError` (500) on misaligned rows,
+        :class:`FormatError` on invalid ones."""
+        if self._test_delay:
+            time.sleep(self._test_delay)
+        rows = engine_rows_of(routing, self.shape)
+        check_rows(rows, cuts[-1] - start)
+        moe = rows if self._all_moe else rows[:, list(self.shape.moe_layer_ids), :]
+        return self._frames(rollout_id, moe, start, cuts, tokens, wv)
+
+    def _frames(
+        self,
+        rollout_id: str,
+        moe: npt.NDArray[Any],
+        start: int,
+        cuts: list[int],
+        tokens: list[int],
+        wv: str,
+    ) -> _Plan:
+        """Encode ``moe`` (rows from ``start``) as one segment per pair of ``cuts``.
+
+        The first segment continues the rollout's cached context when that is worth
+        it, else carries its own; later segments continue the cached context, or
+        the first segment's own, so that they can be written at the same time as
+        the first: the service refuses a continuation frame whose context is not
+        stored, so a later segment can never land in a rollout where the first one
+        did not.
         """
-        ctx = self._contexts.get(rollout_id)
-        if ctx is None or not (ctx.has_table or rows < self.shape.num_experts):
-            return None
-        self._contexts.move_to_end(rollout_id)
-        return ctx
+        segs = [
+            Segment(a, b, self.model_id, wv, token_digest(tokens[:b]))
+            for a, b in itertools.pairwise(cuts)
+        ]
+        parts = [moe[a - start : b - start] for a, b in itertools.pairwise(cuts)]
+        stored = self._contexts.get(rollout_id)
+        base = stored if stored is not None and self._worth(stored, len(parts[0])) else None
+        first = self._encode(parts[0], segs[0], base)
+        own = None
+        if base is None:
+            head = read_header(first, verify=False).context
+            assert head is not None
+            own = Context.parse(head.raw)
+        frames = [first]
+        bases = [base]
+        for seg, part in zip(segs[1:], parts[1:], strict=True):
+            b: Context | None = None
+            if stored is not None and self._worth(stored, len(part)):
+                b = stored
+            elif own is not None and self._worth(own, len(part)):
+                b = own
+            frames.append(self._encode(part, seg, b))
+            bases.append(b)
+        return _Plan(moe, segs, parts, frames, bases, own)
 
-    async def _put(self, rollout_id: str, rows: npt.NDArray[Any], seg: Segment) -> PutResult:
-        """Encode ``rows`` as one segment (a continuation frame when :meth:`_base` allows)
-        and store it; remember the rollout's context for its next segments."""
-        base = self._base(rollout_id, len(rows))
-        for attempt in (base, None) if base is not None else (None,):
-            frame = await asyncio.to_thread(
-                encode_frame,
-                rows,
-                num_experts=self.shape.num_experts,
-                layer_ids=self.shape.moe_layer_ids,
-                start=seg.start,
-                segment=seg,
-                base=attempt,
-            )
-            try:
-                put = await self.client.put(rollout_id, frame)
-            except SegmentConflictError as exc:
-                if attempt is None or "holds no context" not in str(exc):
-                    raise
-                # The rollout was deleted or rewritten elsewhere: its context is gone.
-                self._contexts.pop(rollout_id, None)
-                continue
-            if attempt is None and rollout_id not in self._contexts:
-                own = read_header(frame, verify=False).context
-                assert own is not None
-                self._contexts[rollout_id] = Context.parse(own.raw)  # with its table
-                while len(self._contexts) > _CONTEXTS:
-                    self._contexts.popitem(last=False)
-            return put
-        raise AssertionError("unreachable")
+    async def _write(self, rollout_id: str, plan: _Plan) -> list[PutResult]:
+        """Store the plan's segments, all at once when they can be.
+
+        Segments that continue the first one's context are sent with it; if one
+        reaches the service first (refused: its context is not stored yet), it is
+        sent again once the first is stored.  Segments coded on their own are only
+        sent after the first one, for the same reason.  A continuation of a cached
+        context the service no longer holds (the rollout was deleted or rewritten
+        elsewhere) is re-encoded with its own context and sent again.
+        """
+        first = asyncio.ensure_future(self._put_one(rollout_id, plan, 0, None))
+        if any(b is None for b in plan.bases[1:]):
+            # A later segment with its own context could be stored where the first
+            # is refused; keep the order.
+            await asyncio.gather(first, return_exceptions=True)
+        rest = [self._put_one(rollout_id, plan, i, first) for i in range(1, len(plan.frames))]
+        results = await asyncio.gather(first, *rest, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        if plan.own is not None and rollout_id not in self._contexts:
+            self._contexts[rollout_id] = plan.own  # with its table
+            while len(self._contexts) > _CONTEXTS:
+                self._contexts.popitem(last=False)
+        self._remember(rollout_id)
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    async def _put_one(
+        self, rollout_id: str, plan: _Plan, i: int, first: asyncio.Future[PutResult] | None
+    ) -> PutResult:
+        frame = plan.frames[i]
+        try:
+            return await self.client.put(rollout_id, frame)
+        except SegmentConflictError as exc:
+            if plan.bases[i] is None or "holds no context" not in str(exc):
+                raise
+        if first is not None and plan.bases[i] is plan.own:
+            # Sent before the first segment (which carries the context) was stored.
+            await first  # raises the first segment's error, if any
+            return await self.client.put(rollout_id, frame)
+        # The cached context is gone from the service: code the rows on their own.
+        self._contexts.pop(rollout_id, None)
+        frame = await asyncio.to_thread(self._encode, plan.parts[i], plan.segs[i], None)
+        return await self.client.put(rollout_id, frame)
 
     @staticmethod
     def check_prefix(tag: OutputTag, cont: Continuation, input_ids: Sequence[int]) -> None:
@@ -223,15 +378,25 @@ class Shipper:
         self,
         tag: OutputTag,
         start: int,
-        b64: str | None,
+        routing: Routing | None,
         prompt_ids: Sequence[int],
         output_ids: Sequence[int],
         meta_info: dict[str, Any],
+        *,
+        assumed_new: bool = False,
+        may_continue: bool = True,
     ) -> dict[str, Any]:
         """Store the output's new rows; return the reference for the response.
 
+        Nothing proportional to rows runs on the event loop: decoding, checks, the
+        layer gather, digests and encoding run in one worker thread, then the
+        segments are written concurrently.  ``assumed_new``: the rollout was not
+        looked up before generation (this process had not seen it) and ``start``
+        is 0; if the cache turns out to hold it, the output is checked against
+        the stored trajectory now and only the rows past it are stored (a 409 if
+        it does not extend it, or if ``may_continue`` is false: n>1 samples).
         Under the ``inline`` policy a cache failure returns a reference with
-        ``stored: false`` and leaves the base64 routing in ``meta_info``.
+        ``stored: false`` and the routing in ``meta_info`` as upstream's base64.
         """
         t0 = time.perf_counter()
         tokens = [*prompt_ids, *output_ids]
@@ -245,7 +410,7 @@ class Shipper:
             "nbytes": 0,
             "segments": [],
         }
-        if b64 is None:
+        if routing is None:
             finish = meta_info.get("finish_reason") or {}
             if isinstance(finish, dict) and finish.get("type") == "abort":
                 metrics.OUTPUTS.labels("aborted").inc()
@@ -255,9 +420,8 @@ class Shipper:
             raise R3RequestError(
                 500, "r3: the engine returned no routing for a finished request (capture is off?)"
             )
-        rows = decode_rows(b64, self.shape)
-        metrics.BYTES_UPSTREAM.inc(rows.nbytes)
-        check_rows(rows, expected)
+        metrics.BYTES_UPSTREAM.inc(expected * self.shape.num_layers * self.shape.topk * 4)
+        metrics.HANDOVER.labels(_FORMS.get(type(routing), "other")).inc()
         retractions = int(meta_info.get("num_retractions") or 0)
         if retractions:
             metrics.RETRACTED.inc()
@@ -273,24 +437,45 @@ class Shipper:
         wv = tag.weight_version or engine_wv
         ref["weight_version"] = wv
         if expected == 0:
+            if isinstance(routing, str | EngineRows | TaggedRows) and _nrows(routing, self.shape):
+                metrics.GUARD_TRIPS.labels("row_count").inc()
+                raise R3RequestError(500, "r3: engine returned routing rows for no new position")
             ref["stored"] = True
             metrics.OUTPUTS.labels("stored").inc()
+            self._remember(tag.rollout_id)
             return ref
-        moe = rows[:, list(self.shape.moe_layer_ids), :]
         prompt_end = len(prompt_ids) - 1
-        cuts = [start, end]
-        if tag.share_prompt and start < prompt_end < end:
-            # The samples of a GRPO group read the prompt's rows from the same radix
-            # slots; storing them as their own segment lets the service keep them once.
-            cuts = [start, prompt_end, end]
         try:
-            for a, b in itertools.pairwise(cuts):
-                seg = Segment(a, b, self.model_id, wv, token_digest(tokens[:b]))
-                put = await self._put(tag.rollout_id, moe[a - start : b - start], seg)
-                ref["nbytes"] += put.nbytes
-                ref["segments"].append(
-                    {"start": a, "end": b, "nbytes": put.nbytes, "dedupe_hit": put.dedupe_hit}
+            plan = await asyncio.to_thread(
+                self._plan,
+                tag.rollout_id,
+                routing,
+                start,
+                self._cuts(tag, start, prompt_end, end),
+                tokens,
+                wv,
+            )
+            try:
+                puts = await self._write(tag.rollout_id, plan)
+            except SegmentConflictError:
+                if not assumed_new:
+                    raise
+                cont = await self._stored_prefix(tag, prompt_ids, may_continue)
+                if cont is None:
+                    raise
+                # Only the rows past the stored trajectory are new.
+                start = cont.end
+                ref["start"] = start
+                plan = await asyncio.to_thread(
+                    self._frames,
+                    tag.rollout_id,
+                    plan.moe[start:],
+                    start,
+                    self._cuts(tag, start, prompt_end, end),
+                    tokens,
+                    wv,
                 )
+                puts = await self._write(tag.rollout_id, plan)
         except FormatError as exc:
             metrics.GUARD_TRIPS.labels("invalid_rows").inc()
             raise R3RequestError(
@@ -315,9 +500,45 @@ class Shipper:
                 return ref
             metrics.OUTPUTS.labels("failed").inc()
             raise R3RequestError(503, f"r3: {reason} (policy: fail)") from None
+        for seg, put in zip(plan.segs, puts, strict=True):
+            ref["nbytes"] += put.nbytes
+            ref["segments"].append(
+                {
+                    "start": seg.start,
+                    "end": seg.end,
+                    "nbytes": put.nbytes,
+                    "dedupe_hit": put.dedupe_hit,
+                }
+            )
         ref["stored"] = True
         metrics.OUTPUTS.labels("stored").inc()
-        metrics.ROWS.inc(expected)
+        metrics.ROWS.inc(end - start)
         metrics.BYTES_SHIPPED.inc(ref["nbytes"])
         metrics.SHIP_SECONDS.observe(time.perf_counter() - t0)
         return ref
+
+    @staticmethod
+    def _cuts(tag: OutputTag, start: int, prompt_end: int, end: int) -> list[int]:
+        if tag.share_prompt and start < prompt_end < end:
+            # The samples of a GRPO group read the prompt's rows from the same radix
+            # slots; storing them as their own segment lets the service keep them once.
+            return [start, prompt_end, end]
+        return [start, end]
+
+    async def _stored_prefix(
+        self, tag: OutputTag, prompt_ids: Sequence[int], may_continue: bool
+    ) -> Continuation | None:
+        """After a conflict on a rollout assumed new: what is stored, if this output
+        extends it (else the 409 a lookup before generation would have given)."""
+        cont = await self.continuation(tag.rollout_id)
+        if cont is None:
+            return None
+        if not may_continue:
+            metrics.CONFLICTS.inc()
+            raise R3RequestError(
+                409,
+                f"r3: rollout {tag.rollout_id!r} already has stored rows, and n>1 samples start "
+                "new rollouts; continue each sample with its own request",
+            )
+        self.check_prefix(tag, cont, prompt_ids)
+        return cont

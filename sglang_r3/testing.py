@@ -24,7 +24,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def _config(family: str, layers: int, experts: int, topk: int, hidden: int = 128) -> Any:
+def _config(
+    family: str, layers: int, experts: int, topk: int, hidden: int = 128, positions: int = 4096
+) -> Any:
     import transformers
 
     tf: Any = transformers  # configs take **kwargs that the stubs do not list
@@ -35,7 +37,7 @@ def _config(family: str, layers: int, experts: int, topk: int, hidden: int = 128
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=positions,
         num_experts_per_tok=topk,
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -83,11 +85,13 @@ def build_tiny_model(
     experts: int = 8,
     topk: int = 2,
     hidden: int = 128,
+    positions: int = 4096,
     init_std: float = 0.02,
     seed: int = 0,
 ) -> Path:
     """Write a random bf16 MoE checkpoint with tokenizer to ``out_dir`` (once).
 
+    ``positions`` is the longest sequence the model takes (``max_position_embeddings``).
     ``init_std`` is the config's ``initializer_range``: larger values give peakier
     next-token distributions (0.2: the sampled token's probability is ~0.04 typically).
     """
@@ -102,7 +106,7 @@ def build_tiny_model(
         return out
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    cfg = _config(family, layers, experts, topk, hidden)
+    cfg = _config(family, layers, experts, topk, hidden, positions)
     cfg.initializer_range = init_std
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out)

@@ -38,6 +38,17 @@ SIGNATURES = {
     "sglang.srt.entrypoints.http_server.serve_generate_request": ["obj", "request"],
     "sglang.srt.entrypoints.http_server.launch_server": ["server_args"],
     "sglang.srt.managers.scheduler.Scheduler.__init__": ["self", "server_args", "port_args"],
+    "sglang.srt.managers.scheduler_components.batch_result_processor."
+    "SchedulerBatchResultProcessor._maybe_collect_routed_experts": ["self", "req"],
+    "sglang.srt.managers.detokenizer_manager.DetokenizerManager.__init__": [
+        "self",
+        "server_args",
+        "port_args",
+    ],
+    "sglang.srt.managers.detokenizer_manager.DetokenizerManager.handle_batch_token_id_out": [
+        "self",
+        "recv_obj",
+    ],
 }
 
 
@@ -82,6 +93,35 @@ def test_capture_internals() -> None:
     assert "start_len" in inspect.signature(BaseTopkCapturer.get_topk).parameters
     # return_prompt_token_ids puts the prompt ids in each output (we check prefixes on them).
     assert GenerateReqInput(input_ids=[1], return_prompt_token_ids=True).return_prompt_token_ids
+
+
+def test_routing_handover_internals() -> None:
+    """Where the compact hand-over (sglang_r3.rows) plugs in, as read in 0.5.23."""
+    from sglang.srt.managers import detokenizer_manager, tokenizer_manager
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_components import batch_result_processor, output_streamer
+
+    # The scheduler gathers the rows onto req.routed_experts, which the output
+    # accumulator forwards per request, untouched, to the detokenizer.
+    collect = inspect.getsource(
+        batch_result_processor.SchedulerBatchResultProcessor._maybe_collect_routed_experts
+    )
+    assert "req.routed_experts = capturer.get_topk(" in collect
+    assert "req.routed_experts if req.return_routed_experts else None" in inspect.getsource(
+        output_streamer
+    )
+    assert "self.sampling_params = sampling_params" in inspect.getsource(Req.__init__)
+    # The detokenizer base64-encodes exactly that list, then builds BatchStrOutput with it.
+    detok = inspect.getsource(detokenizer_manager.DetokenizerManager.handle_batch_token_id_out)
+    assert "self._b64_encode_per_request(recv_obj.routed_experts)" in detok
+    assert "routed_experts=routed_experts," in detok
+    # The tokenizer manager puts any non-tensor value in meta_info as it is.
+    tm = inspect.getsource(tokenizer_manager)
+    assert 'meta_info["routed_experts"] = val' in tm
+    # Default IPC is pickle (compact rows need it).
+    from sglang.srt.environ import envs
+
+    assert envs.SGLANG_USE_PICKLE_IPC.get() is True
 
 
 def test_moe_layer_rules_match_sglang_models() -> None:
