@@ -466,6 +466,10 @@ class Shipper:
                 # Only the rows past the stored trajectory are new.
                 start = cont.end
                 ref["start"] = start
+                if start >= end:  # nothing past it (no token generated)
+                    ref["stored"] = True
+                    metrics.OUTPUTS.labels("stored").inc()
+                    return ref
                 plan = await asyncio.to_thread(
                     self._frames,
                     tag.rollout_id,
