@@ -48,7 +48,13 @@ from sglang_r3.errors import R3RequestError, bad_request
 from sglang_r3.layers import MoeShape, moe_shape
 from sglang_r3.probe import LOOP_PROBE
 from sglang_r3.rows import TaggedRows, compact_rows
-from sglang_r3.shipping import CacheUnavailableError, Continuation, Shipper, to_base64
+from sglang_r3.shipping import (
+    CacheUnavailableError,
+    Continuation,
+    Shipper,
+    samples_conflict,
+    to_base64,
+)
 from sglang_r3.tagging import OutputTag, output_tags, request_shape
 
 log = logging.getLogger("sglang_r3")
@@ -290,11 +296,7 @@ async def _tagged_generate(
     if n > 1:
         taken = [t.rollout_id for t, c in zip(tags, conts, strict=True) if c is not None]
         if taken:
-            raise R3RequestError(
-                409,
-                f"r3: rollout {taken[0]!r} already has stored rows, and n>1 samples start new "
-                "rollouts; continue each sample with its own request",
-            )
+            raise samples_conflict(taken[0])
     user_wants_prompt_ids = bool(obj.return_prompt_token_ids)
     obj.return_routed_experts = True
     obj.return_prompt_token_ids = True

@@ -119,13 +119,9 @@ def _nrows(routing: Routing, shape: MoeShape) -> int:
 def to_base64(routing: Routing, shape: MoeShape, skip: int = 0) -> str:
     """Upstream's ``meta_info["routed_experts"]`` for ``routing`` without its first
     ``skip`` rows (inline answers; run it in a worker thread)."""
-    if isinstance(routing, str):
-        if not skip:
-            return routing
-        array: npt.NDArray[Any] = decode_rows(routing, shape)
-    else:
-        array = routing.array if isinstance(routing, EngineRows) else routing.numpy()
-    return EngineRows(array[skip:]).to_base64()
+    if isinstance(routing, str) and not skip:
+        return routing
+    return EngineRows(engine_rows_of(routing, shape)[skip:]).to_base64()
 
 
 def check_rows(rows: npt.NDArray[Any], expected: int) -> None:
@@ -136,13 +132,27 @@ def check_rows(rows: npt.NDArray[Any], expected: int) -> None:
     validation as a repeated expert id when ``K > 1``; with ``K = 1`` expert 0 is a
     legal row and cannot be told apart.
     """
-    if rows.shape[0] != expected:
+    check_row_count(int(rows.shape[0]), expected)
+
+
+def check_row_count(got: int, expected: int) -> None:
+    """500 unless the engine returned ``expected`` rows (see :func:`check_rows`)."""
+    if got != expected:
         metrics.GUARD_TRIPS.labels("row_count").inc()
         raise R3RequestError(
             500,
-            f"r3: engine returned {rows.shape[0]} routing rows for {expected} token positions; "
+            f"r3: engine returned {got} routing rows for {expected} token positions; "
             "refusing to store misaligned routing",
         )
+
+
+def samples_conflict(rollout_id: str) -> R3RequestError:
+    """The 409 for n>1 samples naming a rollout that already has stored rows."""
+    return R3RequestError(
+        409,
+        f"r3: rollout {rollout_id!r} already has stored rows, and n>1 samples start "
+        "new rollouts; continue each sample with its own request",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,9 +447,7 @@ class Shipper:
         wv = tag.weight_version or engine_wv
         ref["weight_version"] = wv
         if expected == 0:
-            if isinstance(routing, str | EngineRows | TaggedRows) and _nrows(routing, self.shape):
-                metrics.GUARD_TRIPS.labels("row_count").inc()
-                raise R3RequestError(500, "r3: engine returned routing rows for no new position")
+            check_row_count(_nrows(routing, self.shape), 0)
             ref["stored"] = True
             metrics.OUTPUTS.labels("stored").inc()
             self._remember(tag.rollout_id)
@@ -539,10 +547,6 @@ class Shipper:
             return None
         if not may_continue:
             metrics.CONFLICTS.inc()
-            raise R3RequestError(
-                409,
-                f"r3: rollout {tag.rollout_id!r} already has stored rows, and n>1 samples start "
-                "new rollouts; continue each sample with its own request",
-            )
+            raise samples_conflict(tag.rollout_id)
         self.check_prefix(tag, cont, prompt_ids)
         return cont
