@@ -10,6 +10,7 @@ installed (``--enable-return-routed-experts`` must then be passed by hand).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -23,6 +24,13 @@ ENV_TIMEOUT = "SGLANG_R3_PUT_TIMEOUT_S"
 ENV_MODEL_ID = "SGLANG_R3_MODEL_ID"
 ENV_MAX_OUTPUTS = "SGLANG_R3_MAX_OUTPUTS"
 ENV_LOOKUP = "SGLANG_R3_LOOKUP"
+ENV_TAG_HEADER = "SGLANG_R3_TAG_HEADER"
+ENV_REQUIRE_TAG = "SGLANG_R3_REQUIRE_TAG"
+
+#: The header sglang-router's manual policy routes by (and forwards to the engine):
+#: the rollout id, so one value both pins a rollout to its engine and tags it.
+DEFAULT_TAG_HEADER = "x-smg-routing-key"
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 
 CacheErrorPolicy = Literal["fail", "inline"]
 RetractionPolicy = Literal["mark", "fail"]
@@ -49,6 +57,12 @@ class EngineConfig:
     cache is then answered after generation, in a stream's final error event).
     ``on_retraction``: a request the scheduler retracted may carry re-prefilled
     rows (miles#3277); ``mark`` stores them and says so, ``fail`` answers 503.
+    ``tag_header``: a request with no ``custom_params`` tag whose HTTP header of
+    this name is set is tagged with ``{"rollout_id": <header value>}`` (the channel
+    that survives sglang-router, which drops ``custom_params``); empty turns it off.
+    ``require_tag``: refuse (400) every generation request that carries no tag,
+    instead of generating it with no routing stored (engines behind a router,
+    where a lost tag would otherwise go unnoticed until the trainer's fetch).
     """
 
     routing_cache: str = ""
@@ -60,6 +74,8 @@ class EngineConfig:
     model_id: str = ""
     max_outputs: int = 1024
     lookup: LookupPolicy = "always"
+    tag_header: str = DEFAULT_TAG_HEADER
+    require_tag: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -88,6 +104,14 @@ class EngineConfig:
         lookup = env.get(ENV_LOOKUP, "always")
         if lookup not in ("always", "seen"):
             raise ConfigError(f"{ENV_LOOKUP}={lookup!r}: use always or seen")
+        tag_header = env.get(ENV_TAG_HEADER, DEFAULT_TAG_HEADER).strip().lower()
+        if tag_header and not _HEADER_NAME.match(tag_header):
+            raise ConfigError(
+                f"{ENV_TAG_HEADER}={tag_header!r}: use an HTTP header name (letters, digits, -)"
+            )
+        require = env.get(ENV_REQUIRE_TAG, "0").strip().lower()
+        if require not in ("0", "1", "false", "true", ""):
+            raise ConfigError(f"{ENV_REQUIRE_TAG}={require!r}: use 1 or 0")
         if attempts < 1 or timeout <= 0 or max_outputs < 1:
             raise ConfigError("put attempts, timeout and max outputs must be positive")
         return cls(
@@ -100,6 +124,8 @@ class EngineConfig:
             model_id=env.get(ENV_MODEL_ID, ""),
             max_outputs=max_outputs,
             lookup=lookup,  # type: ignore[arg-type]
+            tag_header=tag_header,
+            require_tag=require in ("1", "true"),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -112,6 +138,8 @@ class EngineConfig:
             ENV_TIMEOUT: str(self.put_timeout_s),
             ENV_MAX_OUTPUTS: str(self.max_outputs),
             ENV_LOOKUP: self.lookup,
+            ENV_TAG_HEADER: self.tag_header,
+            ENV_REQUIRE_TAG: "1" if self.require_tag else "0",
         }
         if self.api_key:
             out[ENV_API_KEY] = self.api_key

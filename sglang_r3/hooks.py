@@ -99,6 +99,14 @@ UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
     "sglang.srt.managers.io_struct.BatchStrOutput": ("rids", "routed_experts"),
     # The IPC mode: compact rows only cross pickle IPC (msgpack types the field as str).
     "sglang.srt.managers.io_struct": ("_USE_PICKLE_IPC",),
+    # Health checks generate through generate_request under this rid prefix; an engine
+    # that requires tags must still answer them.
+    "sglang.srt.constants": ("HEALTH_CHECK_RID_PREFIX",),
+    # ... and warm up over HTTP while the server is Starting.
+    "sglang.srt.managers.tokenizer_manager.ServerStatus": ("Starting", "Up"),
+    # Both OpenAI requests carry custom_params, copied into sampling_params.
+    "sglang.srt.entrypoints.openai.protocol.CompletionRequest": ("custom_params",),
+    "sglang.srt.entrypoints.openai.protocol.ChatCompletionRequest": ("custom_params",),
     "sglang.srt.server_args.ServerArgs": (
         "enable_return_routed_experts",
         "enable_hierarchical_cache",
@@ -187,6 +195,87 @@ def _misplaced_tag(sampling_params: Any) -> str | None:
     return None
 
 
+def _is_own_probe(tokenizer_manager: Any, obj: Any) -> bool:
+    """SGLang's own untagged generations: the start-up warm-up request (sent over HTTP
+    while the server is still ``Starting``) and the ``/health`` / ``/health_generate``
+    probe (a 1-token generation under a reserved rid prefix)."""
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+    from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+    if getattr(tokenizer_manager, "server_status", None) == ServerStatus.Starting:
+        return True
+    rid = getattr(obj, "rid", None)
+    return isinstance(rid, str) and rid.startswith(HEALTH_CHECK_RID_PREFIX)
+
+
+def _untagged_refusal() -> R3RequestError:
+    header = engine_config().tag_header
+    how = f"the header {header}: <rollout id> (what sglang-router routes by) or " if header else ""
+    return bad_request(
+        "this server requires every generation request to name its rollout "
+        f'(--routing-require-tag): send {how}custom_params {{"r3": {{"rollout_id": "..."}}}}'
+    )
+
+
+def _header_rollout(raw_request: Any) -> str | None:
+    """The rollout id in the configured tag header of ``raw_request`` (None: absent/off)."""
+    name = engine_config().tag_header
+    headers = getattr(raw_request, "headers", None) if name else None
+    if headers is None:
+        return None
+    value = headers.get(name)
+    return value if isinstance(value, str) and value != "" else None
+
+
+def _tag_with_header(custom_params: Any, rollout_id: str) -> dict[str, Any]:
+    """``custom_params`` with the header's tag added; raises 400 if they disagree.
+
+    A tag already in the body wins (it may carry options the header cannot), but a
+    body tag naming a different single rollout is a driver bug worth refusing.
+    """
+    name = engine_config().tag_header
+    if custom_params is None:
+        return {"r3": {"rollout_id": rollout_id}}
+    if not isinstance(custom_params, Mapping):
+        raise bad_request(
+            f"custom_params must be an object to carry the {name} header's rollout tag, "
+            f"got a {type(custom_params).__name__}"
+        )
+    tag = custom_params.get("r3")
+    if tag is None:
+        return {**custom_params, "r3": {"rollout_id": rollout_id}}
+    body_id = tag.get("rollout_id") if isinstance(tag, Mapping) else None
+    if isinstance(body_id, str) and body_id != rollout_id:
+        raise bad_request(
+            f"the {name} header names rollout {rollout_id[:80]!r} but custom_params.r3 "
+            f"names {body_id[:80]!r}; send one rollout id"
+        )
+    return dict(custom_params)
+
+
+def _tag_generate_from_header(obj: Any, request: Any) -> None:
+    """Tag a ``/generate`` request from the header (sglang-router drops ``custom_params``)."""
+    rollout_id = _header_rollout(request)
+    if rollout_id is None or not engine_config().enabled:
+        return
+    sp = getattr(obj, "sampling_params", None)
+    if isinstance(sp, list):
+        if _is_tagged(sp):
+            return
+        raise bad_request(
+            f"the {engine_config().tag_header} header names one rollout; a batch with one "
+            "sampling_params per prompt cannot take it (send one sampling_params object: "
+            "outputs are then {id}-{k}; or one request per prompt)"
+        )
+    sp = {} if sp is None else sp
+    if not isinstance(sp, Mapping):
+        return  # upstream refuses it
+    obj.sampling_params = {
+        **sp,
+        "custom_params": _tag_with_header(sp.get("custom_params"), rollout_id),
+    }
+
+
 def _state(request: Any) -> dict[str, Any] | None:
     """The per-request state dict of a Starlette request (shared with upstream's handlers)."""
     scope = getattr(request, "scope", None)
@@ -237,6 +326,10 @@ async def around_generate_request(
     sampling_params = getattr(obj, "sampling_params", None)
     tagged = _is_tagged(sampling_params)
     if not tagged and _misplaced_tag(sampling_params) is None:
+        if engine_config().require_tag and not _is_own_probe(self, obj):
+            exc = _untagged_refusal()
+            _remember_error(request, exc)
+            raise exc
         async for out in original(self, obj, request):
             yield out
         return
@@ -435,11 +528,22 @@ async def around_openai_handle_request(
     message: 409, 413, 503 as documented, not a permanent-looking 400.  In a stream
     that has already started (status 200 sent) the final error event carries it.
     """
-    if raw_request is None or not _openai_tagged(request):
-        return await original(self, request, raw_request)
     from fastapi.responses import ORJSONResponse, StreamingResponse
     from pydantic import BaseModel
     from starlette.responses import Response
+
+    rollout_id = _header_rollout(raw_request)
+    if rollout_id is not None and engine_config().enabled and hasattr(request, "custom_params"):
+        try:
+            request.custom_params = _tag_with_header(request.custom_params, rollout_id)
+        except R3RequestError as exc:
+            return ORJSONResponse(_openai_error(exc), status_code=exc.status_code)
+    if raw_request is None or not _openai_tagged(request):
+        response = await original(self, request, raw_request)
+        err = _remembered_error(raw_request)
+        if err is not None and isinstance(response, Response) and response.status_code >= 400:
+            return ORJSONResponse(_openai_error(err), status_code=err.status_code)
+        return response
 
     holder: list[dict[str, Any]] = []
     raw_request.state.r3_refs = holder
@@ -516,13 +620,20 @@ async def around_serve_generate_request(
     like the non-streaming path.  A failure after the stream started stays an
     error event, carrying r3's status as ``code``.
     """
+    from fastapi.responses import ORJSONResponse, StreamingResponse
+
+    try:
+        _tag_generate_from_header(obj, request)
+    except R3RequestError as exc:
+        return ORJSONResponse({"error": {"message": exc.message}}, status_code=exc.status_code)
     response = await original(obj, request)
     sampling_params = getattr(obj, "sampling_params", None)
     if not getattr(obj, "stream", False) or not (
-        _is_tagged(sampling_params) or _misplaced_tag(sampling_params)
+        _is_tagged(sampling_params)
+        or _misplaced_tag(sampling_params)
+        or engine_config().require_tag  # an untagged stream is refused: answer 400
     ):
         return response
-    from fastapi.responses import ORJSONResponse, StreamingResponse
 
     if not isinstance(response, StreamingResponse):
         return response

@@ -9,6 +9,9 @@ Takes every ``python -m sglang.launch_server`` argument plus::
     --routing-on-cache-error {fail,inline}
     --routing-on-retraction {mark,fail}
     --routing-put-attempts N, --routing-put-timeout S, --routing-lookup always|seen
+    --routing-tag-header NAME        header naming a request's rollout id (default:
+                                     X-SMG-Routing-Key, what sglang-router forwards)
+    --routing-require-tag            refuse untagged generation requests (400)
 
 ``--help`` shows SGLang's options and these, in their own group.
 
@@ -25,7 +28,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from sglang_r3.config import ConfigError, EngineConfig
+from sglang_r3.config import (
+    DEFAULT_TAG_HEADER,
+    ENV_REQUIRE_TAG,
+    ENV_TAG_HEADER,
+    ConfigError,
+    EngineConfig,
+)
 
 _REEXEC = "SGLANG_R3_REEXEC"
 
@@ -82,6 +91,21 @@ def _add_r3_args(p: argparse.ArgumentParser) -> Any:
         help="look tagged rollouts up before generation: always (default; conflicts and "
         "an unreachable cache refused before compute), or only rollout ids this server "
         "has seen (no round trip for new rollouts; conflicts found at write time)",
+    )
+    g.add_argument(
+        "--routing-tag-header",
+        metavar="NAME",
+        default=os.environ.get(ENV_TAG_HEADER, DEFAULT_TAG_HEADER),
+        help="a request with no custom_params tag is tagged with the rollout id in this "
+        "header; sglang-router forwards X-SMG-Routing-Key and routes by it (default: "
+        f"{DEFAULT_TAG_HEADER}; empty turns it off)",
+    )
+    g.add_argument(
+        "--routing-require-tag",
+        action="store_true",
+        default=os.environ.get(ENV_REQUIRE_TAG, "0").lower() in ("1", "true"),
+        help="refuse every generation request that names no rollout (400) instead of "
+        "generating it with no routing stored (default: off; on in deploy/)",
     )
     g.add_argument(
         "--routing-put-attempts",
@@ -209,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 put_attempts=ours.routing_put_attempts,
                 put_timeout_s=ours.routing_put_timeout,
                 lookup=ours.routing_lookup,
+                tag_header=ours.routing_tag_header.strip().lower(),
+                require_tag=ours.routing_require_tag,
             )
             EngineConfig.from_env(config.to_env())  # the same checks children will run
         except ConfigError as exc:

@@ -304,6 +304,46 @@ def start_engine(
     return server
 
 
+def start_router(
+    workers: list[str],
+    *,
+    port: int,
+    metrics_port: int,
+    log: Path,
+    extra_args: tuple[str, ...] = (),
+    timeout_s: float = 120.0,
+) -> EngineServer:
+    """Start ``sglang-router`` (:mod:`sglang_r3.fleet` settings) in front of ``workers``.
+
+    Waits until the router answers and lists every worker as healthy (it registers
+    them in the background after it starts listening).  Stopped like an engine, by
+    process group.
+    """
+    import httpx
+
+    from sglang_r3.fleet import router_argv
+
+    # Its Prometheus exporter listens too (default 0.0.0.0:29000): on loopback.
+    metrics = ("--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port))
+    argv = router_argv(
+        sys.executable, workers, host="127.0.0.1", port=port, extra=(*metrics, *extra_args)
+    )
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    router = EngineServer(f"http://127.0.0.1:{port}", proc, log, argv)
+    _wait_ready(f"{router.url}/liveness", router, "sglang-router", timeout_s, poll_s=0.3)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = httpx.get(f"{router.url}/workers", timeout=5).json().get("workers", [])
+        if sorted(w["url"] for w in listed if w.get("is_healthy")) == sorted(workers):
+            return router
+        if time.monotonic() > deadline or proc.poll() is not None:
+            router.stop()
+            raise RuntimeError(f"sglang-router did not list {workers} as healthy: {listed}")
+        time.sleep(0.3)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m sglang_r3.testing build-model OUT``: write a tiny MoE checkpoint.
 

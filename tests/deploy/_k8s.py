@@ -69,12 +69,16 @@ def render(variant: str) -> list[Obj]:
 
 
 def find(objs: list[Obj], kind: str, name: str) -> Obj:
-    """The one object of ``kind`` named ``name`` (generated names match on their prefix)."""
+    """The one object of ``kind`` named ``name`` (generated names match on their prefix:
+    ``name-<hash>``, so ``sglang`` does not also find ``sglang-router``)."""
     hits = [
         o
         for o in objs
         if o["kind"] == kind
-        and (o["metadata"]["name"] == name or o["metadata"]["name"].startswith(f"{name}-"))
+        and (
+            o["metadata"]["name"] == name
+            or re.fullmatch(rf"{re.escape(name)}-[a-z0-9]{{10}}", o["metadata"]["name"])
+        )
     ]
     found = [h["metadata"]["name"] for h in hits]
     assert len(hits) == 1, f"expected one {kind} {name}, found {found}"

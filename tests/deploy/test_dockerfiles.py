@@ -64,8 +64,12 @@ def _image_tag(path: Path) -> str:
     return m.group(1)
 
 
-def test_there_are_two_images() -> None:
-    assert [p.name for p in DOCKERFILES] == ["cache-service.Dockerfile", "sglang.Dockerfile"]
+def test_there_are_three_images() -> None:
+    assert [p.name for p in DOCKERFILES] == [
+        "cache-service.Dockerfile",
+        "router.Dockerfile",
+        "sglang.Dockerfile",
+    ]
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)

@@ -28,6 +28,8 @@ from _k8s import (
     workloads,
 )
 
+from sglang_r3.fleet import ROUTER_ARGS, ROUTER_VERSION
+
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 ALL = tuple(VARIANTS)
 PROD = tuple(v for v in VARIANTS if v.startswith("prod"))
@@ -493,3 +495,57 @@ def test_redis_maxmemory_leaves_fork_headroom(variant: str) -> None:
         env = {e["name"]: e.get("value") for e in c["env"]}
         share = _bytes(env["REDIS_MAXMEMORY"]) / _bytes(c["resources"]["limits"]["memory"])
         assert 0.5 <= share <= 0.75, f"{sts['metadata']['name']}: maxmemory {share:.0%} of limit"
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_router_fronts_the_fleet_with_r3_settings(variant: str) -> None:
+    """sglang-router (pinned) finds the SGLang pods by label and runs sglang_r3.fleet's
+    settings; the engines behind it refuse untagged requests."""
+    objs = render(variant)
+    dep = find(objs, "Deployment", "sglang-router")
+    (c,) = pod_spec(dep)["containers"]
+    assert c["image"].endswith(f"-router{ROUTER_VERSION}"), c["image"]
+    args = c["args"]
+    n = len(ROUTER_ARGS)
+    assert any(tuple(args[i : i + n]) == ROUTER_ARGS for i in range(len(args))), args
+    engines = find(objs, "Deployment", "sglang")
+    labels = engines["spec"]["template"]["metadata"]["labels"]
+    assert "--service-discovery" in args
+    key, _, value = args[args.index("--selector") + 1].partition("=")
+    assert labels.get(key) == value, "the selector must match the SGLang pods"
+    (engine,) = pod_spec(engines)["containers"]
+    port = next(p["containerPort"] for p in engine["ports"] if p["name"] == "http")
+    assert int(args[args.index("--service-discovery-port") + 1]) == port
+    assert "--routing-require-tag" in engine["args"]
+    # Pod discovery with a read-only Role on pods, through a projected token.
+    spec = pod_spec(dep)
+    sa = find(objs, "ServiceAccount", spec["serviceAccountName"])
+    binding = next(
+        o
+        for o in objs
+        if o["kind"] == "RoleBinding"
+        and any(s["name"] == sa["metadata"]["name"] for s in o["subjects"])
+    )
+    role = find(objs, "Role", binding["roleRef"]["name"])
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    token = mounts["/var/run/secrets/kubernetes.io/serviceaccount"]
+    assert token["readOnly"] is True
+    # Only drivers and trainers reach it; Prometheus only its metrics port.
+    (pol,) = [
+        p
+        for p in objs
+        if p["kind"] == "NetworkPolicy"
+        and selects(p["spec"]["podSelector"], dep["spec"]["template"]["metadata"]["labels"])
+    ]
+
+    def allows(pod: dict[str, str], ns: dict[str, str], same: bool, port: int) -> bool:
+        return ingress_allows(pol, pod_labels=pod, ns_labels=ns, same_namespace=same, port=port)
+
+    assert allows({"sglang-r3.io/role": "driver"}, {}, True, 30000)
+    assert allows({}, {"sglang-r3.io/role": "trainer"}, False, 30000)
+    assert not allows({}, {}, True, 30000), "an unlabelled pod next door"
+    assert allows({}, {"sglang-r3.io/role": "monitoring"}, False, 29000)
+    assert not allows({}, {"sglang-r3.io/role": "monitoring"}, False, 30000)

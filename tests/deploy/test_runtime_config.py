@@ -384,6 +384,22 @@ def test_cluster_init_refuses_a_half_formed_cluster(
     assert out.returncode == 1 and "not re-creating" in out.stderr, out.stdout + out.stderr
 
 
+@pytest.mark.parametrize("variant", ["dev", "prod"])
+def test_router_arguments_parse(variant: str) -> None:
+    """The router container's arguments go through sglang-router's own parser (the
+    pinned release), and mean what sglang_r3.fleet says they mean."""
+    from sglang_router.launch_router import parse_router_args
+
+    (c,) = pod_spec(find(render(variant), "Deployment", "sglang-router"))["containers"]
+    assert c["command"] == ["python", "-m", "sglang_router.launch_router"]
+    args = parse_router_args(c["args"])
+    assert args.policy == "manual"
+    assert args.disable_circuit_breaker and args.disable_retries
+    assert args.service_discovery and args.selector == {"app.kubernetes.io/name": "sglang"}
+    assert args.health_check_endpoint == "/health"
+    assert args.request_timeout_secs == 3600
+
+
 def test_every_workload_container_is_checked(dev: list[Obj], prod: list[Obj]) -> None:
     """Guard for the tests above: they cover every container the overlays run."""
     names = {
@@ -393,4 +409,4 @@ def test_every_workload_container_is_checked(dev: list[Obj], prod: list[Obj]) ->
         if o["kind"] in ("Deployment", "StatefulSet", "Job")
         for where, _ in containers(o)
     }
-    assert names == {"sglang", "build-model", "cache", "redis", "init"}
+    assert names == {"sglang", "build-model", "cache", "redis", "init", "router"}

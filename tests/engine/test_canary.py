@@ -77,7 +77,9 @@ def test_upstream_fields_exist(owner: str) -> None:
     cls = pkgutil.resolve_name(owner)
     if dataclasses.is_dataclass(cls):
         names = {f.name for f in dataclasses.fields(cls)}
-    else:  # msgspec structs
+    elif hasattr(cls, "model_fields"):  # pydantic models (the OpenAI requests)
+        names = set(cls.model_fields)
+    else:  # msgspec structs, enums, modules
         names = set(getattr(cls, "__struct_fields__", ())) or set(dir(cls))
     missing = [f for f in UPSTREAM_FIELDS[owner] if f not in names]
     assert not missing, f"{owner} lost {missing}"
