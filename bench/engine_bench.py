@@ -111,12 +111,20 @@ from _service import KEY_A, Service, start_service  # noqa: E402
 
 from cache_service.redis_proc import free_port  # noqa: E402
 
-CONFIGS = ("off", "upstream", "r3")
+CONFIGS: tuple[str, ...] = ("off", "upstream", "r3")  # plus "r3grpc" with --r3-grpc
 LABELS = {
     "off": "(a) capture off: sglang.launch_server",
     "upstream": "(b) upstream inline: --enable-return-routed-experts",
     "r3": "(c) sglang_r3 + cache service, tagged",
+    "r3grpc": "(d) sglang_r3 + cache service over gRPC (grpc://), tagged",
 }
+
+
+def is_r3(config: str) -> bool:
+    """(c) and (d): the extension shipping to the cache (over HTTP or gRPC)."""
+    return config.startswith("r3")
+
+
 TOKEN_LO, TOKEN_HI = 3, 1024  # the tiny tokenizer's word ids
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -201,7 +209,8 @@ class Ctx:
     engines: list[EngineServer] = field(default_factory=list)
 
     def start(self, config: str, tag: str) -> EngineServer:
-        launcher = "sglang_r3.launch_server" if config == "r3" else "sglang.launch_server"
+        launcher = "sglang_r3.launch_server" if is_r3(config) else "sglang.launch_server"
+        cache = f"grpc://{self.svc.grpc_target}" if config == "r3grpc" else self.svc.http_url
         extra: tuple[str, ...] = ("--sleep-on-idle",)
         if config == "upstream":
             extra += ("--enable-return-routed-experts",)
@@ -210,8 +219,8 @@ class Ctx:
             self.model,
             port=free_port(),
             log=self.tmp / f"sglang-{config}-{tag}.log",
-            routing_cache=self.svc.http_url if config == "r3" else None,
-            api_key=KEY_A if config == "r3" else None,
+            routing_cache=cache if is_r3(config) else None,
+            api_key=KEY_A if is_r3(config) else None,
             extra_args=extra,
             env=engine_env(self.args.omp_threads),
             launcher=launcher,
@@ -236,7 +245,7 @@ def request_body(config: str, input_ids: list[int], new: int, rollout_id: str) -
     body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sp}
     if config == "upstream":
         body["return_routed_experts"] = True
-    elif config == "r3":
+    elif is_r3(config):
         sp["custom_params"] = {"r3": {"rollout_id": rollout_id}}
     return body
 
@@ -254,7 +263,7 @@ def check_response(
         b64 = meta.get("routed_experts")
         if not isinstance(b64, str) or len(base64.b64decode(b64)) != rows * row_bytes:
             raise BenchError(f"upstream: no or wrong-sized routed_experts: {str(b64)[:80]!r}")
-    elif config == "r3":
+    elif is_r3(config):
         ref = meta.get("r3")
         if not isinstance(ref, dict) or ref.get("stored") is not True:
             raise BenchError(f"r3: not stored: {ref!r}")
@@ -334,7 +343,7 @@ def throughput_batch(
         request_body(config, p, a.new, f"tp-{seed}-{i}-{uuid.uuid4().hex[:8]}")
         for i, p in enumerate(ps)
     ]
-    ship0 = ship_seconds(server.url) if config == "r3" else (0.0, 0.0)
+    ship0 = ship_seconds(server.url) if is_r3(config) else (0.0, 0.0)
     loop_lag(server.url)  # a new window
     cpu0 = cpu_now(server.proc.pid, ctx.svc.proc.pid)
     secs, outs, lat, gaps = asyncio.run(
@@ -342,7 +351,7 @@ def throughput_batch(
     )
     cpu1 = cpu_now(server.proc.pid, ctx.svc.proc.pid)
     lag = loop_lag(server.url)
-    ship1 = ship_seconds(server.url) if config == "r3" else (0.0, 0.0)
+    ship1 = ship_seconds(server.url) if is_r3(config) else (0.0, 0.0)
     shipped = ship1[1] - ship0[1]
     row_bytes = ctx.layers * ctx.topk * 4
     for out in outs:
@@ -395,7 +404,7 @@ def agent(ctx: Ctx, server: EngineServer, config: str) -> dict[str, Any]:
     rollout = f"agent-{config}-{uuid.uuid4().hex[:10]}"
     row_bytes = ctx.layers * ctx.topk * 4
     turns: list[dict[str, Any]] = []
-    engine_bytes0 = metric(server.url, "r3_engine_bytes_engine_total") if config == "r3" else 0
+    engine_bytes0 = metric(server.url, "r3_engine_bytes_engine_total") if is_r3(config) else 0
     final: list[int] = []
     with httpx.Client(base_url=server.url, timeout=600) as client:
         for t in range(a.turns):
@@ -692,12 +701,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "sets --layers/--experts/--topk/--hidden and sizes the KV pool for --prompt",
     )
     p.add_argument("--skip-agent", action="store_true", help="throughput only")
+    p.add_argument(
+        "--r3-grpc",
+        action="store_true",
+        help="also run (d): the extension shipping to the cache over gRPC",
+    )
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--agent-prompt", type=int, default=64)
     p.add_argument("--agent-new", type=int, default=16)
     p.add_argument("--agent-tool", type=int, default=8)
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "engine_bench.json")
     args = p.parse_args(argv)
+    global CONFIGS
+    CONFIGS = ("off", "upstream", "r3", "r3grpc") if args.r3_grpc else ("off", "upstream", "r3")
     if args.real_shape:
         args.layers, args.experts, args.topk, args.hidden = 48, 128, 8, 64
         args.kv_tokens = max(args.kv_tokens, (args.prompt + args.new) * args.concurrency + 4096)
@@ -781,6 +797,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "upstream_over_off_paired": paired["upstream"],
         "r3_over_off_paired": paired["r3"],
     }
+    if "r3grpc" in tps:
+        ratios["r3grpc_over_off"] = tps["r3grpc"] / off
+        ratios["r3grpc_over_off_paired"] = paired["r3grpc"]
     targets = {"r3_over_off >= 0.98": tps["r3"] / off >= 0.98}
     if agents:
         ours, up = agents["r3"], agents["upstream"]

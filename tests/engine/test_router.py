@@ -181,7 +181,9 @@ def test_a_rollouts_turns_stay_on_one_engine_and_ship_new_rows_once(
     rollout = rid("turns")
     before = [_metric(e, "r3_engine_rows_total") for e in fleet.engines]
     context = list(PROMPT)
+    last: list[int] = []
     for turn in range(3):
+        last = context
         r = _post(fleet.router.url, "/generate", _request("/generate", "ids", "", context), rollout)
         _ok(r)
         out = r.json()
@@ -193,6 +195,11 @@ def test_a_rollouts_turns_stay_on_one_engine_and_ship_new_rows_once(
     assert len(info.segments) == 3
     # Every row shipped once, all by one engine (the other shipped nothing).
     assert sorted(shipped) == [0, info.num_rows], shipped
+    # A driver's retry of a turn that was stored (its answer lost) is a 409, not a
+    # second copy (docs/engine.md: timeouts and retries belong to the driver).
+    retry = _post(fleet.router.url, "/generate", _request("/generate", "ids", "", last), rollout)
+    assert retry.status_code == 409, (retry.status_code, retry.text[:300])
+    assert cache_client.stat(rollout).num_rows == info.num_rows
 
 
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
