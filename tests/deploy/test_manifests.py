@@ -201,7 +201,7 @@ def test_sglang_runs_the_launcher_against_the_cache(variant: str) -> None:
     args = c["args"]
     assert "--return-routed-experts" in args
     url = args[args.index("--routing-cache") + 1]
-    m = re.fullmatch(r"http://([a-z0-9-]+):(\d+)", url)
+    m = re.fullmatch(r"(?:http|grpc)://([a-z0-9-]+):(\d+)", url)
     assert m, url
     svc = find(objs, "Service", m.group(1))
     assert int(m.group(2)) in [p["port"] for p in svc["spec"]["ports"]]

@@ -115,7 +115,8 @@ def test_sglang_arguments_parse(variant: str, tmp_path: Path) -> None:
 
     args, _ = _sglang_argv(render(variant), tmp_path)
     ours, rest = launch_server._parser().parse_known_args(args)
-    assert ours.return_routed_experts and ours.routing_cache.startswith("http://")
+    assert ours.return_routed_experts and ours.routing_cache.startswith("grpc://")
+    assert ours.routing_require_tag and ours.routing_tag_header == "x-smg-routing-key"
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     merged = ConfigArgumentMerger(parser).merge_config_with_args(rest)

@@ -1,10 +1,11 @@
 """R3 behind the real sglang-router (``sglang-router==0.3.2`` from PyPI).
 
-Two CPU engines with the extension (the session's ``qwen_engine`` and a second one
-on the same checkpoint and cache) behind the router started with
-:mod:`sglang_r3.fleet`'s settings, plus a third engine with
-``--routing-require-tag``.  The router drops ``custom_params``, so every request
-here names its rollout the way a rollout driver does behind the router: the header
+Two CPU engines with the extension (the session's ``qwen_engine``, shipping over
+HTTP, and a second one on the same checkpoint and cache, shipping over gRPC as
+``deploy/`` does) behind the router started with :mod:`sglang_r3.fleet`'s settings,
+plus a third engine (gRPC) with ``--routing-require-tag``.  The router drops
+``custom_params``, so every request here names its rollout the way a rollout driver
+does behind the router: the header
 ``X-SMG-Routing-Key: <rollout id>``, which is also the key the router's manual
 policy keeps a rollout on one engine by.
 """
@@ -55,11 +56,13 @@ def fleet(
     logs = tmp_path_factory.mktemp("fleet")
 
     def engine(name: str, *extra: str) -> EngineServer:
+        # Over gRPC (what deploy/ runs), while qwen_engine ships over HTTP: the fleet
+        # mixes both transports.
         return start_engine(
             model,
             port=free_port(),
             log=logs / f"{name}.log",
-            routing_cache=engine_cache.http_url,
+            routing_cache=f"grpc://{engine_cache.grpc_target}",
             api_key=KEY_A,
             extra_args=extra,
         )
@@ -224,6 +227,24 @@ def test_require_tag_still_answers_health_checks_and_header_tags(
     assert cache_client.stat(rollout).num_rows > len(PROMPT)
 
 
+def test_a_grpc_shipping_engine_continues_a_rollout(
+    fleet: Fleet, cache_client: RoutingClient
+) -> None:
+    """The gRPC transport end to end: a second turn stores only its new rows."""
+    rollout = rid("grpc")
+    first = _post(fleet.strict.url, "/generate", _request("/generate", "ids", "", PROMPT), rollout)
+    _ok(first)
+    context = PROMPT + first.json()["output_ids"] + [50, 51]
+    second = _post(
+        fleet.strict.url, "/generate", _request("/generate", "ids", "", context), rollout
+    )
+    _ok(second)
+    ref = second.json()["meta_info"]["r3"]
+    assert ref["stored"] is True and ref["start"] == first.json()["meta_info"]["r3"]["end"]
+    info = cache_client.stat(rollout)
+    assert len(info.segments) == 2 and info.num_rows == ref["end"]
+
+
 def test_header_and_body_naming_different_rollouts_is_400(fleet: Fleet) -> None:
     body = _request("/generate", "ids", "", PROMPT)
     body["sampling_params"]["custom_params"] = {"r3": {"rollout_id": rid("body")}}
@@ -262,6 +283,10 @@ def test_r3_refusals_and_a_cache_outage_leave_engines_in_rotation(
             assert r.status_code == 503, (r.status_code, r.text[:300])
             refused += 1
         assert refused >= 5
+        for engine in fleet.engines:  # each transport answers the outage the same way
+            body = _request("/generate", "ids", "", PROMPT)
+            r = _post(engine.url, "/generate", body, rid("down-direct"))
+            assert r.status_code == 503, (engine.url, r.status_code, r.text[:300])
         _untagged_all_ok(fleet)
     finally:
         restart_cache(engine_cache, tmp_path_factory)

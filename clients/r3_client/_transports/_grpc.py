@@ -16,7 +16,17 @@ from r3_client._stream import StreamItem
 
 __all__ = ["AsyncGrpcTransport", "GrpcTransport"]
 
-_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    # Reconnect within a second of the service coming back. gRPC's default backoff
+    # grows to 120 s, so a channel that failed through a 10 s restart kept answering
+    # UNAVAILABLE long after the service was up (an engine then refused tagged
+    # requests with 503; tests/engine/test_router.py's cache outage).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def _dict(msg: Any) -> dict[str, Any]:
