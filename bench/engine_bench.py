@@ -212,6 +212,8 @@ class Ctx:
         launcher = "sglang_r3.launch_server" if is_r3(config) else "sglang.launch_server"
         cache = f"grpc://{self.svc.grpc_target}" if config == "r3grpc" else self.svc.http_url
         extra: tuple[str, ...] = ("--sleep-on-idle",)
+        if is_r3(config):
+            extra += ("--routing-lookup", self.args.r3_lookup)
         if config == "upstream":
             extra += ("--enable-return-routed-experts",)
         t0 = time.perf_counter()
@@ -701,6 +703,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "sets --layers/--experts/--topk/--hidden and sizes the KV pool for --prompt",
     )
     p.add_argument("--skip-agent", action="store_true", help="throughput only")
+    p.add_argument(
+        "--r3-lookup",
+        choices=["always", "seen"],
+        default="always",
+        help="--routing-lookup of the r3 engines (seen: no lookup before generating a "
+        "rollout the engine has not seen)",
+    )
     p.add_argument(
         "--r3-grpc",
         action="store_true",
