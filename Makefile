@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 LINTED := clients cache_service sglang_r3 tests bench
 
-.PHONY: bootstrap test lint typecheck pytest demo bench
+.PHONY: bootstrap test lint typecheck pytest demo rl-demo bench
 
 bootstrap:
 	./scripts/bootstrap.sh
@@ -25,6 +25,10 @@ test: lint typecheck pytest
 
 demo: bootstrap
 	$(VENV)/bin/r3 demo
+
+# A GRPO loop with weight pushes to SGLang, replay on vs off (docs/rl-demo.md).
+rl-demo: bootstrap
+	$(VENV)/bin/r3 rl-demo --out rl-demo-out
 
 bench: bootstrap
 	$(PY) bench/codec_bench.py

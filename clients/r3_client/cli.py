@@ -133,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     if all(importlib.util.find_spec(m) for m in ("sglang", "torch", "transformers")):
         from sglang_r3.demo import add_demo_parser
         from sglang_r3.report import add_report_parser
+        from sglang_r3.rl_demo import add_rl_demo_parser
 
         add_report_parser(sub)
         add_demo_parser(sub)
+        add_rl_demo_parser(sub)
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
