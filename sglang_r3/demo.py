@@ -41,6 +41,7 @@ import numpy as np
 
 from r3_client import Routing, RoutingClient
 from r3_client.metrics import logprob_mismatch, routing_disagreement
+from sglang_r3.report import output_logprobs
 
 BASE64 = 4 / 3  # upstream ships int32 rows as base64 text
 
@@ -147,10 +148,6 @@ def _post(url: str, body: dict[str, Any]) -> Any:
     return r.json()
 
 
-def _logps(item: dict[str, Any]) -> list[float]:
-    return [float(lp) for lp, _tok, *_ in item["meta_info"]["output_token_logprobs"]]
-
-
 def grpo_group(
     engine: str, args: argparse.Namespace, rid: str, rng: np.random.Generator, stats: Stats
 ) -> list[Sample]:
@@ -180,7 +177,7 @@ def grpo_group(
                 stats.dedupe_saved_bytes += seg["nbytes"]
         tokens = prompt + list(item["output_ids"])
         sampled = list(range(len(prompt), len(tokens)))
-        out.append(Sample(ref["rollout_id"], tokens, sampled, _logps(item)))
+        out.append(Sample(ref["rollout_id"], tokens, sampled, output_logprobs(item)))
     return out
 
 
@@ -214,7 +211,7 @@ def agent_episode(
         _check(ref["stored"], f"turn {turn + 1} was not stored: {ref}")
         sampled += range(len(tokens), len(tokens) + len(item["output_ids"]))
         tokens = tokens + list(item["output_ids"])
-        logps += _logps(item)
+        logps += output_logprobs(item)
         # Upstream returns the whole trajectory's routing on every turn.
         full = (len(tokens) - 1) * args.layers * args.topk * 4
         stats.turn_bytes.append(int(ref["nbytes"]))

@@ -82,9 +82,14 @@ def generate_rollouts(
         raise RuntimeError(f"generation failed ({r.status_code}): {r.text[:500]}")
     out = []
     for rid, prompt, item in zip(ids, prompts, r.json(), strict=True):
-        logps = [float(lp) for lp, _tok, *_ in item["meta_info"]["output_token_logprobs"]]
-        out.append(Rollout(rid, prompt, list(item["output_ids"]), logps))
+        out.append(Rollout(rid, prompt, list(item["output_ids"]), output_logprobs(item)))
     return out
+
+
+def output_logprobs(item: dict[str, Any]) -> list[float]:
+    """The engine's log-prob of each sampled token of one ``/generate`` output
+    (asked for with ``"return_logprob": true``)."""
+    return [float(lp) for lp, _tok, *_ in item["meta_info"]["output_token_logprobs"]]
 
 
 def hf_forward(

@@ -48,6 +48,7 @@ import numpy.typing as npt
 
 from r3_client import Routing, RoutingClient
 from r3_client.metrics import extreme_frac, logprob_mismatch, routing_disagreement
+from sglang_r3.report import output_logprobs
 
 MODES = ("replay", "native")
 MEMORY_GROWTH_LIMIT = 1.2
@@ -128,10 +129,6 @@ def _post(url: str, body: dict[str, Any], timeout: float = 600) -> Any:
     if r.status_code != 200:
         raise RLCheckError(f"{url} answered {r.status_code}: {r.text[:400]}")
     return r.json()
-
-
-def _logps(item: dict[str, Any]) -> list[float]:
-    return [float(lp) for lp, _tok, *_ in item["meta_info"]["output_token_logprobs"]]
 
 
 def _generate(
@@ -362,7 +359,7 @@ def run_mode(
                             ref["rollout_id"],
                             prompt + out,
                             list(range(len(prompt), len(prompt) + len(out))),
-                            _logps(item),
+                            output_logprobs(item),
                             [(0, version)],
                             group=p,
                         )
@@ -381,7 +378,7 @@ def run_mode(
                         e.rollout_id,
                         tokens + out,
                         e.sampled_at + list(range(len(tokens), len(tokens) + len(out))),
-                        e.logp_infer + _logps(item),
+                        e.logp_infer + output_logprobs(item),
                         [*e.versions, (int(ref["start"]), version)],
                         group=-1 - len(finished),
                         since=len(tokens),
@@ -400,7 +397,7 @@ def run_mode(
                             rid,
                             prompt + out,
                             list(range(len(prompt), len(prompt) + len(out))),
-                            _logps(item),
+                            output_logprobs(item),
                             [(0, version)],
                             np.asarray(client.get(rid).indices),
                         )
@@ -509,6 +506,8 @@ def plots(records: Sequence[StepRecord], out: Path) -> list[Path]:
             ax.plot([r.step for r in rs], [getattr(r, key) for r in rs], marker="o", label=mode)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
+        if key == "k3_kl":
+            ax.set_yscale("log")  # replay and native differ by orders of magnitude
         ax.legend()
         fig.tight_layout()
         path = out / f"{key}.png"

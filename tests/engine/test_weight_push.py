@@ -66,15 +66,14 @@ def _push(engine: EngineServer, path: Path, version: str, **extra: Any) -> None:
     assert info["weight_version"] == version
 
 
-def _prompt_rows(engine: EngineServer, client: RoutingClient, tokens: list[int]) -> Any:
-    """Generate one token for ``tokens`` under a fresh rollout; its stored prompt rows."""
-    rollout = rid("push")
+def _generate(engine: EngineServer, tokens: list[int], rollout: str, new: int) -> Any:
+    """A greedy tagged ``/generate``; its JSON."""
     r = httpx.post(
         f"{engine.url}/generate",
         json={
             "input_ids": tokens,
             "sampling_params": {
-                "max_new_tokens": 1,
+                "max_new_tokens": new,
                 "temperature": 0,
                 "custom_params": {"r3": {"rollout_id": rollout}},
             },
@@ -82,6 +81,13 @@ def _prompt_rows(engine: EngineServer, client: RoutingClient, tokens: list[int])
         timeout=120,
     )
     assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _prompt_rows(engine: EngineServer, client: RoutingClient, tokens: list[int]) -> Any:
+    """Generate one token for ``tokens`` under a fresh rollout; its stored prompt rows."""
+    rollout = rid("push")
+    _generate(engine, tokens, rollout, 1)
     return as_sets(client.get(rollout).indices[: len(tokens) - 1])
 
 
@@ -111,27 +117,10 @@ def test_turns_straddling_a_push_keep_their_versions(
     _push(engine, weights["a"], "v1")
     rollout = rid("straddle")
 
-    def turn(tokens: list[int]) -> dict[str, Any]:
-        r = httpx.post(
-            f"{engine.url}/generate",
-            json={
-                "input_ids": tokens,
-                "sampling_params": {
-                    "max_new_tokens": 4,
-                    "temperature": 0,
-                    "custom_params": {"r3": {"rollout_id": rollout}},
-                },
-            },
-            timeout=120,
-        )
-        assert r.status_code == 200, r.text
-        out: dict[str, Any] = r.json()
-        return out
-
-    first = turn(PROMPT)
+    first = _generate(engine, PROMPT, rollout, 4)
     first_rows = cache_client.get(rollout).indices.copy()
     _push(engine, weights["b"], "v2")
-    second = turn(PROMPT + first["output_ids"] + [7, 8])
+    second = _generate(engine, PROMPT + first["output_ids"] + [7, 8], rollout, 4)
     assert second["meta_info"]["r3"]["weight_version"] == "v2"
     info = cache_client.stat(rollout)
     assert [s.segment.weight_version for s in info.segments] == ["v1", "v2"]
