@@ -14,10 +14,10 @@ sglang-router"):
 * its circuit breaker counts *every* non-2xx answer as an engine failure (400, 409,
   413 and 503 alike): a burst of stale turns or a cache outage would take healthy
   engines out of rotation.  It is off; health checks take dead engines out;
-* it retries 429/5xx answers and timeouts, on the same engine under a routing key:
-  a tagged request that already generated would generate again, to be refused
-  again.  Retries are off; the rollout driver retries with the same rollout id
-  (conflicts are answered by the engine, docs/engine.md).
+* it retries 429/5xx answers and timeouts (up to 5 attempts by default): a tagged
+  request that already generated would generate again, to be refused again.
+  Retries are off; the rollout driver retries with the same rollout id (conflicts
+  are answered by the engine, docs/engine.md).
 """
 
 from __future__ import annotations

@@ -9,14 +9,17 @@ Where the work happens (all in SGLang's HTTP process unless noted):
 - ``TokenizerManager.generate_request`` (AROUND): every ``/generate`` and OpenAI
   request passes here.  Tagged requests get capture switched on, their rollouts
   looked up in the cache, and each finished output's rows shipped before the
-  output is released.  Untagged requests go straight to upstream.
+  output is released.  Untagged requests go straight to upstream (or are refused
+  under ``--routing-require-tag``, SGLang's warm-up and health probes excepted).
 - ``TokenizerManager._send_one_request`` / ``_send_batch_request`` (AROUND): the
   tokenized prompt is known here, so a continued rollout's prefix is checked
   against the stored trajectory and ``routed_experts_start_len`` set per request.
-- ``OpenAIServingBase.handle_request`` (AROUND): puts the references into the
+- ``OpenAIServingBase.handle_request`` (AROUND): tags a request from the routing-key
+  header (``X-SMG-Routing-Key``) when its body has no tag; puts the references into the
   OpenAI response (``sglext.r3``), streaming or not, and gives an r3 error its own
   status (upstream's handlers answer every ``ValueError`` with 400).
-- ``http_server.serve_generate_request`` (AROUND): a tagged ``/generate`` stream
+- ``http_server.serve_generate_request`` (AROUND): the same header tagging for
+  ``/generate``; a tagged ``/generate`` stream
   refused before generation is answered with the error's status, not a 200 stream
   holding an error event.
 - ``http_server.launch_server`` (BEFORE): verifies the hooks of this process,
@@ -527,6 +530,9 @@ async def around_openai_handle_request(
     (our error is one), so an r3 error is answered here with its own status and
     message: 409, 413, 503 as documented, not a permanent-looking 400.  In a stream
     that has already started (status 200 sent) the final error event carries it.
+    A request without a body tag is first tagged from the routing-key header
+    (sglang-router drops ``custom_params``), and an untagged one refused under
+    ``--routing-require-tag`` is answered with r3's error object.
     """
     from fastapi.responses import ORJSONResponse, StreamingResponse
     from pydantic import BaseModel
@@ -618,7 +624,9 @@ async def around_serve_generate_request(
     upstream's OpenAI handlers do): a request r3 refuses before generation (400,
     409, 503) is then answered with that status and ``{"error": {"message"}}``,
     like the non-streaming path.  A failure after the stream started stays an
-    error event, carrying r3's status as ``code``.
+    error event, carrying r3's status as ``code``.  Before any of that, a request
+    without a body tag is tagged from the routing-key header (sglang-router drops
+    ``custom_params``).
     """
     from fastapi.responses import ORJSONResponse, StreamingResponse
 
