@@ -277,11 +277,18 @@ def check_response(
 
 async def stream_gaps(
     client: httpx.AsyncClient, body: dict[str, Any], stop: asyncio.Event
-) -> list[float]:
-    """Run streaming requests one after another until ``stop``; the gaps between chunks."""
+) -> tuple[list[float], list[float]]:
+    """Run streaming requests one after another until ``stop``; the gaps between chunks,
+    and every wait for the next chunk *including the first* (time to first token).
+
+    Inter-chunk gaps alone miss a stream that is stalled before its first token: a
+    stream request queued behind a long prefill shows no gap at all.
+    """
     gaps: list[float] = []
+    waits: list[float] = []
     while not stop.is_set():
         last = None
+        sent = time.perf_counter()
         async with client.stream("POST", "/generate", json=body) as r:
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
@@ -289,13 +296,14 @@ async def stream_gaps(
                 now = time.perf_counter()
                 if last is not None:
                     gaps.append(now - last)
+                waits.append(now - (sent if last is None else last))
                 last = now
-    return gaps
+    return gaps, waits
 
 
 async def run_batch(
     url: str, bodies: list[dict[str, Any]], concurrency: int, streams: int = 0, stream_new: int = 32
-) -> tuple[float, list[dict[str, Any]], list[float], list[float]]:
+) -> tuple[float, list[dict[str, Any]], list[float], tuple[list[float], list[float]]]:
     """POST every body to /generate with ``concurrency`` in flight, while ``streams``
     untagged streaming requests run back to back; (seconds, responses, per-request
     latencies, inter-chunk gaps of the streams)."""
@@ -326,8 +334,10 @@ async def run_batch(
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         secs = time.perf_counter() - t0
         stop.set()
-        gaps = [g for p in await asyncio.gather(*probes) for g in p]
-        return secs, results, latencies, gaps
+        done = await asyncio.gather(*probes)
+        gaps = [g for p in done for g in p[0]]
+        waits = [w for p in done for w in p[1]]
+        return secs, results, latencies, (gaps, waits)
 
 
 def prompts(seed: int, n: int, length: int) -> list[list[int]]:
@@ -348,7 +358,7 @@ def throughput_batch(
     ship0 = ship_seconds(server.url) if is_r3(config) else (0.0, 0.0)
     loop_lag(server.url)  # a new window
     cpu0 = cpu_now(server.proc.pid, ctx.svc.proc.pid)
-    secs, outs, lat, gaps = asyncio.run(
+    secs, outs, lat, (gaps, waits) = asyncio.run(
         run_batch(server.url, bodies, a.concurrency, a.streams, a.stream_new)
     )
     cpu1 = cpu_now(server.proc.pid, ctx.svc.proc.pid)
@@ -373,6 +383,11 @@ def throughput_batch(
             "max_s": max(gaps) if gaps else None,
             "p99_s": float(np.percentile(gaps, 99)) if gaps else None,
             "p50_s": float(np.percentile(gaps, 50)) if gaps else None,
+        },
+        "stream_waits": {
+            "n": len(waits),
+            "max_s": max(waits) if waits else None,
+            "p99_s": float(np.percentile(waits, 99)) if waits else None,
         },
         "mean_ship_s": (ship1[0] - ship0[0]) / shipped if shipped else None,
     }
@@ -585,8 +600,9 @@ def report(res: dict[str, Any]) -> str:
         "",
         "| configuration | loop lag max ms (worst) | loop lag p99 ms | lags > 5 ms per batch | "
         "stream gap p99 ms | stream gap max ms (worst) | stream gap p99 x off | "
+        "longest stream wait incl. first token ms (worst) | stream tokens per batch | "
         "HTTP+tokenizer CPU s per request | all SGLang CPU s per request |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     gap_off = med([b["stream_gaps"]["p99_s"] or 0.0 for b in tp["off"]["batches"]])
     for c in CONFIGS:
@@ -594,6 +610,7 @@ def report(res: dict[str, Any]) -> str:
         lag_max = [b["loop_lag"]["max_s"] * 1e3 for b in bs]
         gp99 = [(b["stream_gaps"]["p99_s"] or 0.0) * 1e3 for b in bs]
         gmax = [(b["stream_gaps"]["max_s"] or 0.0) * 1e3 for b in bs]
+        wmax = [(b["stream_waits"]["max_s"] or 0.0) * 1e3 for b in bs]
         http = med([b["cpu_s"]["http"] / b["requests"] for b in bs])
         sg = med(
             [
@@ -608,6 +625,8 @@ def report(res: dict[str, Any]) -> str:
             f"{med([float(b['loop_lag']['over_5ms']) for b in bs]):.0f} | {med(gp99):.1f} | "
             f"{med(gmax):.1f} ({max(gmax):.1f}) | "
             f"{(med(gp99) / 1e3 / gap_off) if gap_off else float('nan'):.3f} | "
+            f"{med(wmax):.1f} ({max(wmax):.1f}) | "
+            f"{med([float(b['stream_waits']['n']) for b in bs]):.0f} | "
             f"{http:.3f} | {sg:.3f} |"
         )
     if not res["agent"]:
