@@ -293,8 +293,9 @@ def redis_memory(cache_url: str) -> int:
     raise RLCheckError("the cache service exports no r3_store_used_memory_bytes")
 
 
-def check_versions(client: RoutingClient, sample: Sample) -> None:
-    """Every stored segment carries the version of the step that generated its rows."""
+def check_versions(client: RoutingClient, sample: Sample) -> int:
+    """Every stored segment carries the version of the step that generated its rows;
+    the rollout's stored bytes (from the same ``stat``)."""
     info = client.stat(sample.rollout_id)
     starts = [v[0] for v in sample.versions]
     for seg in info.segments:
@@ -307,6 +308,7 @@ def check_versions(client: RoutingClient, sample: Sample) -> None:
             f"{sample.rollout_id}: rows [{seg.segment.start}, {seg.segment.end}) carry "
             f"weight version {got!r}, generated under {want!r}",
         )
+    return info.stored_bytes
 
 
 def run_mode(
@@ -404,11 +406,12 @@ def run_mode(
                     )
             batch = samples + finished
             fetched = dict(client.get_many([s.rollout_id for s in batch]))
+            stored = 0
             for s in batch:
                 got = fetched[s.rollout_id]
                 _check(isinstance(got, Routing), f"{s.rollout_id}: {got}")
                 s.routing = got if isinstance(got, Routing) else None
-                check_versions(client, s)
+                stored += check_versions(client, s)
             for e, s in zip(pending, finished, strict=True):
                 assert e.first_rows is not None and s.routing is not None
                 first = np.asarray(s.routing.indices)[: len(e.first_rows)]
@@ -416,7 +419,6 @@ def run_mode(
                     np.array_equal(first, e.first_rows),
                     f"{e.rollout_id}: its first turn's rows changed after the weight push",
                 )
-            stored = sum(client.stat(s.rollout_id).stored_bytes for s in batch)
             m = train_step(model, optimizer, batch, replay)
             if replay:
                 _check(
