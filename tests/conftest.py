@@ -73,3 +73,20 @@ def svc(request: pytest.FixtureRequest) -> Service:
     fixture = "service_single" if request.param == "single" else "service_cluster"
     service: Service = request.getfixturevalue(fixture)
     return service
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu`` tests where CUDA is absent, saying so (``-ra`` lists every one)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(
+        reason="gpu: needs a CUDA GPU and torch.cuda.is_available() is False here "
+        "(CI has none); run `pytest -m gpu` on a GPU machine"
+    )
+    for item in gpu_items:
+        item.add_marker(skip)

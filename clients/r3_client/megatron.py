@@ -15,6 +15,13 @@ does that::
         ... backward steps ...
     driver.finish_step()
 
+or, with Megatron's own schedule (``get_forward_backward_func()``), wrap the forward
+step so each micro-batch's routing is added and replayed in order::
+
+    step = driver.wrap_forward_step(forward_step, batches)
+    forward_backward_func(forward_step_func=step, ...)
+    driver.finish_step()
+
 Forward replay reads the ids of the micro-batch most recently added, so in a
 1F1B schedule call :meth:`add_micro_batch` right before each forward step; backward
 replay pops them first-in first-out, which is the order 1F1B runs backward steps.
@@ -25,7 +32,7 @@ token; their outputs feed no loss) are replayed as experts ``0..K-1``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from r3_client._exceptions import R3Error
@@ -69,6 +76,14 @@ def check_config(config: Any) -> None:
         raise MegatronReplayError("moe_router_force_load_balancing ignores RouterReplay")
 
 
+def _default_device() -> Any:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class RouterReplayDriver:
     """Drives the ``RouterReplay`` instances of this rank's routers (construction order)."""
 
@@ -86,25 +101,44 @@ class RouterReplayDriver:
         return list(self._rr.RouterReplay.global_router_replay_instances)
 
     def _tensors(self, per_layer: Sequence[Any], device: Any) -> list[Any]:
+        """One ``[tokens, K]`` int64 view per layer, on ``device``, ``-1`` rows filled.
+
+        The layers are stacked on the host and moved in one pinned, non-blocking
+        copy; the ``-1`` rows are filled on the device with ``torch.where`` (no
+        ``.any()``, so nothing waits for the device).  Megatron's own
+        ``top_indices.to(scores.device)`` then finds them in place: no per-layer
+        host-to-device copy in the forward or in the recompute.
+        """
+        import numpy as np
         import torch
 
-        out = []
-        for arr in per_layer:
-            t = arr if isinstance(arr, torch.Tensor) else torch.as_tensor(arr)
-            t = t.to(device=device, dtype=torch.int64)
-            if self.topk is not None and t.shape[-1] != self.topk:
-                raise MegatronReplayError(
-                    f"routing has top-k {t.shape[-1]}, the routers use moe_router_topk={self.topk}"
-                )
-            holes = (t < 0).all(dim=-1)
-            if holes.any():
-                t = t.clone()
-                t[holes] = torch.arange(t.shape[-1], device=t.device)
-            out.append(t)
-        return out
+        if not per_layer:
+            return []
+        if all(isinstance(t, torch.Tensor) for t in per_layer):
+            stacked = torch.stack(list(per_layer))
+        else:
+            stacked = torch.from_numpy(np.stack([np.asarray(a) for a in per_layer]))
+        if self.topk is not None and stacked.shape[-1] != self.topk:
+            raise MegatronReplayError(
+                f"routing has top-k {stacked.shape[-1]}, the routers use "
+                f"moe_router_topk={self.topk}"
+            )
+        device = torch.device(device) if device is not None else _default_device()
+        if stacked.device.type == "cpu" and device.type == "cuda":
+            moved = stacked.contiguous().pin_memory().to(device, non_blocking=True)
+        else:
+            moved = stacked.to(device)
+        ids = moved.to(torch.int64)
+        holes = (ids < 0).all(dim=-1, keepdim=True)
+        fill = torch.arange(ids.shape[-1], device=device, dtype=torch.int64)
+        return list(torch.where(holes, fill, ids).unbind(0))
 
     def add_micro_batch(self, batch: MegatronReplayBatch, device: Any = None) -> None:
-        """Give every local router its ids for the next micro-batch."""
+        """Give every local router its ids for the next micro-batch.
+
+        ``device``: where the routers run; default the current CUDA device when
+        CUDA is available, else the CPU.
+        """
         instances = self.instances
         if len(batch.per_layer) != len(instances):
             raise MegatronReplayError(
@@ -142,6 +176,38 @@ class RouterReplayDriver:
     def record(self) -> contextlib.AbstractContextManager[None]:
         """Forward passes inside the block route natively and record their ids."""
         return self._action("RECORD")
+
+    def wrap_forward_step(
+        self, forward_step_func: Callable[..., Any], batches: Iterable[MegatronReplayBatch]
+    ) -> Callable[..., Any]:
+        """``forward_step_func`` for Megatron's schedules, replaying ``batches`` in order.
+
+        Give the result to ``get_forward_backward_func()(forward_step_func=...)``.
+        Each call takes the next batch, replays it in the forward, and leaves the
+        routers in backward replay, which is what runs next on this rank for that
+        micro-batch in every schedule (no pipelining, 1F1B): recomputes pop their
+        ids first-in first-out.  Call :meth:`finish_step` after the schedule.
+        """
+        batch_iter = iter(batches)
+        rr = self._rr
+
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                batch = next(batch_iter)
+            except StopIteration:
+                raise MegatronReplayError(
+                    "the schedule ran more micro-batches than routing batches were given"
+                ) from None
+            self.add_micro_batch(batch)
+            rr.RouterReplay.set_global_router_replay_action(rr.RouterReplayAction.REPLAY_FORWARD)
+            try:
+                return forward_step_func(*args, **kwargs)
+            finally:
+                rr.RouterReplay.set_global_router_replay_action(
+                    rr.RouterReplayAction.REPLAY_BACKWARD
+                )
+
+        return forward_step
 
     def recorded(self) -> list[Any]:
         """Ids recorded by the last forward, one ``[tokens, K]`` tensor per local router."""

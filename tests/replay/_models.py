@@ -21,46 +21,68 @@ COMMON: dict[str, Any] = dict(
 )
 
 
-def config(family: str) -> Any:
+# A realistic shape for GPU runs: wide enough that kernels, not Python, set the pace.
+REAL: dict[str, Any] = dict(
+    vocab_size=4096,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+    num_experts_per_tok=8,
+    tie_word_embeddings=False,
+)
+
+
+def config(family: str, size: str = "tiny") -> Any:
+    """The family's config: ``tiny`` (8 experts, top-2) or ``real`` (64 experts, top-8)."""
     tf: Any = transformers
+    real = size == "real"
+    common = REAL if real else COMMON
+    experts, moe, head = (64, 256, 64) if real else (8, 32, 16)
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(
-            **COMMON, head_dim=16, moe_intermediate_size=32, num_experts=8, norm_topk_prob=True
+            **common,
+            head_dim=head,
+            moe_intermediate_size=moe,
+            num_experts=experts,
+            norm_topk_prob=True,
         )
     if family == "qwen2_moe":
         return tf.Qwen2MoeConfig(
-            **COMMON,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            num_experts=8,
+            **common,
+            moe_intermediate_size=moe,
+            shared_expert_intermediate_size=moe,
+            num_experts=experts,
             norm_topk_prob=False,
         )
     if family == "olmoe":
-        return tf.OlmoeConfig(**{**COMMON, "intermediate_size": 32}, num_experts=8)
+        return tf.OlmoeConfig(**{**common, "intermediate_size": moe}, num_experts=experts)
     if family == "mixtral":
-        return tf.MixtralConfig(**{**COMMON, "intermediate_size": 32}, num_local_experts=8)
+        return tf.MixtralConfig(**{**common, "intermediate_size": moe}, num_local_experts=experts)
     if family == "deepseek_v3":
         return tf.DeepseekV3Config(
-            **COMMON,
-            moe_intermediate_size=32,
-            n_routed_experts=8,
+            **common,
+            moe_intermediate_size=moe,
+            n_routed_experts=experts,
             n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
+            n_group=8 if real else 2,
+            topk_group=4 if real else 1,
             first_k_dense_replace=1,
-            kv_lora_rank=16,
+            kv_lora_rank=256 if real else 16,
             q_lora_rank=None,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=16,
+            qk_rope_head_dim=32 if real else 8,
+            qk_nope_head_dim=head if real else 8,
+            v_head_dim=head,
             routed_scaling_factor=2.5,
         )
     if family == "glm4_moe":
         return tf.Glm4MoeConfig(
-            **COMMON,
-            head_dim=16,
-            moe_intermediate_size=32,
-            n_routed_experts=8,
+            **common,
+            head_dim=head,
+            moe_intermediate_size=moe,
+            n_routed_experts=experts,
             n_shared_experts=1,
             first_k_dense_replace=1,
             n_group=1,
@@ -68,21 +90,29 @@ def config(family: str) -> Any:
         )
     if family == "gpt_oss":
         return tf.GptOssConfig(
-            **{**COMMON, "intermediate_size": 32},
-            head_dim=16,
-            num_local_experts=8,
-            sliding_window=64,
+            **{**common, "intermediate_size": moe},
+            head_dim=head,
+            num_local_experts=experts,
+            sliding_window=64 if not real else 512,
         )
     raise ValueError(family)
 
 
-def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+def build(
+    family: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    *,
+    size: str = "tiny",
+    device: str | torch.device = "cpu",
+) -> Any:
+    """A random model of ``family`` (fixed seed), in eval mode, on ``device``."""
     torch.manual_seed(seed)
     tf: Any = transformers
-    model = tf.AutoModelForCausalLM.from_config(config(family), dtype=dtype)
+    model = tf.AutoModelForCausalLM.from_config(config(family, size), dtype=dtype)
     for name, p in model.named_parameters():
         # Random router weights (some families init them to zero) so routing is non-trivial.
         if name.endswith(("gate.weight", "router.weight")):
             torch.nn.init.normal_(p, std=0.5)
     model.eval()
-    return model
+    return model.to(device)

@@ -1,17 +1,23 @@
 """The shared replay core: wrap each MoE router, feed it recorded expert ids.
 
 Every supported family's router returns ``(router_logits [T, E], weights [T, K],
-ids [T, K])`` and its MoE block hands ``ids``/``weights`` to the experts.  The
-wrapper runs the native router (so logits, and the native ids for fallback and
-record mode, are exactly what the model computes), then, in replay mode, swaps in
-the recorded ids and recomputes the weights *from the training logits* with the
-family's own formula.  The recorded set is the mask; the weights stay a
-differentiable function of the router, so gradients reach every recorded expert.
+ids [T, K])`` and its MoE block hands ``ids``/``weights`` to the experts.  In
+replay mode the wrapper computes the router's logits and scores with the family's
+own ops (:mod:`r3_client.replay._scoring`), takes the recorded ids, and computes the
+weights *from the training logits* at those ids with the family's own formula.  The
+recorded set is the mask; the weights stay a differentiable function of the
+router, so gradients reach every recorded expert.
 
-Rows of ``-1`` (no recorded routing: padding, the last token) keep native ids.
-The wrapper keeps the 3-tuple contract, so the logits recorder, the aux loss and
-expert-parallel wrappers (which replace ``module.forward`` on the instance, and
-which this wraps rather than overwrites) keep working.
+Rows of ``-1`` (no recorded routing: padding, the last token) take the native ids,
+selected from the same scores.  The wrapper keeps the 3-tuple contract, so the
+logits recorder, the aux loss and expert-parallel wrappers (which replace
+``module.forward`` on the instance, and which this wraps rather than overwrites:
+then the wrapped forward runs and its logits and ids are used) keep working.
+
+Cost: :func:`replay_routing` moves the routing to each router's device once per
+block (one pinned, non-blocking copy per device) and finds the ``-1`` rows there;
+inside the forward a layer only takes a view, so nothing copies from the host or
+waits for the device, and a layer with no ``-1`` rows skips the native top-k.
 """
 
 from __future__ import annotations
@@ -19,27 +25,25 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from r3_client._exceptions import R3Error
+from r3_client.replay._scoring import Scoring
 
 
 class ReplayError(R3Error, ValueError):
     """Routing cannot be replayed on this model as given (unsupported model, wrong shape)."""
 
 
-WeightsFn = Callable[[Any, Any, Any], Any]  # (router, logits [T,E], ids [T,K]) -> weights
-
-
 @dataclass(frozen=True)
 class Family:
-    """How one model family routes: where its routers sit and how weights follow ids.
+    """How one model family routes: where its routers sit and how they score.
 
     ``router_attr``: attribute of a decoder layer's ``mlp`` holding the router.
     ``router_classes``: class names that identify that router (dense MLPs have none).
-    ``weights``: the native weight formula applied to given ids.
+    ``scoring``: the router's native steps (logits, scores, selection, weights).
     ``modeling``: module whose ``load_balancing_loss_func`` is made replay-aware
     (None: the family computes no auxiliary loss).
     """
@@ -47,7 +51,7 @@ class Family:
     model_types: tuple[str, ...]
     router_attr: str
     router_classes: tuple[str, ...]
-    weights: WeightsFn
+    scoring: Scoring
     modeling: str | None = None
 
 
@@ -64,6 +68,18 @@ def register(family: Family) -> Family:
 OFF, REPLAY, RECORD = "off", "replay", "record"
 
 
+@dataclass(frozen=True)
+class Target:
+    """One layer's replay ids, already on the router's device.
+
+    ``ids``: ``[T, K]`` int64.  ``holes``: ``[T, 1]`` bool, True where the row is
+    ``-1`` (route natively); None when the layer has no such row.
+    """
+
+    ids: Any
+    holes: Any | None
+
+
 @dataclass
 class ReplayState:
     """Per-model replay state, kept on the model as ``_r3_replay``."""
@@ -73,7 +89,7 @@ class ReplayState:
     routers: dict[int, Any]
     originals: dict[int, Any]  # the forward each wrapper wraps (restored on removal)
     mode: str = OFF
-    targets: dict[int, Any] = field(default_factory=dict)  # layer -> [T, K] int64
+    targets: dict[int, Target] = field(default_factory=dict)
     used: dict[int, Any] = field(default_factory=dict)  # layer -> ids used last forward
     recorded: dict[int, Any] = field(default_factory=dict)  # layer -> native ids
 
@@ -84,41 +100,54 @@ _CURRENT: contextvars.ContextVar[ReplayState | None] = contextvars.ContextVar(
 
 
 class _ReplayForward:
-    """Replaces ``router.forward`` on one instance; calls the wrapped forward first."""
+    """Replaces ``router.forward`` on one instance; OFF and RECORD call the wrapped forward.
+
+    ``own``: the wrapped forward is the router class's own, so replay may compute
+    its steps directly instead of running it (no native top-k, no native weights).
+    """
 
     def __init__(self, original: Any, state: ReplayState, layer: int, router: Any) -> None:
         self.original = original
         self.state = state
         self.layer = layer
         self.router = router
+        self.own = getattr(original, "__self__", None) is router and getattr(
+            original, "__func__", None
+        ) is getattr(type(router), "forward", None)
 
     def __call__(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         state = self.state
-        if state.mode == OFF:
-            return self.original(hidden_states, *args, **kwargs)
+        target = state.targets.get(self.layer) if state.mode == REPLAY else None
+        if target is None:
+            out = self.original(hidden_states, *args, **kwargs)
+            if state.mode == RECORD:
+                # Overwrite, not append: gradient checkpointing runs the router twice.
+                state.recorded[self.layer] = out[2]
+            elif state.mode == REPLAY:
+                state.used[self.layer] = out[2]
+            return out
         import torch
 
-        logits, weights, ids = self.original(hidden_states, *args, **kwargs)
-        if state.mode == RECORD:
-            # Overwrite, not append: gradient checkpointing runs the router twice.
-            state.recorded[self.layer] = ids.detach()
-            return logits, weights, ids
-        target = state.targets.get(self.layer)
-        if target is None:
-            state.used[self.layer] = ids.detach()
-            return logits, weights, ids
-        if target.shape != ids.shape:
+        scoring, router = state.family.scoring, self.router
+        if self.own and not args and not kwargs:
+            logits = scoring.logits(router, hidden_states)
+            native = None
+        else:
+            logits, _, native = self.original(hidden_states, *args, **kwargs)
+        if target.ids.shape[0] != logits.shape[0]:
             raise ReplayError(
-                f"layer {self.layer}: routing has {tuple(target.shape)} [tokens, top-k] rows "
-                f"but the router sees {tuple(ids.shape)}; give routing aligned with input_ids "
-                "([batch, seq_len, layers, top-k], e.g. r3_client.layouts.hf_layout)"
+                f"layer {self.layer}: routing has {tuple(target.ids.shape)} [tokens, top-k] "
+                f"rows but the router sees {logits.shape[0]} tokens; give routing aligned with "
+                "input_ids ([batch, seq_len, layers, top-k], e.g. r3_client.layouts.hf_layout)"
             )
-        target = target.to(device=ids.device)
-        native = (target < 0).all(dim=-1, keepdim=True)
-        chosen = torch.where(native, ids, target)
-        state.used[self.layer] = chosen.detach()
-        new_weights = state.family.weights(self.router, logits, chosen)
-        return logits, new_weights, chosen
+        scores = scoring.scores(router, logits)
+        chosen = target.ids
+        if target.holes is not None:
+            if native is None:
+                native = scoring.select(router, scores)
+            chosen = torch.where(target.holes, native, chosen)
+        state.used[self.layer] = chosen  # integer ids: no graph to detach
+        return logits, scoring.weights(router, logits, scores, chosen), chosen
 
 
 def _decoder_layers(model: Any) -> Sequence[Any]:
@@ -192,7 +221,7 @@ def _state(model: Any) -> ReplayState:
     return state
 
 
-def _targets(state: ReplayState, routing: Any, layer_ids: Sequence[int] | None) -> dict[int, Any]:
+def _as_tensor(routing: Any) -> Any:
     import numpy as np
     import torch
 
@@ -208,6 +237,52 @@ def _targets(state: ReplayState, routing: Any, layer_ids: Sequence[int] | None) 
         raise ReplayError(
             f"routing must be [batch, seq_len, layers, top-k], got shape {tuple(tensor.shape)}"
         )
+    return tensor
+
+
+def _to_device(tensor: Any, device: Any) -> Any:
+    """``tensor`` on ``device``; host to GPU goes through pinned memory, without waiting."""
+    if tensor.device == device:
+        return tensor
+    if tensor.device.type == "cpu" and device.type == "cuda":
+        return tensor.contiguous().pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _check_ids(state: ReplayState, flat: Any, layers: Sequence[int]) -> list[bool]:
+    """Validate ``flat`` ``[T, L, K]`` and say which layers have ``-1`` rows.
+
+    One pass over the routing where it lies: free on the host, one device sync
+    at block entry when it is already on a GPU (never inside the forward).  An
+    out-of-range id would otherwise be a device-side assert inside ``gather``.
+    """
+    import torch
+
+    router = state.routers[layers[0]]
+    experts = int(getattr(router, "num_experts", 0) or 0)
+    topk = int(getattr(router, "top_k", flat.shape[-1]))
+    if flat.shape[-1] != topk:
+        raise ReplayError(f"routing has top-k {flat.shape[-1]}, the routers choose {topk}")
+    if flat.dtype.is_floating_point:
+        flat = flat.to(torch.int64)
+    neg = flat < 0
+    holes = neg.all(dim=-1)  # [T, L]
+    partial = (neg.any(dim=-1) & ~holes).any()
+    too_big = (flat >= experts).any() if experts else torch.zeros((), dtype=torch.bool)
+    facts = torch.cat([holes.any(dim=0), partial.reshape(1), too_big.reshape(1)]).tolist()
+    if facts[-2]:
+        raise ReplayError("routing has rows mixing -1 and expert ids; a row is all -1 or none")
+    if facts[-1]:
+        raise ReplayError(f"routing has expert ids >= {experts}, the number of experts")
+    return [bool(x) for x in facts[:-2]]
+
+
+def _targets(
+    state: ReplayState, routing: Any, layer_ids: Sequence[int] | None
+) -> dict[int, Target]:
+    import torch
+
+    tensor = _as_tensor(routing)
     layers = tuple(state.layer_ids if layer_ids is None else layer_ids)
     if tensor.shape[2] != len(layers):
         raise ReplayError(
@@ -217,8 +292,22 @@ def _targets(state: ReplayState, routing: Any, layer_ids: Sequence[int] | None) 
     unknown = set(layers) - set(state.layer_ids)
     if unknown:
         raise ReplayError(f"layer ids {sorted(unknown)} are not MoE layers of this model")
-    flat = tensor.reshape(-1, tensor.shape[2], tensor.shape[3]).to(torch.int64)
-    return {layer: flat[:, j, :] for j, layer in enumerate(layers)}
+    flat = tensor.reshape(-1, tensor.shape[2], tensor.shape[3])  # [T, L, K], a view
+    has_holes = _check_ids(state, flat, layers)
+    by_device: dict[Any, list[int]] = {}
+    for j, layer in enumerate(layers):
+        by_device.setdefault(state.routers[layer].weight.device, []).append(j)
+    targets: dict[int, Target] = {}
+    for device, js in by_device.items():
+        part = flat if len(js) == len(layers) else flat[:, js, :]
+        moved = _to_device(part, device)  # the block's one transfer to this device
+        ids = torch.empty((len(js), flat.shape[0], flat.shape[2]), dtype=torch.int64, device=device)
+        ids.copy_(moved.permute(1, 0, 2))  # [L', T, K]: each layer a contiguous view
+        holes = (ids < 0).all(dim=-1, keepdim=True) if any(has_holes[j] for j in js) else None
+        for i, j in enumerate(js):
+            layer_holes = holes[i] if holes is not None and has_holes[j] else None
+            targets[layers[j]] = Target(ids[i], layer_holes)
+    return targets
 
 
 @contextlib.contextmanager

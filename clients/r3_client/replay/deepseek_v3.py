@@ -5,14 +5,14 @@ family computes an auxiliary loss in transformers, so there is nothing to patch 
 """
 
 from r3_client.replay._core import Family, register
-from r3_client.replay._weights import sigmoid_scaled
+from r3_client.replay._scoring import GROUPED_SIGMOID
 
 FAMILY = register(
     Family(
         ("deepseek_v3", "glm4_moe"),
         "gate",
         ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter"),
-        sigmoid_scaled,
+        GROUPED_SIGMOID,
         None,
     )
 )

@@ -5,14 +5,14 @@ inside a fused kernel that bypasses the router module; load with those off.
 """
 
 from r3_client.replay._core import Family, register
-from r3_client.replay._weights import softmax_of_selected
+from r3_client.replay._scoring import GPT_OSS
 
 FAMILY = register(
     Family(
         ("gpt_oss",),
         "router",
         ("GptOssTopKRouter",),
-        softmax_of_selected,
+        GPT_OSS,
         "transformers.models.gpt_oss.modeling_gpt_oss",
     )
 )

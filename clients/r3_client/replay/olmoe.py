@@ -1,14 +1,14 @@
 """OLMoE: router ``mlp.gate`` (``OlmoeTopKRouter``), softmax top-k."""
 
 from r3_client.replay._core import Family, register
-from r3_client.replay._weights import softmax_topk
+from r3_client.replay._scoring import SOFTMAX_TOPK
 
 FAMILY = register(
     Family(
         ("olmoe",),
         "gate",
         ("OlmoeTopKRouter",),
-        softmax_topk,
+        SOFTMAX_TOPK,
         "transformers.models.olmoe.modeling_olmoe",
     )
 )
