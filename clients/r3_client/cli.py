@@ -3,7 +3,8 @@
     r3 get <rollout_id> -o out.npy [--start N] [--end N] [--layers 1,3,5]
     r3 stat <rollout_id>
     r3 get-many ids.txt -o dir/          # one .npy per rollout, with a progress bar
-    r3 serve ...                         # the cache service (needs the service extra)
+    r3 serve ...                         # the cache service (registered by cache_service)
+    r3 demo | report | rl-demo ...       # engine tools (registered by sglang_r3)
 
 ``--url`` (env ``R3_URL``, default ``http://127.0.0.1:8080``; ``grpc://host:port``
 for gRPC) and ``--api-key`` (env ``R3_API_KEY``) select the service.
@@ -12,11 +13,11 @@ for gRPC) and ``--api-key`` (env ``R3_API_KEY``) select the service.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 from dataclasses import asdict
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -117,27 +118,28 @@ def _add_client_commands(sub: Any) -> None:
     p.set_defaults(func=_get_many)
 
 
+def _add_registered_commands(sub: Any) -> None:
+    """Add the subcommands other packages register under the ``r3.commands`` entry point.
+
+    The client imports neither the service nor the engine: ``cache_service``
+    registers ``serve`` and ``sglang_r3`` its tools (pyproject.toml).  An entry point
+    whose package or extra is not installed (a client-only install, the cache-service
+    image without SGLang) fails to import and is left out.
+    """
+    for ep in sorted(entry_points(group="r3.commands"), key=lambda e: e.name):
+        try:
+            add = ep.load()
+        except ImportError:
+            continue
+        add(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``r3``."""
     parser = argparse.ArgumentParser(prog="r3", description="sglang-r3 routing tools")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_client_commands(sub)
-    try:
-        from cache_service.cli import add_serve_parser
-    except ImportError:  # client-only install
-        pass
-    else:
-        add_serve_parser(sub)
-    # The demo and the report run SGLang and an HF model: offer them only where the
-    # engine and trainer extras are installed (not in the cache-service image).
-    if all(importlib.util.find_spec(m) for m in ("sglang", "torch", "transformers")):
-        from sglang_r3.demo import add_demo_parser
-        from sglang_r3.report import add_report_parser
-        from sglang_r3.rl_demo import add_rl_demo_parser
-
-        add_report_parser(sub)
-        add_demo_parser(sub)
-        add_rl_demo_parser(sub)
+    _add_registered_commands(sub)
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
