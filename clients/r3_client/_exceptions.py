@@ -19,6 +19,8 @@
     ├── AuthError                       missing or wrong API key
     ├── LimitExceededError              body, segment or batch larger than the service allows
     ├── ServiceError                    an error answer with a code this library does not know
+    ├── ReplayError (ValueError)        the trainer cannot replay routing as given (model, shapes)
+    │   └── MegatronReplayError         Megatron-Core cannot replay as configured or as given
     └── TransportError                  the request failed on the way (it may not have arrived)
         ├── ConnectError                cannot connect (refused, DNS, TLS)
         ├── RequestTimeoutError         no complete answer within the timeout
@@ -45,9 +47,11 @@ __all__ = [
     "FrameError",
     "InvalidRequestError",
     "LimitExceededError",
+    "MegatronReplayError",
     "PartialRowError",
     "ProtocolError",
     "R3Error",
+    "ReplayError",
     "RequestTimeoutError",
     "RolloutNotFoundError",
     "SegmentConflictError",
@@ -188,6 +192,18 @@ class ServiceError(R3Error):
         self.status = status
         if code:
             self.code = code
+
+
+class ReplayError(R3Error, ValueError):
+    """Routing cannot be replayed on this model as given (unsupported model, wrong shape)."""
+
+    code = "replay_error"
+
+
+class MegatronReplayError(ReplayError):
+    """Megatron-Core cannot replay routing as configured (e.g. fused routing) or as given."""
+
+    code = "megatron_replay_error"
 
 
 class TransportError(R3Error):

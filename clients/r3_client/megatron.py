@@ -35,12 +35,10 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from r3_client._exceptions import R3Error
+from r3_client._exceptions import MegatronReplayError
 from r3_client.layouts import MegatronReplayBatch
 
-
-class MegatronReplayError(R3Error, ValueError):
-    """Megatron-Core cannot replay routing as configured or as given."""
+__all__ = ["MegatronReplayError", "RouterReplayDriver", "check_config"]
 
 
 def _replay_module() -> Any:

@@ -29,12 +29,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from r3_client._exceptions import R3Error
+from r3_client._exceptions import ReplayError as ReplayError  # re-exported; defined with the others
 from r3_client.replay._scoring import Scoring
-
-
-class ReplayError(R3Error, ValueError):
-    """Routing cannot be replayed on this model as given (unsupported model, wrong shape)."""
 
 
 @dataclass(frozen=True)
