@@ -17,20 +17,17 @@ def register() -> None:
         from sglang_r3.cpu import install_allocator
 
         install_allocator()
-    from sglang_r3.hooks import register_hooks
+    from sglang_r3 import hooks
 
-    register_hooks()
     extra = os.environ.get("SGLANG_R3_TEST_BOGUS_HOOK")
-    if extra:
+    if extra and extra not in hooks.HTTP_TARGETS:
         # Test-only: a hook on a target that does not exist, to prove that the
-        # start-up check stops the server instead of running without it.
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-        from sglang_r3 import hooks
-
-        def _noop(*args: object, **kwargs: object) -> None:
-            return None
-
-        hooks.HOOKS.append((extra, _noop, "BEFORE"))
+        # start-up check stops the server instead of running without it.  Added
+        # once, whatever the number of calls, like every other hook.
+        hooks.HOOKS.append((extra, _bogus_hook, "BEFORE"))
         hooks.HTTP_TARGETS.append(extra)
-        HookRegistry.register(extra, _noop, HookType.BEFORE)
+    hooks.register_hooks()  # idempotent: a hook already registered is skipped
+
+
+def _bogus_hook(*args: object, **kwargs: object) -> None:
+    return None

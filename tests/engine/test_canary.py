@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import pkgutil
+from collections import defaultdict
 from importlib.metadata import entry_points, version
 
 import pytest
@@ -141,3 +142,22 @@ def test_hook_registry_api() -> None:
 
     assert {"BEFORE", "AFTER", "AROUND"} <= {t.name for t in HookType}
     assert isinstance(HookRegistry._hooks, dict) and isinstance(HookRegistry._patched, set)
+
+
+def test_plugin_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang may call ``register`` more than once per process: nothing is added twice."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_r3 import hooks, plugin
+
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(hooks, "HOOKS", list(hooks.HOOKS))
+    monkeypatch.setattr(hooks, "HTTP_TARGETS", list(hooks.HTTP_TARGETS))
+    monkeypatch.setenv("SGLANG_R3_TEST_BOGUS_HOOK", "sglang.srt.nowhere.Nothing.method")
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    plugin.register()
+    once = ({k: list(v) for k, v in HookRegistry._hooks.items()}, list(hooks.HOOKS))
+    plugin.register()
+    plugin.register()
+    assert ({k: list(v) for k, v in HookRegistry._hooks.items()}, list(hooks.HOOKS)) == once
+    assert "sglang.srt.nowhere.Nothing.method" in HookRegistry._hooks
