@@ -194,3 +194,46 @@ def test_errors_are_clear() -> None:
 
     with pytest.raises(ReplayError, match="does not support model_type 'llama'"):
         apply_routing_replay(Dense())
+
+
+def test_removal_restores_the_aux_loss_function_with_the_last_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+
+    from r3_client.replay import _core
+
+    module = importlib.import_module("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    # Start unpatched: models of earlier tests in this process are still patched.
+    current = module.load_balancing_loss_func
+    original = getattr(current, "__wrapped__", current)
+    monkeypatch.setattr(_core, "_PATCHED_AUX", {})
+    monkeypatch.setattr(module, "load_balancing_loss_func", original)
+    first, second = build("qwen3_moe"), build("qwen3_moe", seed=1)
+    apply_routing_replay(first)
+    apply_routing_replay(second)
+    assert module.load_balancing_loss_func is not original
+    remove_routing_replay(first)
+    assert module.load_balancing_loss_func is not original  # the second still replays
+    remove_routing_replay(second)
+    assert module.load_balancing_loss_func is original
+
+
+def test_an_unchecked_transformers_version_warns_and_runs_the_routers_own_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import transformers
+
+    from r3_client.replay._core import ReplayVersionWarning
+
+    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    with pytest.warns(ReplayVersionWarning, match=r"checked against transformers 5\.19"):
+        model = apply_routing_replay(build("deepseek_v3"))
+    assert not any(r.forward.own for r in model._r3_replay.routers.values())
+    ids = inputs()
+    logits, routing = native(model, ids)
+    holes = routing.clone()
+    holes[0, 2:4] = -1
+    with torch.no_grad(), replay_routing(model, holes):
+        assert torch.equal(model(ids).logits, logits)
+    remove_routing_replay(model)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,13 +177,14 @@ def apply_routing_replay(model: Any) -> Any:
 
     Patched routers behave natively until :func:`replay_routing` or
     :func:`record_routing` is entered.  Undo with :func:`remove_routing_replay`.
+    On a transformers version outside :data:`CHECKED_TRANSFORMERS` it warns, and
+    replay runs each router's own forward for the logits and native ids instead
+    of the mirrored steps (the weight formulas are still this package's).
     """
     existing = getattr(model, "_r3_replay", None)
     if isinstance(existing, ReplayState):
         return model
     family = family_of(model)
-    if family.modeling is not None:
-        _patch_aux_loss(family.modeling)
     routers: dict[int, Any] = {}
     for i, layer in enumerate(_decoder_layers(model)):
         mlp = getattr(layer, "mlp", None)
@@ -191,12 +193,44 @@ def apply_routing_replay(model: Any) -> Any:
             routers[i] = router
     if not routers:
         raise ReplayError(f"no {family.router_classes} router found in the model's layers")
+    checked = transformers_checked()
     state = ReplayState(family, tuple(sorted(routers)), routers, {})
     for i, router in routers.items():
         state.originals[i] = router.forward
-        router.forward = _ReplayForward(router.forward, state, i, router)
+        wrapper = _ReplayForward(router.forward, state, i, router)
+        wrapper.own = wrapper.own and checked
+        router.forward = wrapper
+    if family.modeling is not None:
+        _patch_aux_loss(family.modeling)
     model._r3_replay = state
     return model
+
+
+# transformers minor versions whose router code r3_client/replay/_scoring.py mirrors op
+# for op (tests/replay checks each family bit for bit).  Like Liger-Kernel's patch
+# modules, other versions are not refused; they get a warning and the safer path.
+CHECKED_TRANSFORMERS = ("5.19",)
+
+
+def transformers_checked() -> bool:
+    """True on a checked transformers version; otherwise warns and returns False."""
+    import transformers
+
+    version = str(transformers.__version__)
+    if ".".join(version.split(".")[:2]) in CHECKED_TRANSFORMERS:
+        return True
+    warnings.warn(
+        f"r3_client.replay was checked against transformers {', '.join(CHECKED_TRANSFORMERS)}"
+        f" and this is {version}: replay runs each router's own forward for its logits and "
+        "native ids; run tests/replay against this version before trusting the weights",
+        ReplayVersionWarning,
+        stacklevel=3,
+    )
+    return False
+
+
+class ReplayVersionWarning(UserWarning):
+    """transformers is a version the router patches were not checked against."""
 
 
 def remove_routing_replay(model: Any) -> Any:
@@ -207,6 +241,8 @@ def remove_routing_replay(model: Any) -> Any:
     for i, router in state.routers.items():
         if isinstance(router.forward, _ReplayForward):
             router.forward = state.originals[i]
+    if state.family.modeling is not None:
+        _unpatch_aux_loss(state.family.modeling)
     del model._r3_replay
     return model
 
@@ -396,12 +432,18 @@ def replay_load_balancing_loss(
     return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * num_experts
 
 
-_PATCHED_AUX: dict[str, Any] = {}
+_PATCHED_AUX: dict[str, tuple[Any, int]] = {}  # modeling module -> (original, models patched)
 
 
 def _patch_aux_loss(modeling: str) -> None:
-    """Make ``<modeling>.load_balancing_loss_func`` use the replayed ids while replaying."""
+    """Make ``<modeling>.load_balancing_loss_func`` use the replayed ids while replaying.
+
+    One patch per modeling module, shared by every patched model of the family and
+    counted, so :func:`_unpatch_aux_loss` restores the original with the last one.
+    """
     if modeling in _PATCHED_AUX:
+        original, count = _PATCHED_AUX[modeling]
+        _PATCHED_AUX[modeling] = (original, count + 1)
         return
     module = importlib.import_module(modeling)
     original = module.load_balancing_loss_func
@@ -425,4 +467,16 @@ def _patch_aux_loss(modeling: str) -> None:
 
     load_balancing_loss_func.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(module, "load_balancing_loss_func", load_balancing_loss_func)  # noqa: B010
-    _PATCHED_AUX[modeling] = original
+    _PATCHED_AUX[modeling] = (original, 1)
+
+
+def _unpatch_aux_loss(modeling: str) -> None:
+    """Undo one :func:`_patch_aux_loss`; the last one restores the original function."""
+    if modeling not in _PATCHED_AUX:
+        return
+    original, count = _PATCHED_AUX[modeling]
+    if count > 1:
+        _PATCHED_AUX[modeling] = (original, count - 1)
+        return
+    del _PATCHED_AUX[modeling]
+    setattr(importlib.import_module(modeling), "load_balancing_loss_func", original)  # noqa: B010
