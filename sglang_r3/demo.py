@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from r3_client import Routing, RoutingClient
-from r3_client.metrics import logprob_mismatch, routing_disagreement
+from r3_client.mismatch import logprob_mismatch, routing_disagreement
 from sglang_r3.report import output_logprobs
 
 BASE64 = 4 / 3  # upstream ships int32 rows as base64 text
@@ -348,7 +348,7 @@ def _run(args: argparse.Namespace, work: Path, started: list[Any]) -> Stats:
 
     from cache_service.redis_proc import free_port
     from r3_client.replay import apply_routing_replay
-    from sglang_r3.testing import build_tiny_model, start_cache, start_engine
+    from sglang_r3.harness import build_tiny_model, start_cache, start_engine
 
     # The demo prints its own stage lines; transformers' per-file bars would bury them.
     tf: Any = transformers

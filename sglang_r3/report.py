@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from r3_client import Routing, RoutingClient
 from r3_client.layouts import hf_layout
-from r3_client.metrics import extreme_frac, logprob_mismatch, routing_disagreement
+from r3_client.mismatch import extreme_frac, logprob_mismatch, routing_disagreement
 
 TAUS = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0)
 
@@ -258,7 +258,7 @@ def run_report(args: argparse.Namespace) -> int:
     import transformers
 
     from cache_service.redis_proc import free_port
-    from sglang_r3.testing import build_tiny_model, start_cache, start_engine
+    from sglang_r3.harness import build_tiny_model, start_cache, start_engine
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

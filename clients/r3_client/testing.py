@@ -1,4 +1,4 @@
-"""Synthetic routing for tests, benchmarks and demos (no model needed).
+"""Synthetic routing and tiny MoE model configs, for tests, benchmarks and demos.
 
 ``synthetic_routing`` draws router scores and takes their top-k, so rows are
 genuine top-k sets in the engine's order (descending score):
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["synthetic_routing"]
+__all__ = ["TINY_FAMILIES", "synthetic_routing", "tiny_moe_config"]
 
 _CHUNK_TOKENS = 1024
 
@@ -59,3 +59,82 @@ def synthetic_routing(
     if empty:
         out[rng.random((t, nl)) < empty] = -1
     return out
+
+
+# ---------------------------------------------------------------- tiny MoE configs
+
+#: The model types :func:`tiny_moe_config` builds (every family ``r3_client.replay`` knows).
+TINY_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
+
+
+def tiny_moe_config(
+    family: str,
+    *,
+    layers: int = 3,
+    experts: int = 8,
+    topk: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    ffn: int = 96,
+    moe_ffn: int = 32,
+    vocab: int = 256,
+    positions: int = 512,
+    **extra: Any,
+) -> Any:
+    """A small random-init ``transformers`` config of ``family`` (nothing is downloaded).
+
+    The one builder behind the replay tests' models and the engine's test
+    checkpoints (``sglang_r3.harness``).  ``ffn`` sizes dense MLPs, ``moe_ffn`` each
+    expert; ``extra`` adds or overrides config fields (e.g. DeepSeek's ``n_group``).
+    """
+    import transformers
+
+    tf: Any = transformers  # configs take **kwargs that the stubs do not list
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
+        num_experts_per_tok=topk,
+        tie_word_embeddings=False,
+    )
+    experts_only = {**common, "intermediate_size": moe_ffn}  # no dense MLP in these
+    if family == "qwen3_moe":
+        kw = dict(
+            common, head_dim=head_dim, moe_intermediate_size=moe_ffn, num_experts=experts,
+            norm_topk_prob=True,
+        )  # fmt: skip
+        return tf.Qwen3MoeConfig(**{**kw, **extra})
+    if family == "qwen2_moe":
+        kw = dict(
+            common, moe_intermediate_size=moe_ffn, shared_expert_intermediate_size=moe_ffn,
+            num_experts=experts, norm_topk_prob=False,
+        )  # fmt: skip
+        return tf.Qwen2MoeConfig(**{**kw, **extra})
+    if family == "olmoe":
+        return tf.OlmoeConfig(**{**experts_only, "num_experts": experts, **extra})
+    if family == "mixtral":
+        return tf.MixtralConfig(**{**experts_only, "num_local_experts": experts, **extra})
+    if family == "deepseek_v3":
+        kw = dict(
+            common, moe_intermediate_size=moe_ffn, n_routed_experts=experts, n_shared_experts=1,
+            n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=head_dim,
+            routed_scaling_factor=2.5,
+        )  # fmt: skip
+        return tf.DeepseekV3Config(**{**kw, **extra})
+    if family == "glm4_moe":
+        kw = dict(
+            common, head_dim=head_dim, moe_intermediate_size=moe_ffn, n_routed_experts=experts,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        )  # fmt: skip
+        return tf.Glm4MoeConfig(**{**kw, **extra})
+    if family == "gpt_oss":
+        kw = dict(experts_only, head_dim=head_dim, num_local_experts=experts, sliding_window=64)
+        return tf.GptOssConfig(**{**kw, **extra})
+    raise ValueError(f"unknown family {family!r}; choose from {TINY_FAMILIES}")

@@ -28,7 +28,7 @@ from _k8s import Obj, container_env, containers, find, pod_spec, render
 from cache_service.redis_proc import free_port
 from cache_service.settings import ServiceSettings
 from sglang_r3 import launch_server
-from sglang_r3.testing import CPU_ARGS
+from sglang_r3.harness import CPU_ARGS
 
 PASSWORD = "test-password-0123456789"
 

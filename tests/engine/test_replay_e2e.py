@@ -15,8 +15,8 @@ import transformers
 
 from r3_client import RoutingClient
 from r3_client.replay import apply_routing_replay
+from sglang_r3.harness import EngineServer
 from sglang_r3.report import generate_rollouts, measure
-from sglang_r3.testing import EngineServer
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -29,7 +29,7 @@ from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
-from sglang_r3.testing import EngineServer, start_engine, start_router, words
+from sglang_r3.harness import EngineServer, start_engine, start_router, words
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from r3_client import Routing, ShapeError
-from r3_client.metrics import (
+from r3_client.mismatch import (
     extreme_frac,
     k3_kl,
     logp_abs_diff,

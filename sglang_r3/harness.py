@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from r3_client.testing import tiny_moe_config
+
 FAMILIES = ("qwen3_moe", "glm4_moe", "olmoe", "mixtral")
 VOCAB = 1024
 CHAT_TEMPLATE = (
@@ -27,54 +29,22 @@ CHAT_TEMPLATE = (
 def _config(
     family: str, layers: int, experts: int, topk: int, hidden: int = 128, positions: int = 4096
 ) -> Any:
-    import transformers
-
-    tf: Any = transformers  # configs take **kwargs that the stubs do not list
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=positions,
-        num_experts_per_tok=topk,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(
-            **common,
-            head_dim=32,
-            moe_intermediate_size=64,
-            num_experts=experts,
-            norm_topk_prob=True,
-        )
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    sizes: dict[str, Any] = dict(
+        layers=layers, experts=experts, topk=topk, hidden=hidden, heads=4, kv_heads=2,
+        head_dim=32, ffn=2 * hidden, moe_ffn=64, vocab=VOCAB, positions=positions,
+    )  # fmt: skip
+    tokens = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if family == "glm4_moe":
-        return tf.Glm4MoeConfig(
-            **common,
-            head_dim=32,
-            moe_intermediate_size=64,
-            n_routed_experts=experts,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=True,
-            partial_rotary_factor=0.5,
+        return tiny_moe_config(
+            family, **sizes, **tokens, norm_topk_prob=True, partial_rotary_factor=0.5
         )
     if family == "olmoe":
-        common["intermediate_size"] = 64
         # SGLang 0.5.23 sizes OLMoE's q/k norms by the hidden size, so its key/value
         # heads must equal its query heads there (2 KV heads fail to load).
-        common["num_key_value_heads"] = common["num_attention_heads"]
-        return tf.OlmoeConfig(**common, num_experts=experts)
-    if family == "mixtral":
-        common["intermediate_size"] = 64
-        return tf.MixtralConfig(**common, num_local_experts=experts)
-    raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+        sizes["kv_heads"] = sizes["heads"]
+    return tiny_moe_config(family, **sizes, **tokens)
 
 
 def build_tiny_model(
@@ -345,14 +315,14 @@ def start_router(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sglang_r3.testing build-model OUT``: write a tiny MoE checkpoint.
+    """``python -m sglang_r3.harness build-model OUT``: write a tiny MoE checkpoint.
 
     Used where a real checkpoint cannot be had: the dev Kubernetes overlay's init
     container, laptops without a model hub.
     """
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m sglang_r3.testing")
+    p = argparse.ArgumentParser(prog="python -m sglang_r3.harness")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build-model", help="write a random tiny MoE checkpoint + tokenizer")
     b.add_argument("out", type=Path)
