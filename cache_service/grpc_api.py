@@ -93,19 +93,19 @@ class RoutingCacheServicer:
         """Authenticate, parse, run ``fn(namespace, request)``; an error becomes a status."""
         op = _OPS[method]
         t0 = time.perf_counter()
-        code = "OK"
+        code, http_status = "OK", 200
         try:
             ns = self._namespace(context)  # before the message is even parsed
             self.metrics.bytes_in.labels("grpc").inc(len(raw))
             return await fn(ns, self._parse(method, cls, raw))
         except R3Error as exc:
             status = status_for(exc)
-            code = status.grpc.name
+            code, http_status = status.grpc.name, status.http
             context.set_trailing_metadata((("r3-error-code", exc.code),))
             await context.abort(status.grpc, str(exc))
             raise  # abort() raises; this line is never reached
         except MemoryError:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED.name
+            code, http_status = grpc.StatusCode.RESOURCE_EXHAUSTED.name, 413
             context.set_trailing_metadata((("r3-error-code", LimitExceededError.code),))
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -115,15 +115,14 @@ class RoutingCacheServicer:
         except Exception:
             if context.done():
                 raise
-            code = grpc.StatusCode.INTERNAL.name
+            code, http_status = grpc.StatusCode.INTERNAL.name, 500
             logger.exception("gRPC %s failed", method)
             await context.abort(
                 grpc.StatusCode.INTERNAL, "internal error; the service log has the details"
             )
             raise
         finally:
-            self.metrics.requests.labels("grpc", op, code).inc()
-            self.metrics.latency.labels("grpc", op).observe(time.perf_counter() - t0)
+            self.metrics.record_request("grpc", op, http_status, time.perf_counter() - t0)
             log_event(
                 "request",
                 logging.INFO,

@@ -39,6 +39,7 @@ from r3_client import (
     RolloutNotFoundError,
 )
 from r3_client._stream import (
+    FRAME_MEDIA_TYPE,
     STREAM_MEDIA_TYPE,
     encode_error_item,
     encode_frame_item,
@@ -48,7 +49,7 @@ from r3_client._stream import (
 
 __all__ = ["FRAME_MEDIA_TYPE", "create_app"]
 
-FRAME_MEDIA_TYPE = "application/x-r3-frame"
+
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
@@ -231,8 +232,7 @@ class _Observe:
         finally:
             op = getattr(scope.get("route"), "name", "unknown")
             m = self.metrics
-            m.requests.labels("http", op, str(status)).inc()
-            m.latency.labels("http", op).observe(time.perf_counter() - t0)
+            m.record_request("http", op, status, time.perf_counter() - t0)
             m.bytes_out.labels("http").inc(sent)
             length = dict(scope.get("headers", ())).get(b"content-length", b"")
             if length.isdigit():

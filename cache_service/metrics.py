@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["Metrics"]
@@ -21,7 +17,7 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "r3_requests",
-            "Requests by transport, operation and result code",
+            "Requests by transport, operation and HTTP status (gRPC mapped to the same)",
             ["transport", "op", "code"],
             registry=r,
         )
@@ -48,20 +44,15 @@ class Metrics:
             "r3_batch_items", "Batch-get items by result", ["result"], registry=r
         )
 
-    @contextmanager
-    def observe(self, transport: str, op: str) -> Iterator[dict[str, str]]:
-        """Time one request; the caller sets ``ctx["code"]`` (default ``ok``)."""
-        ctx = {"code": "ok"}
-        t0 = time.perf_counter()
-        try:
-            yield ctx
-        except BaseException:
-            if ctx["code"] == "ok":
-                ctx["code"] = "error"
-            raise
-        finally:
-            self.latency.labels(transport, op).observe(time.perf_counter() - t0)
-            self.requests.labels(transport, op, ctx["code"]).inc()
+    def record_request(self, transport: str, op: str, status: int, seconds: float) -> None:
+        """Count and time one answered request, the same way for both transports.
+
+        ``status`` is the HTTP status; a gRPC answer is labelled with the HTTP status
+        of the same outcome (``cache_service.errors``' table, 200 for OK), so one
+        query covers both transports.
+        """
+        self.requests.labels(transport, op, str(status)).inc()
+        self.latency.labels(transport, op).observe(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -124,7 +124,7 @@ def to_base64(routing: Routing, shape: MoeShape, skip: int = 0) -> str:
     return EngineRows(engine_rows_of(routing, shape)[skip:]).to_base64()
 
 
-def check_rows(rows: npt.NDArray[Any], expected: int) -> None:
+def check_engine_rows(rows: npt.NDArray[Any], expected: int) -> None:
     """Guards on what the engine returned, before anything is stored.
 
     The row count must match the tokens (upstream only logs a warning).  All-zero
@@ -136,7 +136,7 @@ def check_rows(rows: npt.NDArray[Any], expected: int) -> None:
 
 
 def check_row_count(got: int, expected: int) -> None:
-    """500 unless the engine returned ``expected`` rows (see :func:`check_rows`)."""
+    """500 unless the engine returned ``expected`` rows (see :func:`check_engine_rows`)."""
     if got != expected:
         metrics.GUARD_TRIPS.labels("row_count").inc()
         raise R3RequestError(
@@ -280,7 +280,7 @@ class Shipper:
         if self._test_delay:
             time.sleep(self._test_delay)
         rows = engine_rows_of(routing, self.shape)
-        check_rows(rows, cuts[-1] - start)
+        check_engine_rows(rows, cuts[-1] - start)
         moe = rows if self._all_moe else rows[:, list(self.shape.moe_layer_ids), :]
         return self._frames(rollout_id, moe, start, cuts, tokens, wv)
 

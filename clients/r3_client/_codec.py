@@ -549,7 +549,7 @@ def _expect_params(params: dict[str, Any], keys: set[str]) -> None:
         raise FrameError(f"codec params {sorted(map(str, params))} differ from {sorted(keys)}")
 
 
-def _check_rows(rows: int, per_row: int, what: str) -> None:
+def _check_decoded_size(rows: int, per_row: int, what: str) -> None:
     # Guard allocations against absurd declared sizes before touching numpy.
     if rows * per_row > (1 << 34):
         raise FrameError(f"{what}: frame declares {rows} rows, too many to decode")
@@ -557,7 +557,7 @@ def _check_rows(rows: int, per_row: int, what: str) -> None:
 
 def _raw_decode(body: memoryview, shape: tuple[int, int, int], e: int) -> npt.NDArray[Any]:
     dt = _raw_dtype(e)
-    _check_rows(shape[0], shape[1] * shape[2], "raw")
+    _check_decoded_size(shape[0], shape[1] * shape[2], "raw")
     want = shape[0] * shape[1] * shape[2] * dt.itemsize
     if len(body) != want:
         raise CodecError(f"raw body is {len(body)} bytes, expected {want}")
@@ -573,7 +573,7 @@ def _raw_decode(body: memoryview, shape: tuple[int, int, int], e: int) -> npt.ND
 
 def _set_decode(body: memoryview, shape: tuple[int, int, int], e: int) -> npt.NDArray[Any]:
     rows, nl, k = shape
-    _check_rows(rows, nl, "set")
+    _check_decoded_size(rows, nl, "set")
     rk = ranker(e, k)
     n = rows * nl
     if rk.wide:
@@ -591,7 +591,7 @@ def _zset_decode(
     body: memoryview, shape: tuple[int, int, int], e: int, relabel: bool
 ) -> npt.NDArray[Any]:
     rows, nl, k = shape
-    _check_rows(rows, nl * k, "set-zstd")
+    _check_decoded_size(rows, nl * k, "set-zstd")
     gdt = _gap_dtype(e, k)
     tdt = _raw_dtype(e)
     table_len = nl * e * tdt.itemsize if relabel else 0

@@ -37,9 +37,11 @@ __all__ = [
 STREAM_MAGIC: Final = b"R3ST"
 STREAM_VERSION: Final = 1
 STREAM_MEDIA_TYPE: Final = "application/x-r3-stream"
-FRAME = 0
-ERROR = 1
-TRAILER = 2
+#: The media type of one routing frame (PUT bodies, single GETs).
+FRAME_MEDIA_TYPE: Final = "application/x-r3-frame"
+ITEM_FRAME = 0  # item kinds of the stream (not a media type: that is STREAM_MEDIA_TYPE)
+ITEM_ERROR = 1
+ITEM_TRAILER = 2
 _HEAD = struct.Struct("<BH")
 _LEN = struct.Struct("<I")
 #: Largest payload a reader accepts (a frame of ~1M tokens x 94 layers in `set`).
@@ -74,18 +76,18 @@ def _item(kind: int, rollout_id: str, payload: bytes) -> bytes:
 
 def encode_frame_item(rollout_id: str, frame: bytes) -> bytes:
     """An item carrying ``frame`` for ``rollout_id``."""
-    return _item(FRAME, rollout_id, frame)
+    return _item(ITEM_FRAME, rollout_id, frame)
 
 
 def encode_error_item(rollout_id: str, code: str, message: str, status: int) -> bytes:
     """An item saying why ``rollout_id`` has no frame (e.g. ``not_found``, 404)."""
     body = json.dumps({"code": code, "message": message, "status": status}).encode()
-    return _item(ERROR, rollout_id, body)
+    return _item(ITEM_ERROR, rollout_id, body)
 
 
 def encode_trailer(count: int) -> bytes:
     """The closing record: how many items the stream held."""
-    return _item(TRAILER, "", json.dumps({"count": count}).encode())
+    return _item(ITEM_TRAILER, "", json.dumps({"count": count}).encode())
 
 
 class StreamDecoder:
@@ -131,14 +133,14 @@ class StreamDecoder:
             rid = bytes(self._buf[_HEAD.size : at]).decode()
             payload = bytes(self._buf[at + _LEN.size : end])
             del self._buf[:end]
-            if kind == FRAME:
+            if kind == ITEM_FRAME:
                 self._count += 1
                 yield StreamItem(rid, frame=payload)
-            elif kind == ERROR:
+            elif kind == ITEM_ERROR:
                 self._count += 1
                 err = json.loads(payload)
                 yield StreamItem(rid, None, err["code"], err["message"], int(err["status"]))
-            elif kind == TRAILER:
+            elif kind == ITEM_TRAILER:
                 if json.loads(payload).get("count") != self._count:
                     raise FrameError("batch stream trailer count does not match its items")
                 self.done = True

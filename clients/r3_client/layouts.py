@@ -141,7 +141,9 @@ def _lengths(values: Sequence[int] | npt.ArrayLike, name: str, n: int) -> npt.ND
     return out
 
 
-def _check_rows(rows: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], how: str) -> None:
+def _check_rows_match_tokens(
+    rows: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], how: str
+) -> None:
     """Every sample must have exactly ``tokens - 1`` routing rows."""
     bad = np.flatnonzero(rows != tokens - 1)
     if bad.size:
@@ -184,7 +186,7 @@ def verl_layout(
     n = len(batch.arrays)
     p = _lengths(prompt_lens, "prompt_lens", n)
     r = _lengths(response_lens, "response_lens", n)
-    _check_rows(batch.lengths(), p + r, "prompt + response")
+    _check_rows_match_tokens(batch.lengths(), p + r, "prompt + response")
     plen = int(p.max()) if prompt_len is None else int(prompt_len)
     rlen = int(r.max()) if response_len is None else int(response_len)
     for name, have, cap in (("prompt", p, plen), ("response", r, rlen)):
@@ -271,7 +273,9 @@ def hf_layout(
     if len(batch.arrays) != n:
         raise ShapeError(f"attention_mask has {n} rows but {len(batch.arrays)} routings were given")
     attended = mask != 0
-    _check_rows(batch.lengths(), attended.sum(axis=1).astype(np.int64), "attended positions")
+    _check_rows_match_tokens(
+        batch.lengths(), attended.sum(axis=1).astype(np.int64), "attended positions"
+    )
     out = np.full((n, seq, batch.num_layers, batch.topk), -1, dtype=batch.out_dtype)
     for b, arr in enumerate(batch.arrays):
         out[b, np.flatnonzero(attended[b])[:-1]] = arr

@@ -121,7 +121,7 @@ async def test_no_row_work_on_the_event_loop(
     loop's thread (judged by which thread called them, not by timing)."""
     calls = _record_threads(
         monkeypatch,
-        ["engine_rows_of", "decode_rows", "check_rows", "token_digest", "encode_frame"],
+        ["engine_rows_of", "decode_rows", "check_engine_rows", "token_digest", "encode_frame"],
     )
     loop_thread = threading.get_ident()
     rows = rows_for(300, seed=2)
@@ -139,7 +139,7 @@ async def test_no_row_work_on_the_event_loop(
         (199, 300),
     ]
     names = {n for n, _ in calls}
-    assert {"engine_rows_of", "check_rows", "token_digest", "encode_frame"} <= names
+    assert {"engine_rows_of", "check_engine_rows", "token_digest", "encode_frame"} <= names
     assert all(t != loop_thread for _, t in calls), calls
     inline = await asyncio.to_thread(shipping.to_base64, routing, SHAPE, 10)
     assert inline == base64.b64encode(rows[10:].tobytes()).decode()

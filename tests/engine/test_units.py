@@ -15,7 +15,7 @@ from sglang_r3.config import ConfigError, EngineConfig
 from sglang_r3.cpu import build_cuda_stub
 from sglang_r3.errors import R3RequestError
 from sglang_r3.layers import moe_shape
-from sglang_r3.shipping import Shipper, check_rows, decode_rows
+from sglang_r3.shipping import Shipper, check_engine_rows, decode_rows
 from sglang_r3.tagging import OutputTag, output_tags, request_shape
 
 
@@ -174,9 +174,9 @@ def b64(rows: np.ndarray) -> str:
 def test_row_guards() -> None:
     rows = np.tile(np.array([1, 2], np.int32), (5, 3, 1))
     assert decode_rows(b64(rows), SHAPE).shape == (5, 3, 2)
-    check_rows(decode_rows(b64(rows), SHAPE), 5)
+    check_engine_rows(decode_rows(b64(rows), SHAPE), 5)
     with pytest.raises(R3RequestError, match="5 routing rows for 6 token positions"):
-        check_rows(rows, 6)
+        check_engine_rows(rows, 6)
     with pytest.raises(R3RequestError, match="not a whole number"):
         decode_rows(base64.b64encode(b"\0" * 20).decode(), SHAPE)
 

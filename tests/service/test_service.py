@@ -370,3 +370,19 @@ def test_http_only_deployment_via_uvicorn_factory(redis_single: RedisProcess) ->
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_both_transports_label_the_same_outcome_the_same(service_single: Service) -> None:
+    """``r3_requests_total{code}`` is the HTTP status on HTTP and on gRPC alike."""
+    missing = rid()
+    with service_single.http() as c:
+        assert c.get(f"/v1/rollouts/{missing}/stat").status_code == 404
+    with pytest.raises(grpc.RpcError) as err:
+        service_single.stub().StatRollout(pb.RolloutRef(rollout_id=missing), metadata=grpc_md())
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with service_single.http(None) as c:
+        text = c.get("/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}).text
+    for transport in ("http", "grpc"):
+        line = f'r3_requests_total{{code="404",op="stat_rollout",transport="{transport}"}}'
+        assert line in text, transport
+    assert 'code="NOT_FOUND"' not in text and 'code="OK"' not in text

@@ -11,11 +11,9 @@ import httpx
 
 from r3_client._config import Timeout
 from r3_client._exceptions import ProtocolError, R3Error, error_for_code, from_httpx
-from r3_client._stream import StreamDecoder, StreamItem
+from r3_client._stream import FRAME_MEDIA_TYPE, StreamDecoder, StreamItem
 
 __all__ = ["AsyncHTTPTransport", "HTTPTransport"]
-
-FRAME = "application/x-r3-frame"
 
 
 def _path(rollout_id: str, suffix: str = "") -> str:
@@ -114,7 +112,7 @@ class HTTPTransport:
             resp = self._http.put(
                 _path(rollout_id, "/segments"),
                 content=frame,
-                headers={"Content-Type": FRAME},
+                headers={"Content-Type": FRAME_MEDIA_TYPE},
             )
         _raise_for(resp)
         return _json(resp)
@@ -200,7 +198,7 @@ class AsyncHTTPTransport:
             resp = await self._http.put(
                 _path(rollout_id, "/segments"),
                 content=frame,
-                headers={"Content-Type": FRAME},
+                headers={"Content-Type": FRAME_MEDIA_TYPE},
             )
         _raise_for(resp)
         return _json(resp)
