@@ -14,33 +14,14 @@ from cache_service.auth import KeyRing, bearer_token
 from cache_service.errors import status_for
 from cache_service.logs import log_event
 from cache_service.service import RoutingService
-from r3_client import InvalidRequestError, LimitExceededError, R3Error, RolloutInfo, Segment
+from r3_client import InvalidRequestError, LimitExceededError, R3Error
 from r3_client._proto import r3_cache_pb2 as pb
+from r3_client._records import to_message
 
 __all__ = ["RoutingCacheServicer", "start_grpc_server"]
 
 T = TypeVar("T")
 logger = logging.getLogger("r3.cache")
-
-
-def _segment(seg: Segment) -> pb.Segment:
-    return pb.Segment(**seg.to_dict())
-
-
-def _stat(st: RolloutInfo) -> pb.RolloutStat:
-    fields = st.to_dict()
-    segments = [
-        pb.SegmentInfo(
-            segment=pb.Segment(**{k: s[k] for k in pb.Segment.DESCRIPTOR.fields_by_name}),
-            codec=s["codec"],
-            nbytes=s["nbytes"],
-            shared=s["shared"],
-        )
-        for s in fields.pop("segments")
-    ]
-    # unset optional fields mean "unknown" (memory) and "no expiry" (ttl)
-    present = {k: v for k, v in fields.items() if v is not None}
-    return pb.RolloutStat(**present, segments=segments)
 
 
 class RoutingCacheServicer:
@@ -139,14 +120,8 @@ class RoutingCacheServicer:
 
         async def run(ns: str, request: pb.PutSegmentRequest) -> pb.PutSegmentResponse:
             r = await self.service.put_segment(ns, request.rollout_id, request.frame)
-            return pb.PutSegmentResponse(
-                status=r.status,
-                rollout_id=r.rollout_id,
-                segment=_segment(r.segment),
-                nbytes=r.nbytes,
-                shared=r.shared,
-                dedupe_hit=r.dedupe_hit,
-            )
+            message: pb.PutSegmentResponse = to_message(r, pb.PutSegmentResponse)
+            return message
 
         return await self._call("PutSegment", pb.PutSegmentRequest, raw, context, run)
 
@@ -174,7 +149,10 @@ class RoutingCacheServicer:
         """See the .proto."""
 
         async def run(ns: str, request: pb.RolloutRef) -> pb.RolloutStat:
-            return _stat(await self.service.stat(ns, request.rollout_id))
+            message: pb.RolloutStat = to_message(
+                await self.service.stat(ns, request.rollout_id), pb.RolloutStat
+            )
+            return message
 
         return await self._call("StatRollout", pb.RolloutRef, raw, context, run)
 

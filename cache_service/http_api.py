@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, TypedDict
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,6 +38,7 @@ from r3_client import (
     RolloutInfo,
     RolloutNotFoundError,
 )
+from r3_client._records import to_plain
 from r3_client._stream import (
     FRAME_MEDIA_TYPE,
     STREAM_MEDIA_TYPE,
@@ -73,65 +74,9 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-class SegmentModel(BaseModel):
-    """A segment: token rows ``[start, end)`` and who produced them."""
-
-    start: int
-    end: int
-    model_id: str = ""
-    weight_version: str = ""
-    tokens_digest: str = ""
-
-
-class PutResponse(BaseModel):
-    """Outcome of a segment PUT (201 stored, 200 duplicate)."""
-
-    status: Literal["stored", "duplicate"]
-    rollout_id: str
-    segment: SegmentModel
-    nbytes: int
-    shared: bool
-    dedupe_hit: bool
-
-    @classmethod
-    def of(cls, r: PutResult) -> PutResponse:
-        """From the store's result."""
-        return cls(
-            status=r.status,
-            rollout_id=r.rollout_id,
-            segment=SegmentModel(**r.segment.to_dict()),
-            nbytes=r.nbytes,
-            shared=r.shared,
-            dedupe_hit=r.dedupe_hit,
-        )
-
-
-class SegmentInfoModel(SegmentModel):
-    """A stored segment with its codec and size."""
-
-    codec: str
-    nbytes: int
-    shared: bool
-
-
-class StatResponse(BaseModel):
-    """What is stored for one rollout."""
-
-    rollout_id: str
-    num_experts: int
-    topk: int
-    layer_ids: list[int]
-    num_rows: int
-    stored_bytes: int
-    shared_bytes: int
-    memory_bytes: int | None
-    ttl_s: float | None
-    segments: list[SegmentInfoModel]
-
-    @classmethod
-    def of(cls, st: RolloutInfo) -> StatResponse:
-        """From the store's stat."""
-        return cls.model_validate(st.to_dict())
+# PUT and stat answers are r3_client's dataclasses (PutResult, RolloutInfo): FastAPI
+# derives their JSON and OpenAPI schema from them, as the gRPC messages are derived
+# (r3_client/_records.py), so each answer is defined once.
 
 
 class TouchRequest(BaseModel):
@@ -341,8 +286,8 @@ def create_app(
         "/v1/rollouts/{rollout_id}/segments",
         name="put_segment",
         status_code=201,
-        response_model=PutResponse,
-        responses={200: {"model": PutResponse, "description": "the same segment was stored"}},
+        response_model=PutResult,
+        responses={200: {"model": PutResult, "description": "the same segment was stored"}},
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -357,9 +302,7 @@ def create_app(
         """Store one segment of a rollout. Idempotent; a differing overlap is a 409."""
         body = await request.body()  # bounded by RequestGuard while it streamed in
         res = await svc.put_segment(ns, rollout_id, body)
-        return JSONResponse(
-            PutResponse.of(res).model_dump(), status_code=201 if res.status == "stored" else 200
-        )
+        return JSONResponse(to_plain(res), status_code=201 if res.status == "stored" else 200)
 
     @app.get(
         "/v1/rollouts/{rollout_id}",
@@ -396,10 +339,10 @@ def create_app(
         data = await svc.get_frame(ns, rollout_id, start=start, end=end, layers=lay)
         return Response(data, media_type=FRAME_MEDIA_TYPE)
 
-    @app.get("/v1/rollouts/{rollout_id}/stat", name="stat_rollout", response_model=StatResponse)
-    async def stat_rollout(rollout_id: str, svc: ServiceDep, ns: NamespaceDep) -> StatResponse:
+    @app.get("/v1/rollouts/{rollout_id}/stat", name="stat_rollout", response_model=RolloutInfo)
+    async def stat_rollout(rollout_id: str, svc: ServiceDep, ns: NamespaceDep) -> RolloutInfo:
         """Segments, sizes and TTL of a rollout, without its rows."""
-        return StatResponse.of(await svc.stat(ns, rollout_id))
+        return await svc.stat(ns, rollout_id)
 
     @app.delete(
         "/v1/rollouts/{rollout_id}", name="delete_rollout", status_code=204, response_class=Response

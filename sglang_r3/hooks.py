@@ -397,8 +397,7 @@ async def _tagged_generate(
     obj.return_routed_experts = True
     obj.return_prompt_token_ids = True
 
-    plans: dict[str, tuple[OutputTag, Continuation]] = getattr(tm, "_r3_send_plans", None) or {}
-    tm._r3_send_plans = plans
+    plans = _SEND_PLANS
     planned: list[str] = []
     if any(c is not None for c in conts):
         for rid, tag, cont in zip(_send_rids(obj, batch, single), tags, conts, strict=True):
@@ -459,11 +458,15 @@ async def _tagged_generate(
             plans.pop(rid, None)
 
 
+# Continued rollouts' plans, from the generate hook to the send hooks, by request id.
+# Request ids are unique within the process's one TokenizerManager; the generate hook
+# removes its entries when the request ends.  (Kept here, not as an attribute set on
+# SGLang's own object.)
+_SEND_PLANS: dict[str, tuple[OutputTag, Continuation]] = {}
+
+
 def _apply_plan(tm: Any, tokenized: Any) -> None:
-    plans = getattr(tm, "_r3_send_plans", None)
-    if not plans:
-        return
-    plan = plans.get(getattr(tokenized, "rid", None))
+    plan = _SEND_PLANS.get(getattr(tokenized, "rid", None) or "")
     if plan is None:
         return
     tag, cont = plan

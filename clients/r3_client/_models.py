@@ -1,20 +1,20 @@
-"""What the client returns besides routing: put receipts and rollout descriptions."""
+"""What the client returns besides routing: put receipts and rollout descriptions.
+
+These dataclasses are the one definition of the service's answers; the HTTP JSON,
+the gRPC messages and their ``.proto`` definitions are derived from them
+(:mod:`r3_client._records`).  Add a field here (at the end), then run
+``scripts/gen_proto.sh``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from r3_client._exceptions import ProtocolError
 from r3_client._format import Segment
+from r3_client._records import from_plain, to_plain
 
-__all__ = ["PutResult", "RolloutInfo", "SegmentInfo"]
-
-_SEGMENT_KEYS = ("start", "end", "model_id", "weight_version", "tokens_digest")
-
-
-def _segment(d: dict[str, Any]) -> Segment:
-    return Segment(**{k: d[k] for k in _SEGMENT_KEYS if k in d})
+__all__ = ["PROTO_MESSAGES", "PutResult", "RolloutInfo", "SegmentInfo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,18 +30,8 @@ class PutResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PutResult:
-        """From the service's answer (HTTP JSON, or the gRPC message as a dict)."""
-        try:
-            return cls(
-                d["status"],
-                d["rollout_id"],
-                _segment(d["segment"]),
-                int(d["nbytes"]),
-                bool(d["shared"]),
-                bool(d["dedupe_hit"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"unexpected put answer: {exc}") from None
+        """From the service's answer (its plain form); :class:`ProtocolError` otherwise."""
+        return from_plain(cls, d)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,32 +61,19 @@ class RolloutInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form (the service's answers); inverse of :meth:`from_dict`."""
-        out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "segments"}
-        out["layer_ids"] = list(self.layer_ids)
-        out["segments"] = [
-            {**i.segment.to_dict(), "codec": i.codec, "nbytes": i.nbytes, "shared": i.shared}
-            for i in self.segments
-        ]
+        out: dict[str, Any] = to_plain(self)
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RolloutInfo:
-        """From the service's stat answer."""
-        try:
-            return cls(
-                rollout_id=d["rollout_id"],
-                num_experts=int(d["num_experts"]),
-                topk=int(d["topk"]),
-                layer_ids=tuple(int(x) for x in d["layer_ids"]),
-                num_rows=int(d["num_rows"]),
-                stored_bytes=int(d["stored_bytes"]),
-                shared_bytes=int(d["shared_bytes"]),
-                memory_bytes=d.get("memory_bytes"),
-                ttl_s=d.get("ttl_s"),
-                segments=tuple(
-                    SegmentInfo(_segment(s), s["codec"], int(s["nbytes"]), bool(s["shared"]))
-                    for s in d["segments"]
-                ),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"unexpected stat answer: {exc}") from None
+        """From the service's stat answer; :class:`ProtocolError` otherwise."""
+        return from_plain(cls, d)
+
+
+#: Each record's gRPC message in ``r3_cache.proto`` (generated from the dataclasses).
+PROTO_MESSAGES: dict[type, str] = {
+    Segment: "Segment",
+    SegmentInfo: "SegmentInfo",
+    RolloutInfo: "RolloutStat",
+    PutResult: "PutSegmentResponse",
+}

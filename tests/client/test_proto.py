@@ -21,3 +21,14 @@ def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:
         fresh = (tmp_path / name).read_text()
         committed = (ROOT / "clients" / "r3_client" / "_proto" / name).read_text()
         assert fresh == committed, f"{name} is stale: run scripts/gen_proto.sh"
+
+
+def test_the_proto_record_messages_are_generated_from_the_dataclasses() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "clients")},
+    )
+    assert done.returncode == 0, done.stderr

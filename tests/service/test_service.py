@@ -96,7 +96,7 @@ def test_stat_over_both_transports(svc: Service) -> None:
     assert st["num_rows"] == g.num_rows == 200
     assert st["layer_ids"] == list(g.layer_ids) == list(LAYERS)
     assert st["stored_bytes"] == g.stored_bytes > 0
-    assert [s["weight_version"] for s in st["segments"]] == ["v1", "v2"]
+    assert [s["segment"]["weight_version"] for s in st["segments"]] == ["v1", "v2"]
     assert [s.segment.weight_version for s in g.segments] == ["v1", "v2"]
     assert 0 < st["ttl_s"] <= 86400 and g.HasField("ttl_s")
 

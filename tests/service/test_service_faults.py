@@ -136,7 +136,7 @@ async def test_concurrent_http_writers_on_one_rollout_stay_consistent(svc: Servi
         for i in range(1, n_seg):  # every other range: one 201, two 200 (duplicates)
             assert sorted(codes[i + k * n_seg] for k in range(3)) == [200, 200, 201]
         st = (await c.get(f"/v1/rollouts/{r}/stat")).json()
-        assert [(s["start"], s["end"]) for s in st["segments"]] == [
+        assert [(s["segment"]["start"], s["segment"]["end"]) for s in st["segments"]] == [
             (i * width, (i + 1) * width) for i in range(n_seg)
         ]
         got = decode_rollout(

@@ -14,36 +14,6 @@ class PutSegmentRequest(_message.Message):
     frame: bytes
     def __init__(self, rollout_id: _Optional[str] = ..., frame: _Optional[bytes] = ...) -> None: ...
 
-class Segment(_message.Message):
-    __slots__ = ("start", "end", "model_id", "weight_version", "tokens_digest")
-    START_FIELD_NUMBER: _ClassVar[int]
-    END_FIELD_NUMBER: _ClassVar[int]
-    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_DIGEST_FIELD_NUMBER: _ClassVar[int]
-    start: int
-    end: int
-    model_id: str
-    weight_version: str
-    tokens_digest: str
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., tokens_digest: _Optional[str] = ...) -> None: ...
-
-class PutSegmentResponse(_message.Message):
-    __slots__ = ("status", "rollout_id", "segment", "nbytes", "shared", "dedupe_hit")
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
-    SEGMENT_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
-    SHARED_FIELD_NUMBER: _ClassVar[int]
-    DEDUPE_HIT_FIELD_NUMBER: _ClassVar[int]
-    status: str
-    rollout_id: str
-    segment: Segment
-    nbytes: int
-    shared: bool
-    dedupe_hit: bool
-    def __init__(self, status: _Optional[str] = ..., rollout_id: _Optional[str] = ..., segment: _Optional[_Union[Segment, _Mapping]] = ..., nbytes: _Optional[int] = ..., shared: _Optional[bool] = ..., dedupe_hit: _Optional[bool] = ...) -> None: ...
-
 class GetRolloutRequest(_message.Message):
     __slots__ = ("rollout_id", "start", "end", "layers")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -67,42 +37,6 @@ class RolloutRef(_message.Message):
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     def __init__(self, rollout_id: _Optional[str] = ...) -> None: ...
-
-class SegmentInfo(_message.Message):
-    __slots__ = ("segment", "codec", "nbytes", "shared")
-    SEGMENT_FIELD_NUMBER: _ClassVar[int]
-    CODEC_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
-    SHARED_FIELD_NUMBER: _ClassVar[int]
-    segment: Segment
-    codec: str
-    nbytes: int
-    shared: bool
-    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., codec: _Optional[str] = ..., nbytes: _Optional[int] = ..., shared: _Optional[bool] = ...) -> None: ...
-
-class RolloutStat(_message.Message):
-    __slots__ = ("rollout_id", "num_experts", "topk", "layer_ids", "num_rows", "stored_bytes", "shared_bytes", "memory_bytes", "ttl_s", "segments")
-    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
-    TOPK_FIELD_NUMBER: _ClassVar[int]
-    LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
-    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    TTL_S_FIELD_NUMBER: _ClassVar[int]
-    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
-    rollout_id: str
-    num_experts: int
-    topk: int
-    layer_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_rows: int
-    stored_bytes: int
-    shared_bytes: int
-    memory_bytes: int
-    ttl_s: float
-    segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
-    def __init__(self, rollout_id: _Optional[str] = ..., num_experts: _Optional[int] = ..., topk: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., num_rows: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("existed",)
@@ -153,3 +87,69 @@ class BatchItem(_message.Message):
     frame: bytes
     error: Error
     def __init__(self, rollout_id: _Optional[str] = ..., frame: _Optional[bytes] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("start", "end", "model_id", "weight_version", "tokens_digest")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    model_id: str
+    weight_version: str
+    tokens_digest: str
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., model_id: _Optional[str] = ..., weight_version: _Optional[str] = ..., tokens_digest: _Optional[str] = ...) -> None: ...
+
+class SegmentInfo(_message.Message):
+    __slots__ = ("segment", "codec", "nbytes", "shared")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    segment: Segment
+    codec: str
+    nbytes: int
+    shared: bool
+    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., codec: _Optional[str] = ..., nbytes: _Optional[int] = ..., shared: _Optional[bool] = ...) -> None: ...
+
+class RolloutStat(_message.Message):
+    __slots__ = ("rollout_id", "num_experts", "topk", "layer_ids", "num_rows", "stored_bytes", "shared_bytes", "memory_bytes", "ttl_s", "segments")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    num_experts: int
+    topk: int
+    layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_rows: int
+    stored_bytes: int
+    shared_bytes: int
+    memory_bytes: int
+    ttl_s: float
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
+    def __init__(self, rollout_id: _Optional[str] = ..., num_experts: _Optional[int] = ..., topk: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., num_rows: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ...) -> None: ...
+
+class PutSegmentResponse(_message.Message):
+    __slots__ = ("status", "rollout_id", "segment", "nbytes", "shared", "dedupe_hit")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    DEDUPE_HIT_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    rollout_id: str
+    segment: Segment
+    nbytes: int
+    shared: bool
+    dedupe_hit: bool
+    def __init__(self, status: _Optional[str] = ..., rollout_id: _Optional[str] = ..., segment: _Optional[_Union[Segment, _Mapping]] = ..., nbytes: _Optional[int] = ..., shared: _Optional[bool] = ..., dedupe_hit: _Optional[bool] = ...) -> None: ...

@@ -6,12 +6,13 @@ from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from r3_client._config import Timeout
 from r3_client._exceptions import ProtocolError, from_grpc
+from r3_client._models import PutResult, RolloutInfo
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
+from r3_client._records import from_message, to_plain
 from r3_client._stream import StreamItem
 
 __all__ = ["AsyncGrpcTransport", "GrpcTransport"]
@@ -29,21 +30,9 @@ _OPTIONS = [
 ]
 
 
-def _dict(msg: Any) -> dict[str, Any]:
-    # Same shape as the HTTP JSON: snake_case names, default values included, and
-    # unset optional fields (memory_bytes, ttl_s) absent, which reads as None.
-    out: dict[str, Any] = MessageToDict(
-        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    for key in ("nbytes", "num_rows", "stored_bytes", "shared_bytes", "memory_bytes"):
-        if key in out:  # int64 fields arrive as JSON strings
-            out[key] = int(out[key])
-    for seg in [out.get("segment"), *[s.get("segment") for s in out.get("segments", [])]]:
-        if seg:
-            seg["start"], seg["end"] = int(seg["start"]), int(seg["end"])
-    for s in out.get("segments", []):
-        s.update(s.pop("segment"))
-        s["nbytes"] = int(s["nbytes"])
+def _plain(msg: Any, cls: type) -> dict[str, Any]:
+    # The HTTP JSON's form of the same record: both are derived from one dataclass.
+    out: dict[str, Any] = to_plain(from_message(msg, cls))
     return out
 
 
@@ -102,11 +91,8 @@ class GrpcTransport:
 
     def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
         """See :class:`Transport`."""
-        return _dict(
-            self._call(
-                self._stub.PutSegment, pb.PutSegmentRequest(rollout_id=rollout_id, frame=frame)
-            )
-        )
+        req = pb.PutSegmentRequest(rollout_id=rollout_id, frame=frame)
+        return _plain(self._call(self._stub.PutSegment, req), PutResult)
 
     def get(
         self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
@@ -118,7 +104,8 @@ class GrpcTransport:
 
     def stat(self, rollout_id: str) -> dict[str, Any]:
         """See :class:`Transport`."""
-        return _dict(self._call(self._stub.StatRollout, pb.RolloutRef(rollout_id=rollout_id)))
+        req = pb.RolloutRef(rollout_id=rollout_id)
+        return _plain(self._call(self._stub.StatRollout, req), RolloutInfo)
 
     def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport`."""
@@ -183,9 +170,8 @@ class AsyncGrpcTransport:
 
     async def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
         """See :class:`Transport`."""
-        return _dict(
-            await self._call("PutSegment", pb.PutSegmentRequest(rollout_id=rollout_id, frame=frame))
-        )
+        req = pb.PutSegmentRequest(rollout_id=rollout_id, frame=frame)
+        return _plain(await self._call("PutSegment", req), PutResult)
 
     async def get(
         self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
@@ -197,7 +183,8 @@ class AsyncGrpcTransport:
 
     async def stat(self, rollout_id: str) -> dict[str, Any]:
         """See :class:`Transport`."""
-        return _dict(await self._call("StatRollout", pb.RolloutRef(rollout_id=rollout_id)))
+        req = pb.RolloutRef(rollout_id=rollout_id)
+        return _plain(await self._call("StatRollout", req), RolloutInfo)
 
     async def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport`."""
