@@ -1,0 +1,274 @@
+"""The HTTP API's routes: one ``APIRouter`` per resource, with their models and dependencies.
+
+``rollouts`` (segments in, frames and stats out, delete, touch), ``batch`` (many
+rollouts in one stream, direct-read plans) and ``operations`` (health, readiness,
+metrics).  :func:`cache_service.http_api.create_app` mounts them behind the
+request guard and the observing middleware.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+
+from cache_service.errors import status_for
+from cache_service.http_guard import NAMESPACE_STATE
+from cache_service.service import MAX_TTL_S, RoutingService
+from r3_client import (
+    InvalidRequestError,
+    PutResult,
+    R3Error,
+    RolloutInfo,
+    RolloutNotFoundError,
+)
+from r3_client._records import to_plain
+from r3_client._stream import (
+    FRAME_MEDIA_TYPE,
+    STREAM_MEDIA_TYPE,
+    encode_error_item,
+    encode_frame_item,
+    encode_trailer,
+    stream_header,
+)
+
+__all__ = ["ErrorResponse", "batch", "operations", "rollouts"]
+
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+
+
+# ---- response and request models -------------------------------------------------------------
+class ErrorBody(BaseModel):
+    """``{"code": machine-readable, "message": for a person}``."""
+
+    code: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer."""
+
+    error: ErrorBody
+
+
+# PUT and stat answers are r3_client's dataclasses (PutResult, RolloutInfo): FastAPI
+# derives their JSON and OpenAPI schema from them, as the gRPC messages are derived
+# (r3_client/_records.py), so each answer is defined once.
+
+
+class TouchRequest(BaseModel):
+    """New TTL in seconds (0 = never expire; omitted = the service default)."""
+
+    ttl_s: int | None = Field(default=None, ge=0, le=MAX_TTL_S)
+
+
+class ReadPlanResponse(BaseModel):
+    """Direct-read credentials: a Redis user that can only read this namespace's keys."""
+
+    redis_url: str
+    cluster: bool
+    username: str
+    password: str
+    key_prefix: str
+
+
+class BatchGetRequest(BaseModel):
+    """Many rollouts at once, optionally the same token range and layers of each."""
+
+    rollout_ids: list[str] = Field(min_length=1)
+    start: int = Field(default=0, ge=0)
+    end: int | None = Field(default=None, ge=1)
+    layers: list[int] | None = None
+
+
+# ---- dependencies -------------------------------------------------------------------------------
+def _service(request: Request) -> RoutingService:
+    service: RoutingService = request.state.service
+    return service
+
+
+def _namespace(request: Request) -> str:
+    # Authenticated by RequestGuard before the body was read.
+    ns: str = getattr(request.state, NAMESPACE_STATE)
+    return ns
+
+
+ServiceDep = Annotated[RoutingService, Depends(_service)]
+NamespaceDep = Annotated[str, Depends(_namespace)]
+StartQ = Annotated[int, Query(ge=0, description="first token row")]
+EndQ = Annotated[int | None, Query(ge=1, description="one past the last token row")]
+LayersQ = Annotated[
+    str | None, Query(description="comma-separated absolute MoE layer ids", max_length=8192)
+]
+
+
+def _parse_layers(layers: str | None) -> list[int] | None:
+    if layers is None:
+        return None
+    try:
+        return [int(x) for x in layers.split(",")]
+    except ValueError:
+        raise InvalidRequestError(
+            f"layers must be comma-separated integers, got {layers[:100]!r}"
+        ) from None
+
+
+rollouts = APIRouter(tags=["rollouts"])
+batch = APIRouter(tags=["batch"])
+operations = APIRouter(tags=["operations"])
+
+
+@rollouts.put(
+    "/v1/rollouts/{rollout_id}/segments",
+    name="put_segment",
+    status_code=201,
+    response_model=PutResult,
+    responses={200: {"model": PutResult, "description": "the same segment was stored"}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": "one routing frame (docs/format.md) carrying the segment",
+            "content": {FRAME_MEDIA_TYPE: _BINARY, "application/octet-stream": _BINARY},
+        }
+    },
+)
+async def put_segment(
+    rollout_id: str, request: Request, svc: ServiceDep, ns: NamespaceDep
+) -> JSONResponse:
+    """Store one segment of a rollout. Idempotent; a differing overlap is a 409."""
+    body = await request.body()  # bounded by RequestGuard while it streamed in
+    res = await svc.put_segment(ns, rollout_id, body)
+    return JSONResponse(to_plain(res), status_code=201 if res.status == "stored" else 200)
+
+
+@rollouts.get(
+    "/v1/rollouts/{rollout_id}",
+    name="get_rollout",
+    response_class=Response,
+    responses={
+        200: {
+            "description": (
+                "the stored frames overlapping the request, concatenated, undecoded "
+                "(context frames first; decode with r3_client.decode_rollout)"
+            ),
+            "content": {FRAME_MEDIA_TYPE: _BINARY},
+        }
+    },
+)
+async def get_rollout(
+    rollout_id: str,
+    svc: ServiceDep,
+    ns: NamespaceDep,
+    start: StartQ = 0,
+    end: EndQ = None,
+    layers: LayersQ = None,
+    fmt: Annotated[str, Query(alias="format", max_length=16)] = "frame",
+) -> Response:
+    """A rollout's stored frames, whole or cut to a token range / layer subset."""
+    if fmt != "frame":
+        # format=npy meant decoding here; the service no longer decodes routing.
+        raise InvalidRequestError(
+            f"format={fmt[:16]!r} is not served: the service returns the stored frames "
+            "undecoded (format=frame); decode them with r3_client.decode_rollout, or "
+            "write a .npy with `r3 get <id> -o out.npy`"
+        )
+    lay = _parse_layers(layers)
+    data = await svc.get_frame(ns, rollout_id, start=start, end=end, layers=lay)
+    return Response(data, media_type=FRAME_MEDIA_TYPE)
+
+
+@rollouts.get("/v1/rollouts/{rollout_id}/stat", name="stat_rollout", response_model=RolloutInfo)
+async def stat_rollout(rollout_id: str, svc: ServiceDep, ns: NamespaceDep) -> RolloutInfo:
+    """Segments, sizes and TTL of a rollout, without its rows."""
+    return await svc.stat(ns, rollout_id)
+
+
+@rollouts.delete(
+    "/v1/rollouts/{rollout_id}", name="delete_rollout", status_code=204, response_class=Response
+)
+async def delete_rollout(rollout_id: str, svc: ServiceDep, ns: NamespaceDep) -> Response:
+    """Delete a rollout (404 if there was none)."""
+    if not await svc.delete(ns, rollout_id):
+        raise RolloutNotFoundError(f"rollout {rollout_id} not found")
+    return Response(status_code=204)
+
+
+@rollouts.post(
+    "/v1/rollouts/{rollout_id}/touch",
+    name="touch_rollout",
+    status_code=204,
+    response_class=Response,
+)
+async def touch_rollout(
+    rollout_id: str, svc: ServiceDep, ns: NamespaceDep, body: TouchRequest | None = None
+) -> Response:
+    """Reset a rollout's TTL."""
+    await svc.touch(ns, rollout_id, body.ttl_s if body else None)
+    return Response(status_code=204)
+
+
+@batch.post(
+    "/v1/batch/get",
+    name="batch_get",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "length-prefixed stream of frames / errors (docs/format.md)",
+            "content": {STREAM_MEDIA_TYPE: _BINARY},
+        }
+    },
+)
+async def batch_get(req: BatchGetRequest, svc: ServiceDep, ns: NamespaceDep) -> StreamingResponse:
+    """Many rollouts in one streamed response, in request order, bounded memory."""
+    items = svc.batch_get(ns, req.rollout_ids, start=req.start, end=req.end, layers=req.layers)
+    first = await anext(items, None)  # a limit error still becomes a 413, not a cut stream
+
+    async def body() -> AsyncIterator[bytes]:
+        yield stream_header()
+        count = 0
+        pending = first
+        while pending is not None:
+            rid, res = pending
+            chunk = (
+                encode_frame_item(rid, res)
+                if isinstance(res, bytes)
+                else encode_error_item(rid, res.code, str(res), status_for(res).http)
+            )
+            count += 1
+            yield chunk
+            pending = await anext(items, None)
+        yield encode_trailer(count)
+
+    return StreamingResponse(body(), media_type=STREAM_MEDIA_TYPE)
+
+
+@batch.post("/v1/read-plan", name="read_plan", response_model=ReadPlanResponse)
+async def read_plan(svc: ServiceDep, ns: NamespaceDep) -> ReadPlanResponse:
+    """Credentials to read this namespace's rollouts from Redis directly (read-only)."""
+    return ReadPlanResponse(**await svc.read_plan(ns))  # type: ignore[arg-type]
+
+
+@operations.get("/healthz", name="healthz")
+async def healthz() -> dict[str, str]:
+    """Liveness: the process serves requests."""
+    return {"status": "ok"}
+
+
+@operations.get("/readyz", name="readyz", responses={503: {"model": ErrorResponse}})
+async def readyz(svc: ServiceDep) -> dict[str, str]:
+    """Readiness: Redis answers PING."""
+    await svc.ready()
+    return {"status": "ready"}
+
+
+@operations.get("/metrics", name="metrics", response_class=Response)
+async def metrics_endpoint(svc: ServiceDep) -> Response:
+    """Prometheus metrics (with auth on, only for the metrics key: RequestGuard)."""
+    # On a Redis failure the gauges keep their last value: the scrape must not fail.
+    with contextlib.suppress(R3Error):
+        await svc.refresh_store_gauges()
+    return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4")
