@@ -411,7 +411,6 @@ class Shipper:
         t0 = time.perf_counter()
         tokens = [*prompt_ids, *output_ids]
         end = len(tokens) - 1
-        expected = max(end - start, 0)
         ref: dict[str, Any] = {
             "rollout_id": tag.rollout_id,
             "start": start,
@@ -421,15 +420,65 @@ class Shipper:
             "segments": [],
         }
         if routing is None:
-            finish = meta_info.get("finish_reason") or {}
-            if isinstance(finish, dict) and finish.get("type") == "abort":
-                metrics.OUTPUTS.labels("aborted").inc()
-                ref["error"] = f"request aborted: {finish.get('message', '')}".strip()
-                return ref
-            metrics.GUARD_TRIPS.labels("missing").inc()
-            raise R3RequestError(
-                500, "r3: the engine returned no routing for a finished request (capture is off?)"
+            return self._no_routing(meta_info, ref)
+        wv = self._accept(tag, routing, meta_info, max(end - start, 0), ref)
+        if end <= start:
+            check_row_count(_nrows(routing, self.shape), 0)
+            self._remember(tag.rollout_id)
+            return self._stored(ref)
+        try:
+            written = await self._store_rows(
+                tag, routing, start, tokens, len(prompt_ids), wv, assumed_new, may_continue
             )
+        except (FormatError, SegmentConflictError, LimitExceededError, *_CACHE_DOWN) as exc:
+            return self._failed(exc, tag, ref)
+        plan, puts, start = written
+        ref["start"] = start
+        if not puts:  # the stored trajectory already covers every row
+            return self._stored(ref)
+        for seg, put in zip(plan.segs, puts, strict=True):
+            ref["nbytes"] += put.nbytes
+            ref["segments"].append(
+                {
+                    "start": seg.start,
+                    "end": seg.end,
+                    "nbytes": put.nbytes,
+                    "dedupe_hit": put.dedupe_hit,
+                }
+            )
+        metrics.ROWS.inc(end - start)
+        metrics.BYTES_SHIPPED.inc(ref["nbytes"])
+        metrics.SHIP_SECONDS.observe(time.perf_counter() - t0)
+        return self._stored(ref)
+
+    @staticmethod
+    def _stored(ref: dict[str, Any]) -> dict[str, Any]:
+        ref["stored"] = True
+        metrics.OUTPUTS.labels("stored").inc()
+        return ref
+
+    @staticmethod
+    def _no_routing(meta_info: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+        """An aborted request has no routing (the reference says why); else capture is off."""
+        finish = meta_info.get("finish_reason") or {}
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            metrics.OUTPUTS.labels("aborted").inc()
+            ref["error"] = f"request aborted: {finish.get('message', '')}".strip()
+            return ref
+        metrics.GUARD_TRIPS.labels("missing").inc()
+        raise R3RequestError(
+            500, "r3: the engine returned no routing for a finished request (capture is off?)"
+        )
+
+    def _accept(
+        self,
+        tag: OutputTag,
+        routing: Routing,
+        meta_info: dict[str, Any],
+        expected: int,
+        ref: dict[str, Any],
+    ) -> str:
+        """Count the hand-over, apply the retraction policy; the weight version to store."""
         metrics.BYTES_UPSTREAM.inc(expected * self.shape.num_layers * self.shape.topk * 4)
         metrics.HANDOVER.labels(_FORMS.get(type(routing), "other")).inc()
         retractions = int(meta_info.get("num_retractions") or 0)
@@ -443,91 +492,70 @@ class Shipper:
                     f"r3: the scheduler retracted this request {retractions} time(s); its rows "
                     "may be re-prefilled rather than those sampled with (policy: fail)",
                 )
-        engine_wv = str(meta_info.get("weight_version") or "")
-        wv = tag.weight_version or engine_wv
+        wv = tag.weight_version or str(meta_info.get("weight_version") or "")
         ref["weight_version"] = wv
-        if expected == 0:
-            check_row_count(_nrows(routing, self.shape), 0)
-            ref["stored"] = True
-            metrics.OUTPUTS.labels("stored").inc()
-            self._remember(tag.rollout_id)
-            return ref
-        prompt_end = len(prompt_ids) - 1
+        return wv
+
+    async def _store_rows(
+        self,
+        tag: OutputTag,
+        routing: Routing,
+        start: int,
+        tokens: list[int],
+        prompt_len: int,
+        wv: str,
+        assumed_new: bool,
+        may_continue: bool,
+    ) -> tuple[_Plan, list[PutResult], int]:
+        """Plan (in a worker thread) and write the segments; ``(plan, puts, start)``.
+
+        An ``assumed_new`` rollout the cache already holds is checked against the
+        stored trajectory and only the rows past it are written: ``start`` moves
+        there, and ``puts`` is empty when nothing is past it.
+        """
+        end, prompt_end = len(tokens) - 1, prompt_len - 1
+        cuts = self._cuts(tag, start, prompt_end, end)
+        plan = await asyncio.to_thread(self._plan, tag.rollout_id, routing, start, cuts, tokens, wv)
         try:
-            plan = await asyncio.to_thread(
-                self._plan,
-                tag.rollout_id,
-                routing,
-                start,
-                self._cuts(tag, start, prompt_end, end),
-                tokens,
-                wv,
-            )
-            try:
-                puts = await self._write(tag.rollout_id, plan)
-            except SegmentConflictError:
-                if not assumed_new:
-                    raise
-                cont = await self._stored_prefix(tag, prompt_ids, may_continue)
-                if cont is None:
-                    raise
-                # Only the rows past the stored trajectory are new.
-                start = cont.end
-                ref["start"] = start
-                if start >= end:  # nothing past it (no token generated)
-                    ref["stored"] = True
-                    metrics.OUTPUTS.labels("stored").inc()
-                    return ref
-                plan = await asyncio.to_thread(
-                    self._frames,
-                    tag.rollout_id,
-                    plan.moe[start:],
-                    start,
-                    self._cuts(tag, start, prompt_end, end),
-                    tokens,
-                    wv,
-                )
-                puts = await self._write(tag.rollout_id, plan)
-        except FormatError as exc:
+            return plan, await self._write(tag.rollout_id, plan), start
+        except SegmentConflictError:
+            if not assumed_new:
+                raise
+            cont = await self._stored_prefix(tag, tokens[:prompt_len], may_continue)
+            if cont is None:
+                raise
+        start = cont.end  # only the rows past the stored trajectory are new
+        if start >= end:  # nothing past it (no token generated)
+            return plan, [], start
+        cuts = self._cuts(tag, start, prompt_end, end)
+        plan = await asyncio.to_thread(
+            self._frames, tag.rollout_id, plan.moe[start:], start, cuts, tokens, wv
+        )
+        return plan, await self._write(tag.rollout_id, plan), start
+
+    def _failed(self, exc: Exception, tag: OutputTag, ref: dict[str, Any]) -> dict[str, Any]:
+        """The status a failed store answers with, or under ``inline`` the fallback reference."""
+        if isinstance(exc, FormatError):
             metrics.GUARD_TRIPS.labels("invalid_rows").inc()
             raise R3RequestError(
                 500, f"r3: engine routing failed validation, not stored: {exc}"
             ) from None
-        except SegmentConflictError as exc:
+        if isinstance(exc, SegmentConflictError):
             metrics.CONFLICTS.inc()
             raise R3RequestError(409, f"r3: {exc}") from None
-        except LimitExceededError as exc:
+        if isinstance(exc, LimitExceededError):
             metrics.OUTPUTS.labels("failed").inc()
             raise R3RequestError(413, f"r3: the routing cache refused the segment: {exc}") from None
-        except _CACHE_DOWN as exc:
-            metrics.CACHE_ERRORS.labels(type(exc).__name__).inc()
-            reason = (
-                f"routing cache write failed after {self.config.put_attempts} attempt(s): {exc}"
-            )
-            if (tag.on_cache_error or self.config.on_cache_error) == "inline":
-                log.warning("r3: %s; returning routing inline for %s", reason, tag.rollout_id)
-                metrics.OUTPUTS.labels("inline_fallback").inc()
-                ref["error"] = reason
-                ref["inline"] = True
-                return ref
-            metrics.OUTPUTS.labels("failed").inc()
-            raise R3RequestError(503, f"r3: {reason} (policy: fail)") from None
-        for seg, put in zip(plan.segs, puts, strict=True):
-            ref["nbytes"] += put.nbytes
-            ref["segments"].append(
-                {
-                    "start": seg.start,
-                    "end": seg.end,
-                    "nbytes": put.nbytes,
-                    "dedupe_hit": put.dedupe_hit,
-                }
-            )
-        ref["stored"] = True
-        metrics.OUTPUTS.labels("stored").inc()
-        metrics.ROWS.inc(end - start)
-        metrics.BYTES_SHIPPED.inc(ref["nbytes"])
-        metrics.SHIP_SECONDS.observe(time.perf_counter() - t0)
-        return ref
+        metrics.CACHE_ERRORS.labels(type(exc).__name__).inc()
+        reason = f"routing cache write failed after {self.config.put_attempts} attempt(s): {exc}"
+        if (tag.on_cache_error or self.config.on_cache_error) == "inline":
+            log.warning("r3: %s; returning routing inline for %s", reason, tag.rollout_id)
+            metrics.OUTPUTS.labels("inline_fallback").inc()
+            ref["error"] = reason
+            ref["inline"] = True
+            return ref
+        metrics.OUTPUTS.labels("failed").inc()
+        raise R3RequestError(503, f"r3: {reason} (policy: fail)") from None
 
     @staticmethod
     def _cuts(tag: OutputTag, start: int, prompt_end: int, end: int) -> list[int]:
