@@ -265,7 +265,9 @@ def _run(rest: list[str]) -> int:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    from sglang_r3.hooks import HTTP_TARGETS, StartupError, check_startup, engine_config
+    from sglang_r3.generate_hooks import engine_config
+    from sglang_r3.startup import StartupError, check_startup
+    from sglang_r3.targets import HTTP_TARGETS
 
     load_plugins()
     server_args = prepare_server_args(rest)

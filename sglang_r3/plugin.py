@@ -3,7 +3,7 @@
 SGLang calls :func:`register` once in each of its processes (launcher, scheduler,
 detokenizer, DP controller) before applying hooks.  SGLang only *logs* an exception
 raised here or a hook that fails to apply, so the hooks verify themselves at start-up
-(:func:`sglang_r3.hooks.check_startup`) and stop the server with a clear message.
+(:func:`sglang_r3.startup.check_startup`) and stop the server with a clear message.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ def register() -> None:
         from sglang_r3.cpu import install_allocator
 
         install_allocator()
-    from sglang_r3 import hooks
+    from sglang_r3 import hooks, targets
 
     extra = os.environ.get("SGLANG_R3_TEST_BOGUS_HOOK")
-    if extra and extra not in hooks.HTTP_TARGETS:
+    if extra and extra not in targets.HTTP_TARGETS:
         # Test-only: a hook on a target that does not exist, to prove that the
         # start-up check stops the server instead of running without it.  Added
         # once, whatever the number of calls, like every other hook.
         hooks.HOOKS.append((extra, _bogus_hook, "BEFORE"))
-        hooks.HTTP_TARGETS.append(extra)
+        targets.HTTP_TARGETS.append(extra)
     hooks.register_hooks()  # idempotent: a hook already registered is skipped
 
 

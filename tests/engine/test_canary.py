@@ -14,7 +14,9 @@ from importlib.metadata import entry_points, version
 
 import pytest
 
-from sglang_r3.hooks import HOOKS, UPSTREAM_FIELDS, _resolve
+from sglang_r3.hooks import HOOKS
+from sglang_r3.startup import _resolve
+from sglang_r3.targets import UPSTREAM_FIELDS
 
 # Parameters each hooked callable must still take, in order.
 SIGNATURES = {
@@ -148,11 +150,11 @@ def test_plugin_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
     """SGLang may call ``register`` more than once per process: nothing is added twice."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_r3 import hooks, plugin
+    from sglang_r3 import hooks, plugin, targets
 
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
     monkeypatch.setattr(hooks, "HOOKS", list(hooks.HOOKS))
-    monkeypatch.setattr(hooks, "HTTP_TARGETS", list(hooks.HTTP_TARGETS))
+    monkeypatch.setattr(targets, "HTTP_TARGETS", list(targets.HTTP_TARGETS))
     monkeypatch.setenv("SGLANG_R3_TEST_BOGUS_HOOK", "sglang.srt.nowhere.Nothing.method")
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
     plugin.register()

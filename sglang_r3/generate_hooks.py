@@ -1,0 +1,388 @@
+"""Hooks on ``TokenizerManager``: tagged generation, cache lookups, shipping, send plans."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_r3.config import EngineConfig
+from sglang_r3.errors import R3RequestError, bad_request
+from sglang_r3.layers import MoeShape, moe_shape
+from sglang_r3.probe import LOOP_PROBE
+from sglang_r3.shipping import (
+    CacheUnavailableError,
+    Continuation,
+    Shipper,
+    samples_conflict,
+    to_base64,
+)
+from sglang_r3.tagging import OutputTag, output_tags, request_shape
+
+log = logging.getLogger("sglang_r3")
+
+# ---------------------------------------------------------------- per process
+
+
+@dataclass
+class _Runtime:
+    config: EngineConfig
+    shipper: Shipper | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+_RUNTIME: _Runtime | None = None
+
+
+def engine_config() -> EngineConfig:
+    """This process's configuration (read from the environment once)."""
+    global _RUNTIME
+    if _RUNTIME is None:
+        _RUNTIME = _Runtime(EngineConfig.from_env())
+    return _RUNTIME.config
+
+
+def _shape_of(tokenizer_manager: Any) -> MoeShape:
+    mc = tokenizer_manager.model_config
+    return moe_shape(getattr(mc, "hf_text_config", None) or mc.hf_config)
+
+
+def _shipper(tokenizer_manager: Any) -> Shipper:
+    """The process's shipper, created on first use on the running loop."""
+    engine_config()
+    assert _RUNTIME is not None
+    loop = asyncio.get_running_loop()
+    if _RUNTIME.shipper is None or _RUNTIME.loop is not loop:
+        name = getattr(tokenizer_manager, "served_model_name", None) or ""
+        _RUNTIME.shipper = Shipper(_RUNTIME.config, _shape_of(tokenizer_manager), str(name))
+        _RUNTIME.loop = loop
+    return _RUNTIME.shipper
+
+
+# ---------------------------------------------------------------- generate
+
+
+def _is_tagged(sampling_params: Any) -> bool:
+    """Cheap test run on every request: does any sampling_params carry ``r3``?"""
+    if isinstance(sampling_params, Mapping):
+        cp = sampling_params.get("custom_params")
+        return isinstance(cp, Mapping) and "r3" in cp
+    if isinstance(sampling_params, list):
+        return any(_is_tagged(sp) for sp in sampling_params)
+    return False
+
+
+_NAMES_R3 = re.compile(r"(?<![A-Za-z0-9_])r3(?![A-Za-z0-9_])")
+
+
+def _misplaced_tag(sampling_params: Any) -> str | None:
+    """The type of a ``custom_params`` that is not an object but names ``r3`` (else None).
+
+    ``/generate`` passes any JSON value through as ``custom_params``; a tag sent as a
+    JSON *string* would otherwise be generated untagged, with no routing stored.
+    """
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    for sp in sps:
+        cp = sp.get("custom_params") if isinstance(sp, Mapping) else None
+        if cp is None or isinstance(cp, Mapping):
+            continue
+        text = cp if isinstance(cp, str) else json.dumps(cp, default=str)
+        if _NAMES_R3.search(text):
+            return type(cp).__name__
+    return None
+
+
+def _is_own_probe(tokenizer_manager: Any, obj: Any) -> bool:
+    """SGLang's own untagged generations: the start-up warm-up request (sent over HTTP
+    while the server is still ``Starting``) and the ``/health`` / ``/health_generate``
+    probe (a 1-token generation under a reserved rid prefix)."""
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+    from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+    if getattr(tokenizer_manager, "server_status", None) == ServerStatus.Starting:
+        return True
+    rid = getattr(obj, "rid", None)
+    return isinstance(rid, str) and rid.startswith(HEALTH_CHECK_RID_PREFIX)
+
+
+def _untagged_refusal() -> R3RequestError:
+    header = engine_config().tag_header
+    how = f"the header {header}: <rollout id> (what sglang-router routes by) or " if header else ""
+    return bad_request(
+        "this server requires every generation request to name its rollout "
+        f'(--routing-require-tag): send {how}custom_params {{"r3": {{"rollout_id": "..."}}}}'
+    )
+
+
+def _header_rollout(raw_request: Any) -> str | None:
+    """The rollout id in the configured tag header of ``raw_request`` (None: absent/off)."""
+    name = engine_config().tag_header
+    headers = getattr(raw_request, "headers", None) if name else None
+    if headers is None:
+        return None
+    value = headers.get(name)
+    return value if isinstance(value, str) and value != "" else None
+
+
+def _tag_with_header(custom_params: Any, rollout_id: str) -> dict[str, Any]:
+    """``custom_params`` with the header's tag added; raises 400 if they disagree.
+
+    A tag already in the body wins (it may carry options the header cannot), but a
+    body tag naming a different single rollout is a driver bug worth refusing.
+    """
+    name = engine_config().tag_header
+    if custom_params is None:
+        return {"r3": {"rollout_id": rollout_id}}
+    if not isinstance(custom_params, Mapping):
+        raise bad_request(
+            f"custom_params must be an object to carry the {name} header's rollout tag, "
+            f"got a {type(custom_params).__name__}"
+        )
+    tag = custom_params.get("r3")
+    if tag is None:
+        return {**custom_params, "r3": {"rollout_id": rollout_id}}
+    body_id = tag.get("rollout_id") if isinstance(tag, Mapping) else None
+    if isinstance(body_id, str) and body_id != rollout_id:
+        raise bad_request(
+            f"the {name} header names rollout {rollout_id[:80]!r} but custom_params.r3 "
+            f"names {body_id[:80]!r}; send one rollout id"
+        )
+    return dict(custom_params)
+
+
+def _tag_generate_from_header(obj: Any, request: Any) -> None:
+    """Tag a ``/generate`` request from the header (sglang-router drops ``custom_params``)."""
+    rollout_id = _header_rollout(request)
+    if rollout_id is None or not engine_config().enabled:
+        return
+    sp = getattr(obj, "sampling_params", None)
+    if isinstance(sp, list):
+        if _is_tagged(sp):
+            return
+        raise bad_request(
+            f"the {engine_config().tag_header} header names one rollout; a batch with one "
+            "sampling_params per prompt cannot take it (send one sampling_params object: "
+            "outputs are then {id}-{k}; or one request per prompt)"
+        )
+    sp = {} if sp is None else sp
+    if not isinstance(sp, Mapping):
+        return  # upstream refuses it
+    obj.sampling_params = {
+        **sp,
+        "custom_params": _tag_with_header(sp.get("custom_params"), rollout_id),
+    }
+
+
+def _state(request: Any) -> dict[str, Any] | None:
+    """The per-request state dict of a Starlette request (shared with upstream's handlers)."""
+    scope = getattr(request, "scope", None)
+    if not isinstance(scope, dict):
+        return None
+    state = scope.setdefault("state", {})
+    return state if isinstance(state, dict) else None
+
+
+def _remember_error(request: Any, exc: R3RequestError) -> None:
+    """Leave ``exc`` on the request, for the hooks that turn upstream's 400 into its status."""
+    state = _state(request)
+    if state is not None:
+        state["r3_error"] = exc
+
+
+def _remembered_error(request: Any) -> R3RequestError | None:
+    state = _state(request)
+    err = state.get("r3_error") if state is not None else None
+    return err if isinstance(err, R3RequestError) else None
+
+
+def _refs_holder(request: Any) -> list[dict[str, Any]] | None:
+    """The list an OpenAI handler left on the raw request for our references."""
+    state = _state(request)
+    holder = state.get("r3_refs") if state is not None else None
+    return holder if isinstance(holder, list) else None
+
+
+def _send_rids(obj: Any, batch: int, single: bool) -> list[str]:
+    """Fix the request ids now (as SGLang would) so a per-request plan can find them."""
+    if single:
+        if obj.rid is None:
+            obj.rid = uuid.uuid4().hex
+        return [obj.rid]
+    if obj.rid is None:
+        obj.rid = [uuid.uuid4().hex for _ in range(batch)]
+    if isinstance(obj.rid, str):
+        return [f"{obj.rid}_{i}" for i in range(batch)]
+    return list(obj.rid)
+
+
+async def around_generate_request(
+    original: Callable[..., AsyncIterator[Any]], self: Any, obj: Any, request: Any = None
+) -> AsyncIterator[Any]:
+    """AROUND ``TokenizerManager.generate_request``: ship tagged outputs' routing."""
+    LOOP_PROBE.ensure_started()
+    sampling_params = getattr(obj, "sampling_params", None)
+    tagged = _is_tagged(sampling_params)
+    if not tagged and _misplaced_tag(sampling_params) is None:
+        if engine_config().require_tag and not _is_own_probe(self, obj):
+            exc = _untagged_refusal()
+            _remember_error(request, exc)
+            raise exc
+        async for out in original(self, obj, request):
+            yield out
+        return
+    try:
+        if not tagged:
+            raise bad_request(
+                f"custom_params must be an object like "
+                f'{{"r3": {{"rollout_id": "..."}}}}, got a {_misplaced_tag(sampling_params)} '
+                "that names r3; refusing rather than generating without routing"
+            )
+        async for out in _tagged_generate(original, self, obj, request):
+            yield out
+    except R3RequestError as exc:
+        _remember_error(request, exc)
+        raise
+
+
+async def _tagged_generate(
+    original: Callable[..., AsyncIterator[Any]], tm: Any, obj: Any, request: Any
+) -> AsyncIterator[Any]:
+    config = engine_config()
+    if not config.enabled:
+        raise bad_request(
+            "this server does not ship routing; launch it with `python -m "
+            "sglang_r3.launch_server ... --return-routed-experts --routing-cache URL`"
+        )
+    if not hasattr(obj, "return_routed_experts"):
+        raise bad_request("only generation requests can be tagged")
+    batch, n, single = request_shape(obj.text, obj.input_ids, obj.sampling_params)
+    tags = output_tags(obj.sampling_params, batch_size=batch, n=n, max_outputs=config.max_outputs)
+    assert tags is not None  # _is_tagged said so
+    if obj.routed_experts_start_len:
+        raise bad_request(
+            "routed_experts_start_len is managed by r3 for tagged requests; leave it 0"
+        )
+    shipper = _shipper(tm)
+    # --routing-lookup seen: a rollout this process has not seen is assumed new, with
+    # no lookup before generation (its first write cannot overlap stored rows;
+    # Shipper.ship resolves that case after generation).
+    assumed_new = [config.lookup == "seen" and not shipper.seen(t.rollout_id) for t in tags]
+
+    async def lookup(tag: OutputTag, new: bool) -> Continuation | None:
+        if new:
+            return None
+        try:
+            return await shipper.continuation(tag.rollout_id)
+        except CacheUnavailableError:
+            # Under the inline policy a rollout the cache cannot be asked about is
+            # generated from row 0, so the inline fallback carries every row.
+            if (tag.on_cache_error or config.on_cache_error) == "inline":
+                return None
+            raise
+
+    conts: list[Continuation | None] = list(
+        await asyncio.gather(*(lookup(t, new) for t, new in zip(tags, assumed_new, strict=True)))
+    )
+    if n > 1:
+        taken = [t.rollout_id for t, c in zip(tags, conts, strict=True) if c is not None]
+        if taken:
+            raise samples_conflict(taken[0])
+    user_wants_prompt_ids = bool(obj.return_prompt_token_ids)
+    obj.return_routed_experts = True
+    obj.return_prompt_token_ids = True
+
+    plans = _SEND_PLANS
+    planned: list[str] = []
+    if any(c is not None for c in conts):
+        for rid, tag, cont in zip(_send_rids(obj, batch, single), tags, conts, strict=True):
+            if cont is not None:
+                plans[rid] = (tag, cont)
+                planned.append(rid)
+    starts = [c.end if c is not None else 0 for c in conts]
+    incremental = bool(getattr(obj, "stream", False)) and bool(
+        getattr(tm, "incremental_streaming_output", False)
+    )
+    streamed_ids: dict[int, list[int]] = {}
+    holder = _refs_holder(request)
+
+    async def finish(k: int, out: dict[str, Any]) -> None:
+        meta = out.get("meta_info") or {}
+        if incremental:
+            streamed_ids.setdefault(k, []).extend(out.get("output_ids") or [])
+        if meta.get("finish_reason") is None:
+            if not user_wants_prompt_ids:
+                out.pop("prompt_token_ids", None)
+            return
+        tag = tags[k]
+        routing = meta.pop("routed_experts", None)
+        prompt_ids = out.get("prompt_token_ids") or []
+        output_ids = streamed_ids.get(k, []) if incremental else out.get("output_ids") or []
+        ref = await shipper.ship(
+            tag,
+            starts[k],
+            routing,
+            prompt_ids,
+            output_ids,
+            meta,
+            assumed_new=assumed_new[k],
+            may_continue=n == 1,
+        )
+        ref["index"] = k
+        meta["r3"] = ref
+        if routing is not None and (tag.inline or ref.get("inline")):
+            # Upstream's base64 int32 of the rows from the reference's start.
+            skip = ref["start"] - starts[k]
+            meta["routed_experts"] = await asyncio.to_thread(
+                to_base64, routing, shipper.shape, skip
+            )
+        if not user_wants_prompt_ids:
+            out.pop("prompt_token_ids", None)
+        if holder is not None:
+            holder.append(ref)
+
+    try:
+        async for out in original(tm, obj, request):
+            if isinstance(out, list):
+                await asyncio.gather(*(finish(k, o) for k, o in enumerate(out)))
+            elif isinstance(out, dict):
+                await finish(int(out.get("index", 0)), out)
+            yield out
+    finally:
+        for rid in planned:
+            plans.pop(rid, None)
+
+
+# Continued rollouts' plans, from the generate hook to the send hooks, by request id.
+# Request ids are unique within the process's one TokenizerManager; the generate hook
+# removes its entries when the request ends.  (Kept here, not as an attribute set on
+# SGLang's own object.)
+_SEND_PLANS: dict[str, tuple[OutputTag, Continuation]] = {}
+
+
+def _apply_plan(tm: Any, tokenized: Any) -> None:
+    plan = _SEND_PLANS.get(getattr(tokenized, "rid", None) or "")
+    if plan is None:
+        return
+    tag, cont = plan
+    Shipper.check_prefix(tag, cont, tokenized.input_ids)
+    tokenized.routed_experts_start_len = cont.end
+
+
+async def around_send_one_request(original: Callable[..., Any], self: Any, tokenized: Any) -> Any:
+    """AROUND ``_send_one_request``: check a continued rollout's prefix, set its start."""
+    _apply_plan(self, tokenized)
+    return await original(self, tokenized)
+
+
+async def around_send_batch_request(
+    original: Callable[..., Any], self: Any, tokenized_objs: Any
+) -> Any:
+    """AROUND ``_send_batch_request``: :func:`around_send_one_request` per item."""
+    for tokenized in tokenized_objs:
+        _apply_plan(self, tokenized)
+    return await original(self, tokenized_objs)

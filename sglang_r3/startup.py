@@ -1,0 +1,163 @@
+"""Start-up checks of every SGLang process, and the ``/r3/*`` routes."""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+from typing import Any
+
+from sglang_r3 import metrics
+from sglang_r3.config import EngineConfig
+from sglang_r3.generate_hooks import (
+    engine_config,
+)
+from sglang_r3.probe import LOOP_PROBE
+from sglang_r3.targets import (
+    HTTP_TARGETS,
+    SGLANG_VERSION,
+)
+
+log = logging.getLogger("sglang_r3")
+
+# ---------------------------------------------------------------- checks
+
+
+def unsupported_options(server_args: Any, config: EngineConfig) -> list[str]:
+    """Options under which shipped routing could be wrong; empty when all is well."""
+    if not config.enabled:
+        return []
+
+    def on(name: str) -> Any:
+        return getattr(server_args, name, None)
+
+    problems = []
+    if not on("enable_return_routed_experts"):
+        problems.append(
+            "--enable-return-routed-experts is off, so the engine records nothing "
+            "(the sglang_r3 launcher adds it)"
+        )
+    if on("enable_hierarchical_cache") or on("hicache_storage_backend"):
+        problems.append(
+            "HiCache (--enable-hierarchical-cache / --hicache-storage-backend) loads KV "
+            "without a forward pass, so routing rows of those tokens would be stale (sglang#26975)"
+        )
+    if on("enable_lmcache") or on("enable_flexkv"):
+        problems.append(
+            "--enable-lmcache / --enable-flexkv restore KV without recomputing it; "
+            "routing rows of restored tokens would be stale"
+        )
+    if on("disaggregation_mode") == "decode":
+        problems.append(
+            "--disaggregation-mode decode receives prompt KV from the prefill node, "
+            "so prompt rows are never computed here"
+        )
+    if (on("tokenizer_worker_num") or 1) > 1:
+        problems.append(
+            "--tokenizer-worker-num > 1 serves HTTP from processes SGLang loads no plugins in"
+        )
+    if on("speculative_algorithm"):
+        problems.append("speculative decoding: upstream capture does not cover verify tokens")
+    if on("enable_hisparse"):
+        problems.append("--enable-hisparse restores KV without recomputing it")
+    return problems
+
+
+def _resolve(target: str) -> Any:
+    owner, _, attr = target.rpartition(".")
+    return getattr(pkgutil.resolve_name(owner), attr)
+
+
+def verify_hooks(targets: list[str]) -> list[str]:
+    """Problems with our hooks on ``targets`` in this process (empty: all took effect)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_r3.hooks import HOOKS  # the table imports this module: read it at call time
+
+    problems = []
+    ours = {t: h for t, h, _ in HOOKS}
+    for target in targets:
+        registered = [h for _, h, _ in HookRegistry._hooks.get(target, [])]
+        if ours[target] not in registered:
+            problems.append(f"{target}: hook not registered")
+            continue
+        if target not in HookRegistry._patched:
+            problems.append(f"{target}: SGLang did not apply the hook (see its log for why)")
+            continue
+        try:
+            fn = _resolve(target)
+        except (AttributeError, ImportError, ValueError) as exc:
+            problems.append(f"{target}: cannot resolve ({exc})")
+            continue
+        if getattr(fn, "__wrapped__", None) is None:
+            problems.append(f"{target}: attribute is not the patched wrapper")
+    return problems
+
+
+class StartupError(RuntimeError):
+    """The extension refuses to start: a hook did not take or an option is unsafe."""
+
+
+def check_startup(targets: list[str], server_args: Any | None) -> None:
+    """Raise :class:`StartupError` listing every problem, if any (only a warning when
+    routing shipping is off: the plugin is then merely installed)."""
+    config = engine_config()
+    problems = verify_hooks(targets)
+    if server_args is not None:
+        problems += unsupported_options(server_args, config)
+        if str(getattr(server_args, "device", "")) == "cpu":
+            from sglang_r3.cpu import allocator_installed
+
+            if not allocator_installed():
+                problems.append("--device cpu without the CPU host allocator (plugin not loaded?)")
+    if not problems:
+        return
+    message = (
+        "sglang_r3 cannot start:\n  - "
+        + "\n  - ".join(problems)
+        + f"\n(sglang_r3 supports sglang=={SGLANG_VERSION} exactly)"
+    )
+    if not config.enabled:
+        # Installed but not asked to ship routing: do not stop someone else's server;
+        # tagged requests will be refused anyway.
+        log.warning("%s\n(routing shipping is off, so the server starts)", message)
+        return
+    raise StartupError(message)
+
+
+def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``http_server.launch_server``: verify, refuse, add the ``/r3`` routes."""
+    check_startup(HTTP_TARGETS, server_args)
+    _add_routes()
+    return None
+
+
+def _add_routes() -> None:
+    from fastapi import Response
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from sglang.srt.entrypoints import http_server
+
+    app = http_server.app
+    if any(getattr(r, "path", None) == "/r3/metrics" for r in app.router.routes):
+        return
+
+    async def r3_metrics() -> Response:
+        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    async def r3_info() -> dict[str, Any]:
+        config = engine_config()
+        return {
+            "enabled": config.enabled,
+            "routing_cache": config.routing_cache,
+            "on_cache_error": config.on_cache_error,
+            "on_retraction": config.on_retraction,
+            "sglang": SGLANG_VERSION,
+            "hooks": HTTP_TARGETS,
+        }
+
+    async def r3_loop() -> dict[str, Any]:
+        LOOP_PROBE.ensure_started()
+        return LOOP_PROBE.take()
+
+    app.add_api_route("/r3/metrics", r3_metrics, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/r3/loop", r3_loop, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/r3/info", r3_info, methods=["GET"], include_in_schema=False)

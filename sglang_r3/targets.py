@@ -1,0 +1,80 @@
+"""The SGLang internals this extension hooks or reads, by dotted path.
+
+The canary test resolves every one against the installed SGLang.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("sglang_r3")
+
+
+SGLANG_VERSION = "0.5.23"
+
+_TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+T_GENERATE = f"{_TM}.generate_request"
+T_SEND_ONE = f"{_TM}._send_one_request"
+T_SEND_BATCH = f"{_TM}._send_batch_request"
+T_OPENAI = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
+T_LAUNCH = "sglang.srt.entrypoints.http_server.launch_server"
+T_SERVE_GENERATE = "sglang.srt.entrypoints.http_server.serve_generate_request"
+T_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler.__init__"
+T_COLLECT = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor."
+    "SchedulerBatchResultProcessor._maybe_collect_routed_experts"
+)
+_DETOK = "sglang.srt.managers.detokenizer_manager.DetokenizerManager"
+T_DETOKENIZE = f"{_DETOK}.handle_batch_token_id_out"
+T_DETOKENIZER = f"{_DETOK}.__init__"
+
+# Attributes of upstream objects the hooks read or write (canary-tested).
+UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
+    "sglang.srt.managers.io_struct.GenerateReqInput": (
+        "text",
+        "input_ids",
+        "sampling_params",
+        "rid",
+        "stream",
+        "return_routed_experts",
+        "routed_experts_start_len",
+        "return_prompt_token_ids",
+    ),
+    "sglang.srt.managers.io_struct.TokenizedGenerateReqInput": (
+        "rid",
+        "input_ids",
+        "routed_experts_start_len",
+        "return_routed_experts",
+    ),
+    "sglang.srt.managers.io_struct.BatchTokenIDOutput": ("rids", "routed_experts"),
+    "sglang.srt.managers.io_struct.BatchStrOutput": ("rids", "routed_experts"),
+    # The IPC mode: compact rows only cross pickle IPC (msgpack types the field as str).
+    "sglang.srt.managers.io_struct": ("_USE_PICKLE_IPC",),
+    # Health checks generate through generate_request under this rid prefix; an engine
+    # that requires tags must still answer them.
+    "sglang.srt.constants": ("HEALTH_CHECK_RID_PREFIX",),
+    # ... and warm up over HTTP while the server is Starting.
+    "sglang.srt.managers.tokenizer_manager.ServerStatus": ("Starting", "Up"),
+    # Both OpenAI requests carry custom_params, copied into sampling_params.
+    "sglang.srt.entrypoints.openai.protocol.CompletionRequest": ("custom_params",),
+    "sglang.srt.entrypoints.openai.protocol.ChatCompletionRequest": ("custom_params",),
+    "sglang.srt.server_args.ServerArgs": (
+        "enable_return_routed_experts",
+        "enable_hierarchical_cache",
+        "hicache_storage_backend",
+        "enable_lmcache",
+        "enable_flexkv",
+        "disaggregation_mode",
+        "tokenizer_worker_num",
+        "speculative_algorithm",
+        "enable_hisparse",
+        "device",
+        "served_model_name",
+        "model_path",
+    ),
+}
+
+
+HTTP_TARGETS = [T_GENERATE, T_SEND_ONE, T_SEND_BATCH, T_OPENAI, T_SERVE_GENERATE, T_LAUNCH]
+SCHEDULER_TARGETS = [T_SCHEDULER, T_COLLECT]
+DETOKENIZER_TARGETS = [T_DETOKENIZER, T_DETOKENIZE]
