@@ -1,0 +1,239 @@
+"""The no-I/O core both clients share: argument checks, frames, retry decisions, batch cursors.
+
+:class:`_Core` validates arguments, builds frames, decides on retries and decodes
+answers; :class:`_Cursor` keeps a ``get_many`` batch's place so every id is
+answered exactly once.  The shells in :mod:`r3_client._client` drive a transport
+with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import numpy.typing as npt
+
+from r3_client._codec import CodecName, decode_rollout, encode_frame, read_header
+from r3_client._config import Retry, Timeout
+from r3_client._exceptions import (
+    ConnectError,
+    FormatError,
+    FrameError,
+    ProtocolError,
+    R3Error,
+    RequestTimeoutError,
+    ShapeError,
+    StoreUnavailableError,
+    error_for_code,
+)
+from r3_client._format import Routing, Segment, check_rollout_id
+from r3_client._stream import StreamItem
+from r3_client._transports import (
+    AsyncGrpcTransport,
+    AsyncHTTPTransport,
+    AsyncTransport,
+    GrpcTransport,
+    HTTPTransport,
+    Transport,
+)
+
+T = TypeVar("T")
+#: Failures that say nothing about the request: worth another try.
+RETRYABLE = (ConnectError, RequestTimeoutError, StoreUnavailableError)
+Result = tuple[str, Routing | R3Error]
+#: Frames above this size are decoded off the event loop (AsyncRoutingClient.get_many).
+_THREAD_DECODE_BYTES = 64 << 10
+
+
+class _Core:
+    """Everything both clients share; no I/O."""
+
+    def __init__(self, retry: Retry) -> None:
+        self.retry = retry
+
+    def backoff(self, exc: Exception, failures: int) -> float:
+        """Seconds to wait before trying again after the ``failures``-th failure.
+
+        Re-raises ``exc`` when it is not worth retrying or the attempts are spent.
+        """
+        if not isinstance(exc, RETRYABLE) or failures >= self.retry.attempts:
+            raise exc
+        return self.retry.delay(failures - 1)
+
+    @staticmethod
+    def frame(
+        routing: Routing | npt.ArrayLike | bytes,
+        *,
+        num_experts: int | None,
+        layer_ids: Sequence[int] | None,
+        start: int | None,
+        segment: Segment | None,
+        codec: CodecName,
+    ) -> bytes:
+        """The frame to send: bytes are checked and sent as they are, anything else encoded."""
+        if isinstance(routing, bytes | bytearray | memoryview):
+            read_header(routing)  # fail here, with the reason, rather than as a 400
+            return bytes(routing)
+        return encode_frame(
+            routing,
+            num_experts=num_experts,
+            layer_ids=layer_ids,
+            start=start,
+            segment=segment,
+            codec=codec,
+        )
+
+    @staticmethod
+    def check_range(start: int, end: int | None) -> None:
+        if start < 0 or (end is not None and end <= start):
+            raise ShapeError(f"token range [{start}, {end}) is empty or negative")
+
+    @staticmethod
+    def decode(
+        data: bytes, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+    ) -> Routing:
+        """A read's frames, stitched and trimmed to the request (the service never decodes)."""
+        return decode_rollout(data, start=start, end=end, layers=layers, rollout_id=rollout_id)
+
+    def result(
+        self, item: StreamItem, start: int, end: int | None, layers: Sequence[int] | None
+    ) -> Result:
+        """An item's routing, or its error: a service error, or a stored body that does not
+        decode (a :class:`FrameError` naming the rollout and segment; the batch goes on)."""
+        rid, got = self.raw(item)
+        return rid, self.decoded(rid, got, start, end, layers)
+
+    @staticmethod
+    def raw(item: StreamItem) -> tuple[str, bytes | R3Error]:
+        """An item's undecoded bytes, or the error the service sent for it."""
+        if item.frame is not None:
+            return item.rollout_id, item.frame
+        err = error_for_code(
+            item.error_code or "service_error", item.error_message or "", status=item.status
+        )
+        return item.rollout_id, err
+
+    def decoded(
+        self,
+        rid: str,
+        got: bytes | R3Error,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> Routing | R3Error:
+        """``got`` decoded (errors pass through; a decode failure becomes the result)."""
+        if isinstance(got, R3Error):
+            return got
+        try:
+            return self.decode(got, rid, start, end, layers)
+        except (FormatError, FrameError) as exc:
+            return exc
+
+    @staticmethod
+    def chunks(ids: Sequence[str], size: int) -> list[list[str]]:
+        """``ids`` (each checked against the id rule first, before any I/O) in batches."""
+        if size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        if isinstance(ids, str):
+            raise TypeError("rollout_ids must be a sequence of ids, not one string")
+        ids = [check_rollout_id(r) for r in ids]
+        return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+class _Cursor:
+    """Where one batch of ``get_many`` stands: which ids are answered, failures since.
+
+    No I/O: the shells feed it each stream item (:meth:`take`) and each
+    retryable failure (:meth:`failed`) and do what it says.  Every id is
+    answered exactly once, in order: a retry resumes *at* the first unanswered
+    id, including one whose item was itself a retryable error (Redis briefly
+    down), so no path can skip an id.
+    """
+
+    def __init__(
+        self,
+        core: _Core,
+        ids: list[str],
+        return_errors: bool,
+        rows: tuple[int, int | None, Sequence[int] | None] = (0, None, None),
+    ) -> None:
+        self._core = core
+        self._rows = rows
+        self._ids = ids
+        self._return_errors = return_errors
+        self._done = 0
+        self._failures = 0
+        self._item_error: R3Error | None = None
+
+    @property
+    def remaining(self) -> list[str]:
+        """The ids still to ask for."""
+        return self._ids[self._done :]
+
+    def take(self, item: StreamItem, *, decode: bool = True) -> tuple[str, Any]:
+        """The result the stream's next item gives the next id.
+
+        Raises a retryable item error (for the shell to retry from this id), a
+        non-retryable one unless ``return_errors``, and :class:`ProtocolError`
+        when the service answers for an id out of order.  With ``decode=False``
+        the result is the item's bytes or error, never raised (the caller decodes,
+        in order, and raises there).
+        """
+        if self._done >= len(self._ids) or item.rollout_id != self._ids[self._done]:
+            expected = self._ids[self._done] if self._done < len(self._ids) else None
+            raise ProtocolError(
+                f"batch stream answered for {item.rollout_id!r} where {expected!r} was next"
+            )
+        rid, res = self._core.result(item, *self._rows) if decode else self._core.raw(item)
+        if isinstance(res, RETRYABLE):
+            self._item_error = res
+            raise res
+        self._advance()
+        if decode and isinstance(res, R3Error) and not self._return_errors:
+            raise res
+        return rid, res
+
+    def ended(self) -> None:
+        """The stream closed cleanly: raise :class:`ProtocolError` if it left ids unanswered."""
+        if self.remaining:
+            raise ProtocolError(
+                f"batch stream ended with {len(self.remaining)} rollouts unanswered"
+            )
+
+    def failed(self, exc: R3Error) -> tuple[float, Result | None]:
+        """After a retryable failure: ``(delay, None)`` to retry from the same id.
+
+        When the attempts are spent on an id whose own item was the error and
+        ``return_errors`` is set, that id is answered with its error:
+        ``(0, (rid, error))``.  Otherwise re-raises ``exc``.
+        """
+        self._failures += 1
+        try:
+            return self._core.backoff(exc, self._failures), None
+        except R3Error:
+            if not (self._return_errors and exc is self._item_error):
+                raise
+        rid = self._ids[self._done]
+        self._advance()
+        return 0.0, (rid, exc)
+
+    def _advance(self) -> None:
+        self._done += 1
+        self._failures = 0
+        self._item_error = None
+
+
+def _sync_transport(url: str, api_key: str | None, timeout: Timeout) -> Transport:
+    if url.startswith("grpc://"):
+        return GrpcTransport(url, api_key=api_key, timeout=timeout)
+    if url.startswith(("http://", "https://")):
+        return HTTPTransport(url, api_key=api_key, timeout=timeout)
+    raise ValueError(f"unsupported URL {url!r}: use http://, https:// or grpc://")
+
+
+def _async_transport(url: str, api_key: str | None, timeout: Timeout) -> AsyncTransport:
+    if url.startswith("grpc://"):
+        return AsyncGrpcTransport(url, api_key=api_key, timeout=timeout)
+    if url.startswith(("http://", "https://")):
+        return AsyncHTTPTransport(url, api_key=api_key, timeout=timeout)
+    raise ValueError(f"unsupported URL {url!r}: use http://, https:// or grpc://")
