@@ -1,6 +1,6 @@
-"""The one error type the extension raises into SGLang's request handlers.
+"""The errors the extension raises into SGLang's request handlers.
 
-It is both a ``fastapi.HTTPException`` (the OpenAI handlers keep its status) and a
+``R3RequestError`` is both a ``fastapi.HTTPException`` (the OpenAI handlers keep its status) and a
 ``ValueError`` (``/generate`` turns ValueErrors into error responses, reading
 ``status_code`` when present, and streams them as an error chunk).  So every path
 answers with the intended 4xx/5xx and a sentence, never a traceback.
@@ -25,3 +25,16 @@ class R3RequestError(HTTPException, ValueError):
 def bad_request(message: str) -> R3RequestError:
     """400: the request's ``r3`` tag is malformed."""
     return R3RequestError(400, f"r3: {message}")
+
+
+class CacheUnavailableError(R3RequestError):
+    """503: the cache could not be reached (after retries) to look up a rollout."""
+
+
+def samples_conflict(rollout_id: str) -> R3RequestError:
+    """The 409 for n>1 samples naming a rollout that already has stored rows."""
+    return R3RequestError(
+        409,
+        f"r3: rollout {rollout_id!r} already has stored rows, and n>1 samples start "
+        "new rollouts; continue each sample with its own request",
+    )

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_r3.config import EngineConfig
-from sglang_r3.errors import R3RequestError, bad_request
+from sglang_r3.errors import (
+    CacheUnavailableError,
+    R3RequestError,
+    bad_request,
+    samples_conflict,
+)
+from sglang_r3.handover import to_base64
 from sglang_r3.layers import MoeShape, moe_shape
 from sglang_r3.probe import LOOP_PROBE
-from sglang_r3.shipping import (
-    CacheUnavailableError,
-    Continuation,
-    Shipper,
-    samples_conflict,
-    to_base64,
-)
+from sglang_r3.shipping import Continuation, Shipper
 from sglang_r3.tagging import OutputTag, output_tags, request_shape
 
 log = logging.getLogger("sglang_r3")

@@ -9,7 +9,6 @@ only once its routing is stored.
 from __future__ import annotations
 
 import asyncio
-import base64
 import itertools
 import logging
 import os
@@ -19,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
 from r3_client import (
@@ -44,9 +42,16 @@ from r3_client import (
 )
 from sglang_r3 import metrics
 from sglang_r3.config import EngineConfig
-from sglang_r3.errors import R3RequestError
+from sglang_r3.errors import CacheUnavailableError, R3RequestError, samples_conflict
+from sglang_r3.handover import (
+    FORMS,
+    Routing,
+    check_engine_rows,
+    check_row_count,
+    count_rows,
+    engine_rows_of,
+)
 from sglang_r3.layers import MoeShape
-from sglang_r3.rows import EngineRows, TaggedRows
 from sglang_r3.tagging import OutputTag
 
 log = logging.getLogger("sglang_r3")
@@ -59,12 +64,6 @@ _CONTEXTS = 4096
 #: Rollout ids a process remembers having written or looked up (see Shipper.seen).
 _SEEN = 1 << 16
 
-#: What the engine hands over for a finished tagged output: the detokenizer's
-#: compact rows (default), the scheduler's tensor (``--skip-tokenizer-init``) or
-#: upstream's base64 int32 (msgpack IPC).
-Routing = EngineRows | TaggedRows | str
-_FORMS = {EngineRows: "compact", TaggedRows: "tensor", str: "base64"}
-
 
 @dataclass(frozen=True, slots=True)
 class Continuation:
@@ -72,87 +71,6 @@ class Continuation:
 
     end: int
     digest: str
-
-
-def decode_rows(b64: str, shape: MoeShape) -> npt.NDArray[np.int32]:
-    """Upstream's base64 int32 ``[rows, all layers, K]`` as an array."""
-    raw = base64.b64decode(b64)
-    width = shape.num_layers * shape.topk * 4
-    if len(raw) % width:
-        raise R3RequestError(
-            500,
-            f"r3: engine routing has {len(raw)} bytes, not a whole number of "
-            f"[{shape.num_layers} layers x {shape.topk}] int32 rows",
-        )
-    return np.frombuffer(raw, dtype=np.int32).reshape(-1, shape.num_layers, shape.topk)
-
-
-def engine_rows_of(routing: Routing, shape: MoeShape) -> npt.NDArray[Any]:
-    """The rows ``[rows, all layers, K]`` of what the engine handed over (no copy when
-    they are compact already)."""
-    if isinstance(routing, EngineRows):
-        rows = routing.array
-    elif isinstance(routing, TaggedRows):
-        rows = routing.numpy()
-    elif isinstance(routing, str):
-        return decode_rows(routing, shape)
-    else:
-        raise R3RequestError(500, f"r3: unexpected routing from the engine: {type(routing)}")
-    if rows.ndim != 3 or rows.shape[1:] != (shape.num_layers, shape.topk):
-        raise R3RequestError(
-            500,
-            f"r3: engine routing has shape {rows.shape}, not [rows, {shape.num_layers} layers, "
-            f"{shape.topk}]",
-        )
-    return rows
-
-
-def _nrows(routing: Routing, shape: MoeShape) -> int:
-    """Rows in ``routing`` without decoding it."""
-    if isinstance(routing, str):
-        return (len(routing) * 3 // 4) // (shape.num_layers * shape.topk * 4)
-    if isinstance(routing, EngineRows):
-        return int(routing.array.shape[0])
-    return int(routing.tensor.shape[0])
-
-
-def to_base64(routing: Routing, shape: MoeShape, skip: int = 0) -> str:
-    """Upstream's ``meta_info["routed_experts"]`` for ``routing`` without its first
-    ``skip`` rows (inline answers; run it in a worker thread)."""
-    if isinstance(routing, str) and not skip:
-        return routing
-    return EngineRows(engine_rows_of(routing, shape)[skip:]).to_base64()
-
-
-def check_engine_rows(rows: npt.NDArray[Any], expected: int) -> None:
-    """Guards on what the engine returned, before anything is stored.
-
-    The row count must match the tokens (upstream only logs a warning).  All-zero
-    rows, which is how a never-written slot reads, are refused later by the format's
-    validation as a repeated expert id when ``K > 1``; with ``K = 1`` expert 0 is a
-    legal row and cannot be told apart.
-    """
-    check_row_count(int(rows.shape[0]), expected)
-
-
-def check_row_count(got: int, expected: int) -> None:
-    """500 unless the engine returned ``expected`` rows (see :func:`check_engine_rows`)."""
-    if got != expected:
-        metrics.GUARD_TRIPS.labels("row_count").inc()
-        raise R3RequestError(
-            500,
-            f"r3: engine returned {got} routing rows for {expected} token positions; "
-            "refusing to store misaligned routing",
-        )
-
-
-def samples_conflict(rollout_id: str) -> R3RequestError:
-    """The 409 for n>1 samples naming a rollout that already has stored rows."""
-    return R3RequestError(
-        409,
-        f"r3: rollout {rollout_id!r} already has stored rows, and n>1 samples start "
-        "new rollouts; continue each sample with its own request",
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,10 +83,6 @@ class _Plan:
     frames: list[bytes]
     bases: list[Context | None]  # the context each frame continues (None: its own)
     own: Context | None  # the first frame's own context, when it carries one
-
-
-class CacheUnavailableError(R3RequestError):
-    """503: the cache could not be reached (after retries) to look up a rollout."""
 
 
 class Shipper:
@@ -423,7 +337,7 @@ class Shipper:
             return self._no_routing(meta_info, ref)
         wv = self._accept(tag, routing, meta_info, max(end - start, 0), ref)
         if end <= start:
-            check_row_count(_nrows(routing, self.shape), 0)
+            check_row_count(count_rows(routing, self.shape), 0)
             self._remember(tag.rollout_id)
             return self._stored(ref)
         try:
@@ -480,7 +394,7 @@ class Shipper:
     ) -> str:
         """Count the hand-over, apply the retraction policy; the weight version to store."""
         metrics.BYTES_UPSTREAM.inc(expected * self.shape.num_layers * self.shape.topk * 4)
-        metrics.HANDOVER.labels(_FORMS.get(type(routing), "other")).inc()
+        metrics.HANDOVER.labels(FORMS.get(type(routing), "other")).inc()
         retractions = int(meta_info.get("num_retractions") or 0)
         if retractions:
             metrics.RETRACTED.inc()
