@@ -76,13 +76,9 @@ from r3_client import (
     check_rollout_id,
     read_header,
 )
-from r3_client._codec import (
-    Context,
-    check_chunks,
-    decode_rollout,
-    encode_context,
-    slice_frame,
-)
+from r3_client._codec import Context, encode_context
+from r3_client._codec_rollout import decode_rollout, slice_frame
+from r3_client._codec_v2_read import check_chunks
 from r3_client._format import layer_positions
 from r3_client._models import PutResult, RolloutInfo, SegmentInfo
 

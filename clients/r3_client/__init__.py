@@ -24,13 +24,11 @@ from r3_client._codec import (
     FrameHeader,
     content_digest,
     decode_frame,
-    decode_rollout,
     encode_context,
     encode_frame,
     read_header,
-    slice_frame,
-    split_frames,
 )
+from r3_client._codec_rollout import decode_rollout, slice_frame, split_frames
 from r3_client._config import Retry, Timeout
 from r3_client._direct import DirectReader
 from r3_client._exceptions import (

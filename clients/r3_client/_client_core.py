@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 
 import numpy.typing as npt
 
-from r3_client._codec import CodecName, decode_rollout, encode_frame, read_header
+from r3_client._codec import CodecName, encode_frame, read_header
+from r3_client._codec_rollout import decode_rollout
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     ConnectError,

@@ -21,7 +21,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from r3_client._codec import Context, decode_rollout, encode_context, read_header
+from r3_client._codec import Context, encode_context, read_header
+from r3_client._codec_rollout import decode_rollout
 from r3_client._config import Timeout
 from r3_client._exceptions import (
     AuthError,

@@ -34,7 +34,7 @@ from r3_client import (
     encode_frame,
     read_header,
 )
-from r3_client._codec import _assemble_frame
+from r3_client._codec_v2 import _assemble_frame
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client.testing import synthetic_routing
 

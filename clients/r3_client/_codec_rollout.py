@@ -1,0 +1,233 @@
+"""Many frames as one rollout: slicing stored frames, splitting a read, stitching it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from r3_client._codec import (
+    decode_frame,
+    read_header,
+)
+from r3_client._codec_v2 import (
+    Context,
+    _assemble_frame,
+)
+from r3_client._exceptions import (
+    FrameError,
+    ShapeError,
+    TruncatedFrameError,
+    UnsupportedFrameError,
+)
+from r3_client._format import (
+    Routing,
+    Segment,
+    index_dtype,
+    layer_positions,
+)
+from r3_client._frame import (
+    _CRC,
+    _PREFIX,
+    CODECS,
+    MAX_DECODED_BYTES,
+    MAX_HEADER,
+    FrameHeader,
+)
+
+
+def slice_frame(
+    data: bytes | bytearray | memoryview,
+    *,
+    start: int | None = None,
+    end: int | None = None,
+    layers: Sequence[int] | None = None,
+    context: Context | None = None,
+) -> bytes:
+    """Cut a v2 frame down to the blocks and layer groups that cover a range: no decoding.
+
+    The result is a v2 frame whose rows are the blocks overlapping ``[start, end)``
+    and whose layers are the groups holding any of ``layers`` (absolute ids); the
+    reader trims to the exact range.  Chunk bytes are copied unchanged (their
+    CRCs travel in the header); the segment becomes provenance.  A continuation
+    frame without a ``layers`` field needs ``context`` to slice by layer.
+    """
+    hdr = read_header(data, verify=False, context=context)
+    if hdr.version != 2 or hdr.codec == "context":
+        raise UnsupportedFrameError("only v2 routing frames can be sliced")
+    lo = hdr.start if start is None else max(start, hdr.start)
+    hi = hdr.end if end is None else min(end, hdr.end)
+    if lo >= hi:
+        raise ShapeError(f"range [{start}, {end}) does not overlap the frame's rows")
+    bstarts = list(itertools.accumulate(hdr.blocks, initial=hdr.start))
+    keep_b = [i for i in range(len(hdr.blocks)) if bstarts[i] < hi and lo < bstarts[i + 1]]
+    layer_ids = hdr.layer_ids
+    if layers is not None and not layer_ids:
+        raise FrameError("slicing a continuation frame by layer needs its context")
+    gbounds = list(itertools.accumulate(hdr.groups, initial=0))
+    if layers is None:
+        keep_g = list(range(len(hdr.groups)))
+    else:
+        pos = set(layer_positions(layer_ids, layers))
+        keep_g = [g for g in range(len(hdr.groups)) if pos & set(range(gbounds[g], gbounds[g + 1]))]
+    if len(keep_b) == len(hdr.blocks) and len(keep_g) == len(hdr.groups):
+        return bytes(data)
+    view = memoryview(data).cast("B")
+    at = hdr.frame_length - _CRC.size - hdr.body_length
+    offsets = list(itertools.accumulate((c[0] for c in hdr.chunks), initial=at))
+    ng = len(hdr.groups)
+    idx = [b * ng + g for b in keep_b for g in keep_g]
+    body = [bytes(view[offsets[i] : offsets[i] + hdr.chunks[i][0]]) for i in idx]
+    header: dict[str, Any] = {
+        "start": bstarts[keep_b[0]],
+        "end": bstarts[keep_b[-1] + 1],
+    }
+    if hdr.base:
+        header["base"] = bytes.fromhex(hdr.base)
+    else:
+        assert hdr.context is not None
+        header["ctx"] = hdr.context.raw
+    if layers is not None or _explicit_layers(hdr):
+        header["layers"] = [lid for g in keep_g for lid in layer_ids[gbounds[g] : gbounds[g + 1]]]
+    header["params"] = hdr.params
+    header["blocks"] = [hdr.blocks[b] for b in keep_b]
+    header["groups"] = [hdr.groups[g] for g in keep_g]
+    header["chunks"] = [list(hdr.chunks[i]) for i in idx]
+    prov = (hdr.segment,) if hdr.segment is not None else hdr.segments
+    kept = [p for p in prov if p.overlaps(header["start"], header["end"])]
+    if kept:
+        header["segments"] = [p.to_dict() for p in kept]
+    return _assemble_frame(2, CODECS[hdr.codec], header, body)
+
+
+def _explicit_layers(hdr: FrameHeader) -> bool:
+    """Whether a v2 header names its layers (a subset of its context's) rather than all."""
+    if hdr.context is None:  # an unresolved continuation knows only an explicit subset
+        return bool(hdr.layer_ids)
+    return hdr.layer_ids != hdr.context.layer_ids
+
+
+def split_frames(data: bytes | bytearray | memoryview) -> list[memoryview]:
+    """The frames of a concatenation of frames (what a v2 read returns), without checking them."""
+    view = memoryview(data).cast("B")
+    out, at = [], 0
+    while at < len(view):
+        if len(view) - at < _PREFIX.size + _CRC.size:
+            raise TruncatedFrameError(f"{len(view) - at} trailing bytes are not a frame")
+        _, _, _, _, hlen, blen = _PREFIX.unpack_from(view, at)
+        total = _PREFIX.size + hlen + blen + _CRC.size
+        if hlen > MAX_HEADER or at + total > len(view):
+            raise TruncatedFrameError("a frame runs past the end of the data")
+        out.append(view[at : at + total])
+        at += total
+    return out
+
+
+def decode_rollout(
+    data: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview],
+    *,
+    start: int = 0,
+    end: int | None = None,
+    layers: Sequence[int] | None = None,
+    rollout_id: str = "",
+    max_bytes: int = MAX_DECODED_BYTES,
+) -> Routing:
+    """Decode what a read returns (context frames + segment frames or slices) into one Routing.
+
+    The one implementation of stitching: segments are placed by their rows, rows
+    no segment covers are ``-1``, frames that overlap are an error, and the
+    result is trimmed to ``[start, end)`` (``end`` defaults to the last row held)
+    and to the absolute MoE ``layers``.  ``data`` is the read's bytes, or a list of
+    pieces each holding whole frames (what :meth:`DirectReader.fetch_many` yields).
+    The output's size is checked against ``max_bytes`` before it is allocated.  A
+    frame that fails to decode raises a :class:`FrameError` naming the rollout and
+    the segment.
+    """
+    who = f"rollout {rollout_id}" if rollout_id else "rollout"
+    contexts: dict[str, Context] = {}
+    heads: list[tuple[memoryview, FrameHeader]] = []
+    pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+    for view in (v for piece in pieces for v in split_frames(piece)):
+        hdr = read_header(view, verify=True)
+        if hdr.codec == "context" or (hdr.context is not None and not hdr.base):
+            # A context frame, or a frame carrying its own context (which continuation
+            # frames of the read may name): its table inflated once, for every frame.
+            assert hdr.context is not None
+            if hdr.context.digest not in contexts:
+                contexts[hdr.context.digest] = Context.parse(hdr.context.raw)
+        if hdr.codec != "context":
+            heads.append((view, hdr))
+    if not heads:
+        # A range that falls wholly in a gap between segments: the read carries only
+        # the rollout's context, and every row is -1.
+        if end is None or not contexts:
+            raise FrameError(f"{who}: the read returned no routing frames")
+        ctx = next(iter(contexts.values()))
+        want = ctx.layer_ids if layers is None else tuple(int(x) for x in layers)
+        kept = tuple(ctx.layer_ids[p] for p in layer_positions(ctx.layer_ids, want))
+        if not 0 <= start < end:
+            raise ShapeError(f"token range [{start}, {end}) is empty or negative")
+        nbytes = (end - start) * len(kept) * ctx.topk * index_dtype(ctx.num_experts).itemsize
+        if nbytes > max_bytes:
+            raise FrameError(f"{who}: rows [{start}, {end}) decode to {nbytes} bytes")
+        empty = np.full((end - start, len(kept), ctx.topk), -1, index_dtype(ctx.num_experts))
+        empty.flags.writeable = False
+        return Routing(empty, ctx.num_experts, kept, start, ())
+    decoded = []
+    for view, hdr in heads:
+        where = f"{who}, segment [{hdr.start}, {hdr.end})"
+        try:
+            own = hdr.context.digest if hdr.context is not None and not hdr.base else ""
+            needed = contexts.get(hdr.base or own)
+            if hdr.base and needed is None:
+                raise FrameError(f"its context {hdr.base[:12]}… is missing from the read")
+            frame = decode_frame(view, context=needed, max_bytes=max_bytes)
+        except FrameError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        decoded.append(frame)
+    decoded.sort(key=lambda f: f.header.start)
+    first = decoded[0].routing
+    e, k = first.num_experts, first.topk
+    for f, g in itertools.pairwise(decoded):
+        if g.header.start < f.header.end:
+            raise FrameError(
+                f"{who}: segments [{f.header.start}, {f.header.end}) and "
+                f"[{g.header.start}, {g.header.end}) overlap"
+            )
+    all_layers = sorted({lid for f in decoded for lid in f.routing.layer_ids})
+    if any((f.routing.num_experts, f.routing.topk) != (e, k) for f in decoded):
+        raise FrameError(f"{who}: its frames disagree on E or K")
+    want = tuple(all_layers) if layers is None else tuple(int(x) for x in layers)
+    pos_all = layer_positions(all_layers, want)  # raises ShapeError for unknown layers
+    kept = tuple(all_layers[p] for p in pos_all)
+    # The reader asked for [start, end) and the service checked it against the stored
+    # rows; rows past the last frame returned are a gap (-1).  Without an end, the
+    # read ends where the last segment does.
+    hi = decoded[-1].header.end if end is None else end
+    if not 0 <= start < hi:
+        raise ShapeError(f"token range [{start}, {hi}) is empty or outside {who}'s rows")
+    nbytes = (hi - start) * len(kept) * k * index_dtype(e).itemsize
+    if nbytes > max_bytes:
+        raise FrameError(f"{who}: rows [{start}, {hi}) decode to {nbytes} bytes, over {max_bytes}")
+    out = np.full((hi - start, len(kept), k), -1, dtype=index_dtype(e))
+    segs: list[Segment] = []
+    for f in decoded:
+        a, b = max(start, f.header.start), min(hi, f.header.end)
+        segs.extend(f.routing.segments or (Segment(f.header.start, f.header.end),))
+        if a >= b:
+            continue
+        have = f.routing.layer_ids
+        missing = [lid for lid in kept if lid not in have]
+        if missing:
+            raise FrameError(
+                f"{who}: segment [{f.header.start}, {f.header.end}) lacks layers {missing}"
+            )
+        cols = layer_positions(have, kept)
+        out[a - start : b - start] = f.routing.indices[a - f.header.start : b - f.header.start][
+            :, cols
+        ]
+    out.flags.writeable = False
+    uniq = tuple(dict.fromkeys(s for s in segs if s.overlaps(start, hi)))
+    return Routing(out, e, kept, start, uniq)

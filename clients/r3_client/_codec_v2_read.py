@@ -1,0 +1,319 @@
+"""Format v2 reading: header validation, context resolution, chunk decoding."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from r3_client._codec_gaps import (
+    _gap_dtype,
+    _gaps_to_ids,
+    _planes_to_gaps,
+    _raw_dtype,
+    _set_ok,
+)
+from r3_client._codec_v1 import (
+    _raw_decode,
+    _set_decode,
+)
+from r3_client._codec_v2 import (
+    _SEGMENT_TEXT,
+    Context,
+    _inflate,
+)
+from r3_client._exceptions import (
+    ChecksumError,
+    FormatError,
+    FrameError,
+)
+from r3_client._format import (
+    Segment,
+    check_layer_ids,
+    index_dtype,
+)
+from r3_client._frame import (
+    _CODEC_NAMES,
+    _CRC,
+    CONTEXT_CODEC,
+    FrameHeader,
+    _check_provenance,
+    _expect_params,
+    _int,
+    _provenance_field,
+)
+from r3_client._setrank import ranker
+
+_V2_KEYS = {"start", "end", "params", "ctx", "base", "layers", "blocks", "groups", "chunks"}
+
+
+_V2_OPTIONAL = {"segment", "segments", "digest"}
+
+
+def _parse_v2(
+    hdr: dict[Any, Any], codec_id: int, blen: int, total: int, context: Context | None
+) -> FrameHeader:
+    if codec_id == CONTEXT_CODEC:
+        if set(hdr) != {"ctx"} or blen:
+            raise FrameError("a context frame has exactly the header key ctx and no body")
+        own = _ctx_field(hdr["ctx"])
+        return FrameHeader(
+            "context",
+            own.num_experts,
+            own.topk,
+            own.layer_ids,
+            0,
+            0,
+            None,
+            (),
+            {},
+            0,
+            total,
+            version=2,
+            context=own,
+        )
+    keys = set(hdr)
+    required = {"start", "end", "params", "blocks", "groups", "chunks"}
+    if not required <= keys or not keys <= _V2_KEYS | _V2_OPTIONAL:
+        raise FrameError(f"frame header keys {sorted(map(str, keys))} are not a v2 header's")
+    if ("ctx" in keys) == ("base" in keys):
+        raise FrameError("a v2 frame carries exactly one of ctx (its context) or base")
+    codec = _CODEC_NAMES[codec_id]
+    try:
+        start, end = _int(hdr["start"], "start"), _int(hdr["end"], "end")
+        seg = None
+        if "segment" in hdr:
+            fields = hdr["segment"]
+            if not isinstance(fields, dict) or not set(fields) <= set(_SEGMENT_TEXT):
+                raise FrameError(f"a v2 segment is a map of some of {list(_SEGMENT_TEXT)}")
+            seg = Segment(start, end, **fields) if end > start else None
+        segs = _provenance_field(hdr)
+    except FormatError as exc:
+        raise FrameError(f"invalid frame header: {exc}") from None
+    if not 0 <= start < end:
+        raise FrameError(f"frame token range [{start}, {end}) is empty or negative")
+    if end > 2**40:
+        raise FrameError(f"frame end {end} is implausibly large")
+    _check_provenance(seg, segs, start, end)  # (a v2 segment's rows are the frame's)
+    digest = _sha_field(hdr.get("digest", b""), "digest")
+    if digest and (seg is None or (seg.start, seg.end) != (start, end)):
+        raise FrameError("a content digest belongs to a whole segment frame")
+    base = ""
+    ctx: Context | None
+    if "ctx" in hdr:
+        ctx = _ctx_field(hdr["ctx"])
+        if context is not None:
+            if context.digest != ctx.digest:
+                raise FrameError("frame carries a different context than the one given")
+            ctx = context  # the caller's copy may hold the inflated table
+    else:
+        base = _sha_field(hdr["base"], "base")
+        if not base:
+            raise FrameError("header base must name a context (its 32-byte SHA-256)")
+        if context is not None and context.digest != base:
+            raise FrameError(f"frame needs context {base[:12]}…, not {context.digest[:12]}…")
+        ctx = context
+    layers_field = hdr.get("layers")
+    if layers_field is not None:
+        if not isinstance(layers_field, list):
+            raise FrameError("header layers must be a list")
+        try:
+            layer_subset: tuple[int, ...] | None = check_layer_ids(layers_field)
+        except FormatError as exc:
+            raise FrameError(f"invalid frame header: {exc}") from None
+    else:
+        layer_subset = None
+    blocks, groups = _int_list(hdr["blocks"], "blocks"), _int_list(hdr["groups"], "groups")
+    chunks_field = hdr["chunks"]
+    if not isinstance(chunks_field, list) or len(chunks_field) != len(blocks) * len(groups):
+        raise FrameError("header chunks must list one [length, crc32] per block and group")
+    chunks = []
+    for c in chunks_field:
+        if not (isinstance(c, list) and len(c) == 2):
+            raise FrameError("each chunk entry is [length, crc32]")
+        length, crc = _int(c[0], "chunk length"), _int(c[1], "chunk crc32")
+        if length < 0 or not 0 <= crc < 1 << 32:
+            raise FrameError("chunk length or crc32 out of range")
+        chunks.append((length, crc))
+    if sum(blocks) != end - start:
+        raise FrameError(f"blocks cover {sum(blocks)} rows; the frame holds {end - start}")
+    if sum(c[0] for c in chunks) != blen:
+        raise FrameError("chunk lengths do not add up to the body length")
+    params = hdr["params"]
+    if not isinstance(params, dict):
+        raise FrameError("header params must be a map")
+    _expect_params(params, {"relabel"} if codec == "set-zstd" else set())
+    if codec == "set-zstd" and not isinstance(params["relabel"], bool):
+        raise FrameError("set-zstd param relabel must be a bool")
+    out = FrameHeader(
+        codec,
+        0,
+        0,
+        layer_subset or (),
+        start,
+        end,
+        seg,
+        segs,
+        params,
+        blen,
+        total,
+        version=2,
+        context=ctx,
+        base=base,
+        digest=digest,
+        blocks=blocks,
+        groups=groups,
+        chunks=tuple(chunks),
+    )
+    return out if ctx is None else _resolve(out, ctx, layer_subset)
+
+
+def _resolve(hdr: FrameHeader, ctx: Context, subset: tuple[int, ...] | None) -> FrameHeader:
+    """Check a v2 header against its context: layers, groups, relabel, declared sizes."""
+    layers = ctx.layer_ids if subset is None else subset
+    if subset is not None and not set(subset) <= set(ctx.layer_ids):
+        raise FrameError(f"frame layers {list(subset)} are not all layers of its context")
+    if sum(hdr.groups) != len(layers):
+        raise FrameError(f"groups cover {sum(hdr.groups)} layers; the frame holds {len(layers)}")
+    if hdr.codec == "set-zstd" and hdr.params["relabel"] and not ctx.has_table:
+        raise FrameError("frame asks for relabel but its context has no table")
+    e, k = ctx.num_experts, ctx.topk
+    if hdr.codec == "set" and not _set_ok(e, k):
+        raise FrameError(f"codec set cannot code E={e}, K={k}")
+    if hdr.num_rows * len(layers) * k > (1 << 40):
+        raise FrameError(f"frame declares {hdr.num_rows} rows, too many to decode")
+    for (br, lg), (length, _) in zip(
+        itertools.product(hdr.blocks, hdr.groups), hdr.chunks, strict=True
+    ):
+        want = _chunk_body_size(hdr.codec, br, lg, e, k)
+        if want is not None and length != want:
+            raise FrameError(f"a {hdr.codec} chunk of {br}x{lg} rows is {length} bytes, not {want}")
+    return FrameHeader(
+        hdr.codec,
+        e,
+        k,
+        layers,
+        hdr.start,
+        hdr.end,
+        hdr.segment,
+        hdr.segments,
+        hdr.params,
+        hdr.body_length,
+        hdr.frame_length,
+        version=2,
+        context=ctx,
+        base=hdr.base,
+        digest=hdr.digest,
+        blocks=hdr.blocks,
+        groups=hdr.groups,
+        chunks=hdr.chunks,
+    )
+
+
+def _chunk_body_size(codec: str, rows: int, nl: int, e: int, k: int) -> int | None:
+    """Exact body bytes of a raw or set chunk; None for set-zstd (compressed)."""
+    if codec == "raw":
+        return rows * nl * k * _raw_dtype(e).itemsize
+    if codec == "set":
+        n, bits = rows * nl, ranker(e, k).bits
+        return n * 8 + -(-n * (bits - 64) // 8) if bits > 64 else -(-n * bits // 8)
+    return None
+
+
+def _zchunk_payload(rows: int, nl: int, e: int, k: int) -> int:
+    return rows * nl * k * _gap_dtype(e, k).itemsize
+
+
+def _ctx_field(value: object, *, tables: bool = False) -> Context:
+    if not isinstance(value, bytes):
+        raise FrameError("header ctx must be bin (the context's msgpack bytes)")
+    return Context.parse(value, tables=tables)
+
+
+def _int_list(value: object, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or len(value) > 1 << 20:
+        raise FrameError(f"header {name} must be a non-empty list")
+    out = tuple(_int(v, name) for v in value)
+    if min(out) < 1:
+        raise FrameError(f"header {name} entries must be >= 1")
+    return out
+
+
+def _sha_field(value: object, name: str) -> str:
+    """A 32-byte SHA-256 header field as lowercase hex ("" when absent/empty)."""
+    if not isinstance(value, bytes) or len(value) not in (0, 32):
+        raise FrameError(f"header {name} must be a 32-byte SHA-256 (bin)")
+    return value.hex()
+
+
+def check_chunks(data: bytes | bytearray | memoryview, hdr: FrameHeader) -> None:
+    """What the service checks of a v2 body without decoding it: each set-zstd chunk's
+    zstd frame declares exactly the payload its shape allows (bombs refused at PUT)."""
+    if hdr.version != 2 or hdr.codec != "set-zstd":
+        return
+    view = memoryview(data).cast("B")
+    at = hdr.frame_length - _CRC.size - hdr.body_length
+    for (br, lg), (length, _) in zip(
+        itertools.product(hdr.blocks, hdr.groups), hdr.chunks, strict=True
+    ):
+        _inflate(
+            view[at : at + length],
+            _zchunk_payload(br, lg, hdr.num_experts, hdr.topk),
+            "set-zstd chunk",
+            check_only=True,
+        )
+        at += length
+
+
+def _decode_v2(
+    view: memoryview, hdr: FrameHeader, max_bytes: int, verify_chunks: bool
+) -> npt.NDArray[Any]:
+    assert hdr.context is not None
+    ctx = hdr.context
+    e, k, nl = hdr.num_experts, hdr.topk, len(hdr.layer_ids)
+    if hdr.decoded_bytes > max_bytes:
+        raise FrameError(
+            f"frame decodes to {hdr.decoded_bytes} bytes; this decoder's limit is {max_bytes}"
+        )
+    relabel = hdr.codec == "set-zstd" and bool(hdr.params["relabel"])
+    if relabel and ctx.table is None:
+        raise FrameError("frame needs its context's relabel table: parse the context with tables")
+    ctx_pos = [ctx.layer_ids.index(lid) for lid in hdr.layer_ids]
+    out = np.empty((hdr.num_rows, nl, k), dtype=index_dtype(e))
+    gbounds = list(itertools.accumulate(hdr.groups, initial=0))
+    at = hdr.frame_length - _CRC.size - hdr.body_length
+    r0, i = 0, 0
+    for br in hdr.blocks:
+        for g in range(len(hdr.groups)):
+            length, crc = hdr.chunks[i]
+            i += 1
+            chunk = view[at : at + length]
+            at += length
+            if verify_chunks and zlib.crc32(chunk) != crc:
+                raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
+            lo, hi = gbounds[g], gbounds[g + 1]
+            shape = (br, hi - lo, k)
+            if hdr.codec == "raw":
+                sub = _raw_decode(chunk, shape, e)
+            elif hdr.codec == "set":
+                sub = _set_decode(chunk, shape, e)
+            else:
+                order = ctx.table[ctx_pos[lo:hi]] if relabel else None  # type: ignore[index]
+                sub = _zchunk_decode(chunk, shape, e, order)
+            out[r0 : r0 + br, lo:hi] = sub
+        r0 += br
+    return out
+
+
+def _zchunk_decode(
+    body: memoryview, shape: tuple[int, int, int], e: int, order: npt.NDArray[Any] | None
+) -> npt.NDArray[Any]:
+    rows, nl, k = shape
+    gdt = _gap_dtype(e, k)
+    n = rows * nl * k
+    payload = _inflate(body, n * gdt.itemsize, "set-zstd chunk")
+    assert payload is not None
+    return _gaps_to_ids(_planes_to_gaps(payload, (nl, rows, k), gdt), e, k, order)
