@@ -44,170 +44,50 @@ the rollout's TTL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import copy
-import hashlib
 import hmac
-import logging
-import re
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from importlib import resources
-from typing import Any
+from collections.abc import Sequence
 
 import msgpack
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
+from cache_service.store_base import (
+    _BLOB_ACKED,
+    _PUT_ACKED,
+    _READER_COMMANDS,
+    DURABILITY_MODES,
+    RedisClient,
+    StoreSettings,
+    _meta_bytes,
+    _translate,
+    check_namespace,
+)
+from cache_service.store_durability import DurableWrites
+from cache_service.store_reads import StoreReads
 from r3_client import (
-    FormatError,
     FrameError,
     InvalidRequestError,
     RolloutNotFoundError,
-    Routing,
-    Segment,
     SegmentConflictError,
-    ShapeError,
     StoreError,
     StoreUnavailableError,
     UnsupportedFrameError,
-    check_rollout_id,
     read_header,
 )
-from r3_client._codec import Context, encode_context
-from r3_client._codec_rollout import decode_rollout, slice_frame
+from r3_client._codec import Context
 from r3_client._codec_v2_read import check_chunks
-from r3_client._format import layer_positions
-from r3_client._models import PutResult, RolloutInfo, SegmentInfo
+from r3_client._models import PutResult
 
 __all__ = ["DURABILITY_MODES", "SegmentStore", "StoreSettings", "check_namespace"]
 
-_NAMESPACE = re.compile(r"[a-z0-9_-]{1,64}")
-RedisClient = aioredis.Redis | RedisCluster
-DURABILITY_MODES = ("ack", "replicas", "fsync")
-_log = logging.getLogger("r3.cache.store")
-_PUT_ACKED = (b"stored", b"duplicate")
-#: What a direct reader may run: reads of rollout hashes and blobs, and connection set-up.
-_READER_COMMANDS = (
-    "hgetall",
-    "hget",
-    "hmget",
-    "ping",
-    "hello",
-    "cluster|slots",
-    "cluster|shards",
-    "cluster|nodes",
-    "readonly",
-    "command",
-)
-_BLOB_ACKED = (b"new", b"same")
 
-
-@dataclass(frozen=True, slots=True)
-class StoreSettings:
-    """How the store talks to Redis and what it accepts.
-
-    ``redis_url`` is a ``redis://`` DSN; ``cluster=True`` treats it as one seed
-    node of a Redis Cluster.  ``default_ttl_s`` (0 = keep forever) applies to
-    every write.  ``max_segments`` bounds one rollout's segment count (the put
-    script scans them).
-
-    ``durability`` says when a write counts as done: ``ack`` when Redis applied
-    it; ``replicas`` when ``durability_replicas`` replicas of the key's master have
-    it too (``WAIT``); ``fsync`` when the master's AOF is fsynced (``WAITAOF``,
-    Redis >= 7.2) and ``durability_replicas`` replicas have it (``WAIT``).  A wait that
-    does not complete within ``durability_timeout_ms`` fails the write with
-    :class:`StoreUnavailableError`.
-    """
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    cluster: bool = False
-    key_prefix: str = "r3"
-    default_ttl_s: int = 24 * 3600
-    max_segments: int = 4096
-    connect_retries: int = 5
-    max_connections: int = 64
-    dedupe: bool = True
-    socket_timeout_s: float = 10.0
-    durability: str = "ack"
-    durability_replicas: int = 0
-    durability_timeout_ms: int = 1000
-    max_gap_rows: int = 1 << 17
-    max_decoded_bytes: int = 1 << 30
-
-    def __post_init__(self) -> None:
-        if self.durability not in DURABILITY_MODES:
-            raise ValueError(
-                f"durability must be one of {DURABILITY_MODES}, not {self.durability!r}"
-            )
-        if self.durability == "replicas" and self.durability_replicas < 1:
-            raise ValueError("durability=replicas needs durability_replicas >= 1")
-        if self.durability_replicas < 0:
-            raise ValueError("durability_replicas must be >= 0")
-        if not 1 <= self.durability_timeout_ms < self.socket_timeout_s * 1000:
-            raise ValueError(
-                "durability_timeout_ms must be >= 1 and below the socket timeout "
-                f"({self.socket_timeout_s * 1000:.0f} ms): WAIT blocks the connection"
-            )
-
-
-def _load(name: str) -> str:
-    return resources.files("cache_service").joinpath("lua", name).read_text()
-
-
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def check_namespace(namespace: object) -> str:
-    """Return ``namespace`` or raise :class:`InvalidRequestError` (the tenant namespace rule)."""
-    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
-        raise InvalidRequestError(f"invalid namespace {namespace!r}: use [a-z0-9_-]{{1,64}}")
-    return namespace
-
-
-def _meta_bytes(num_experts: int, topk: int, layer_ids: Sequence[int]) -> bytes:
-    out: bytes = msgpack.packb([num_experts, topk, list(layer_ids)], use_bin_type=True)
-    return out
-
-
-@asynccontextmanager
-async def _translate(limit: asyncio.Semaphore) -> AsyncIterator[None]:
-    """Bound in-flight commands by ``limit`` and map redis-py failures to store errors.
-
-    The one place redis-py exceptions are translated.  The bound makes excess
-    callers wait instead of failing with "too many connections".
-    """
-    try:
-        async with limit:
-            yield
-    except (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError) as exc:
-        raise StoreUnavailableError(f"Redis is unreachable: {exc}") from exc
-    except rexc.RedisError as exc:
-        raise StoreError(f"Redis error: {exc}") from exc
-
-
-class SegmentStore:
+class SegmentStore(DurableWrites, StoreReads):
     """Async segment store over redis-py asyncio (single Redis or Redis Cluster).
 
     Create with :meth:`connect` (pings with bounded retries) and close with
     :meth:`close`, or use ``async with SegmentStore.connect(...)``.
     """
-
-    def __init__(self, client: RedisClient, settings: StoreSettings) -> None:
-        self._r = client
-        self.settings = settings
-        self._put = client.register_script(_load("put_segment.lua"))
-        self._fields = client.register_script(_load("segment_fields.lua"))
-        self._stat = client.register_script(_load("stat_rollout.lua"))
-        self._touch = client.register_script(_load("touch_rollout.lua"))
-        self._put_blob = client.register_script(_load("put_blob.lua"))
-        self._keep_blob = client.register_script(_load("keep_blob.lua"))
-        self._delete = client.register_script("return redis.call('DEL', KEYS[1])")
-        self._namespace = ""
-        self._limit = asyncio.Semaphore(settings.max_connections)
 
     @classmethod
     async def connect(cls, settings: StoreSettings) -> SegmentStore:
@@ -246,186 +126,6 @@ class SegmentStore:
             raise
         return store
 
-    # ---- durability --------------------------------------------------------------------
-    def _wait_commands(self) -> list[tuple[Any, ...]]:
-        """What follows each write on its connection: nothing (ack), WAIT, WAITAOF (+ WAIT).
-
-        ``fsync`` with replicas asks the master's AOF fsync (``WAITAOF 1 0``) and the
-        replicas' receipt (``WAIT n``), not the replicas' own fsync (``WAITAOF 1 n``):
-        a failover promotes a replica's memory, and replicas report their fsync only in
-        their once-a-second acknowledgement (measured: ~1 s per write).
-        """
-        s = self.settings
-        t = s.durability_timeout_ms
-        if s.durability == "replicas":
-            return [("WAIT", s.durability_replicas, t)]
-        if s.durability == "fsync":
-            waits: list[tuple[Any, ...]] = [("WAITAOF", 1, 0, t)]
-            if s.durability_replicas:
-                waits.append(("WAIT", s.durability_replicas, t))
-            return waits
-        return []
-
-    async def _on_primaries(self, *command: Any) -> dict[str, Any]:
-        """``command``'s reply from every master (one entry on a single Redis)."""
-        if isinstance(self._r, RedisCluster):
-            out = {}
-            for node in self._r.get_primaries():
-                reply = await self._r.execute_command(*command, target_nodes=node)
-                by_node = isinstance(reply, dict) and node.name in reply
-                out[node.name] = reply[node.name] if by_node else reply
-            return out
-        reply = await self._r.execute_command(*command)  # type: ignore[no-untyped-call]
-        return {self.settings.redis_url.rsplit("@", 1)[-1]: reply}
-
-    async def check_durability(self) -> list[str]:
-        """Refuse a durability mode these Redis masters cannot give; return warnings.
-
-        ``fsync`` needs ``WAITAOF`` and ``appendonly yes`` on every master: a probe
-        ``WAITAOF 1 0 <timeout>`` must answer, or :class:`StoreError` says why (the
-        mode would fail every write).  Fewer connected replicas than
-        ``durability_replicas`` is only a warning (logged and returned): replicas
-        come and go, writes fail with 503 until enough are back, reads keep working.
-        """
-        s = self.settings
-        if s.durability == "ack":
-            return []
-        warnings: list[str] = []
-        try:
-            if s.durability == "fsync":
-                try:
-                    replies = await self._on_primaries("WAITAOF", 1, 0, s.durability_timeout_ms)
-                except rexc.ResponseError as exc:
-                    raise StoreError(await self._fsync_refusal(exc)) from exc
-                for node, reply in replies.items():
-                    if int(reply[0]) < 1:
-                        raise StoreError(
-                            f"durability=fsync: Redis {node} did not confirm an AOF fsync "
-                            f"within {s.durability_timeout_ms} ms"
-                        )
-            else:
-                await self._on_primaries("WAIT", 0, s.durability_timeout_ms)
-            if s.durability_replicas > 0:
-                infos = await self._on_primaries("INFO", "replication")
-                for node, info in infos.items():
-                    # A replica still in its full sync is connected but acknowledges
-                    # nothing: only ``state=online`` ones answer a WAIT.
-                    have = sum(
-                        1
-                        for k, v in info.items()
-                        if k.startswith("slave")
-                        and isinstance(v, dict)
-                        and v.get("state") == "online"
-                    )
-                    if have < s.durability_replicas:
-                        warnings.append(
-                            f"durability={s.durability} waits for {s.durability_replicas} "
-                            f"replica(s) per write but Redis {node} has {have} online: "
-                            "its writes fail (503) until enough replicas are back"
-                        )
-        except (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterError) as exc:
-            raise StoreUnavailableError(f"Redis is unreachable: {exc}") from exc
-        except rexc.RedisError as exc:
-            raise StoreError(f"durability={s.durability}: Redis refused the check: {exc}") from exc
-        for w in warnings:
-            _log.warning(w, extra={"r3": {"durability": s.durability}})
-        return warnings
-
-    async def _fsync_refusal(self, exc: Exception) -> str:
-        """Why ``durability=fsync`` cannot work here, in words (Redis version, AOF policy)."""
-        msg = f"durability=fsync needs WAITAOF (Redis >= 7.2) and appendonly yes; Redis said: {exc}"
-        with contextlib.suppress(rexc.RedisError):
-            info = next(iter((await self._on_primaries("INFO", "server")).values()))
-            msg += f" (redis_version {info.get('redis_version')})"
-        with contextlib.suppress(rexc.RedisError):
-            conf = next(iter((await self._on_primaries("CONFIG", "GET", "appendfsync")).values()))
-            if isinstance(conf, list):  # raw reply: [name, value, ...]
-                conf = dict(zip(conf[::2], conf[1::2], strict=True))
-            policy = {_text(k): _text(v) for k, v in conf.items()}.get("appendfsync")
-            if policy == "always":
-                msg += (
-                    ". This Redis already fsyncs every write (appendfsync always): "
-                    "durability=ack gives the same guarantee"
-                )
-        return msg
-
-    async def _write(
-        self, key: str, script: Any, args: Sequence[Any], acked: Callable[[Any], bool]
-    ) -> Any:
-        """Run ``script`` on ``key``; in a durable mode, then wait on the same connection.
-
-        The caller holds a ``_limit`` slot inside :func:`_translate`.  ``acked(result)``
-        tells whether the result acknowledges stored data (only then does an
-        unconfirmed wait fail the write).
-        """
-        waits = self._wait_commands()
-        if not waits:
-            return await script(keys=[key], args=list(args))
-        command = ("EVALSHA", script.sha, 1, key, *args)
-        asking: Any = None
-        for _ in range(4):
-            try:
-                if isinstance(self._r, RedisCluster):
-                    # Both commands pinned to the key's master: ClusterPipeline sends
-                    # one node's commands on one connection.  No automatic redirection:
-                    # a MOVED/ASK write would be re-sent on another connection, where
-                    # the wait no longer covers it.
-                    node = asking or self._r.get_node_from_key(key)
-                    cpipe = self._r.pipeline()
-                    if asking is not None:
-                        cpipe.execute_command("ASKING", target_nodes=node)
-                    cpipe.execute_command(*command, target_nodes=node)
-                    for wait in waits:
-                        cpipe.execute_command(*wait, target_nodes=node)
-                    replies = await cpipe.execute(allow_redirections=False)
-                else:
-                    pipe = self._r.pipeline(transaction=False)
-                    pipe.execute_command(*command)
-                    for wait in waits:
-                        pipe.execute_command(*wait)
-                    replies = await pipe.execute()
-            except rexc.NoScriptError:  # first use on this node, or Redis restarted
-                await self._r.script_load(script.script)
-                continue
-            except rexc.MovedError as exc:  # the slot moved: nothing ran; learn and retry
-                assert isinstance(self._r, RedisCluster)
-                await self._r.nodes_manager.move_slot(exc)
-                asking = None
-                continue
-            except rexc.AskError as exc:  # slot being migrated: the key is on the target
-                assert isinstance(self._r, RedisCluster)
-                asking = self._r.get_node(host=exc.host, port=exc.port)
-                if asking is None:
-                    raise
-                continue
-            result, wait_replies = replies[-1 - len(waits)], replies[-len(waits) :]
-            if acked(result):
-                self._check_waits(wait_replies)
-            return result
-        raise StoreUnavailableError(
-            "Redis kept redirecting this write (slot migration in progress); retry it"
-        )
-
-    def _check_waits(self, replies: Sequence[Any]) -> None:
-        s = self.settings
-        ok, what, lost_on = True, [], []
-        for reply in replies:
-            if isinstance(reply, list):  # WAITAOF: [local fsyncs, replica fsyncs]
-                ok &= int(reply[0]) >= 1
-                what.append(f"was fsynced to the master's AOF {int(reply[0])}/1")
-                lost_on.append("a host crash or power loss")
-            else:  # WAIT: replicas that have it
-                ok &= int(reply) >= s.durability_replicas
-                what.append(f"reached {int(reply)} of {s.durability_replicas} replica(s)")
-                lost_on.append("a failover")
-        if not ok:
-            raise StoreUnavailableError(
-                f"durability={s.durability}: Redis applied the write but it {' and '.join(what)} "
-                f"within {s.durability_timeout_ms} ms, so it may or may not be stored after "
-                f"{' or '.join(lost_on)}. "
-                "Retrying is safe: the same write again is a no-op that waits again"
-            )
-
     async def close(self) -> None:
         """Close the connection pool."""
         await self._r.aclose()
@@ -435,30 +135,6 @@ class SegmentStore:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    def for_namespace(self, namespace: str) -> SegmentStore:
-        """A view of this store whose keys live under ``namespace`` (a tenant).
-
-        Shares the connection pool, scripts and concurrency bound.  Rollouts
-        and shared blobs of different namespaces never see each other.
-        """
-        check_namespace(namespace)
-        view = copy.copy(self)
-        view._namespace = namespace
-        return view
-
-    @property
-    def _prefix(self) -> str:
-        base = self.settings.key_prefix
-        return f"{base}:{self._namespace}" if self._namespace else base
-
-    def key(self, rollout_id: str) -> str:
-        """The Redis key of a rollout (hash-tagged for Cluster)."""
-        return f"{self._prefix}:{{{check_rollout_id(rollout_id)}}}"
-
-    def _blob_key(self, meta: bytes, segment: Segment) -> str:
-        share = hashlib.sha256(meta + msgpack.packb(segment.to_dict())).hexdigest()
-        return f"{self._prefix}:blob:{{{share}}}"
 
     async def _keep_blobs(self, refs: Sequence[bytes], ttl_ms: int) -> None:
         """Extend the TTL of shared blobs a rollout references (one slot each).
@@ -664,206 +340,3 @@ class SegmentStore:
             if not res:
                 raise RolloutNotFoundError(f"rollout {rollout_id} not found")
             await self._keep_blobs(res[1:], ttl * 1000)
-
-    # ---- reads -------------------------------------------------------------------------
-    async def _fetch(
-        self, rollout_id: str, start: int, end: int | None
-    ) -> tuple[
-        tuple[int, int, tuple[int, ...]], int, list[tuple[int, int, bytes]], dict[str, bytes]
-    ]:
-        """Meta, stored end, ``(start, end, frame)`` of segments overlapping ``[start, end)``,
-        and the rollout's contexts.
-
-        Sorted by start; shared segments resolved to their frames; contexts by digest.
-        A whole-rollout read is one ``HGETALL``; a range asks a script for the
-        overlapping field names (and the context names) and then ``HMGET``s them
-        (segments are never rewritten in place, so the two steps cannot mix
-        versions; a rollout deleted in between reads as not found).
-        """
-        key = self.key(rollout_id)
-        if start < 0 or (end is not None and end <= start):
-            raise InvalidRequestError(f"token range [{start}, {end}) is empty or negative")
-        missing = RolloutNotFoundError(f"rollout {rollout_id} not found")
-        async with _translate(self._limit):
-            if start == 0 and end is None:
-                fields: dict[Any, Any] = await self._r.hgetall(key)
-                meta = fields.get(b"m")
-                named = [(f, v) for f, v in fields.items() if f[:2] in (b"s:", b"c:")]
-                stored_end = max(
-                    (int(f.split(b":")[2]) for f, _ in named if f[:2] == b"s:"), default=0
-                )
-            else:
-                res = await self._fields(keys=[key], args=[start, -1 if end is None else end])
-                meta = res[0] if res else None
-                stored_end = int(res[1]) if res else 0
-                names = res[2:]
-                values: list[Any] = await self._r.hmget(key, names) if names else []
-                if any(v is None for v in values):
-                    raise missing
-                named = list(zip(names, values, strict=True))
-            if meta is None:
-                raise missing
-            contexts = {f[2:].decode(): v for f, v in named if f[:2] == b"c:"}
-            segments = sorted(
-                (int(a), int(b), v)
-                for f, v in named
-                if f[:2] == b"s:"
-                for _, a, b in (f.split(b":"),)
-            )
-            for i, (seg_start, seg_end, value) in enumerate(segments):
-                if value[:1] == b"@":  # shared segment: one HGET in the blob's own slot
-                    blob = await self._r.hget(value[1:].decode(), "f")
-                    if not isinstance(blob, bytes):
-                        raise StoreError(
-                            f"rollout {rollout_id}: a shared segment's data has expired"
-                        )
-                    segments[i] = (seg_start, seg_end, blob)
-        e, k, layer_ids = msgpack.unpackb(meta)
-        return (e, k, tuple(layer_ids)), stored_end, segments, contexts
-
-    async def get_frame(
-        self,
-        rollout_id: str,
-        *,
-        start: int = 0,
-        end: int | None = None,
-        layers: Sequence[int] | None = None,
-    ) -> bytes:
-        """The rollout's stored frames overlapping the request, concatenated: nothing decoded.
-
-        Whole segments come back byte for byte; a segment the range or ``layers``
-        cuts comes back as a :func:`~r3_client.slice_frame` of it (the blocks and
-        layer groups that cover the request; the reader trims).  Context frames for
-        the continuation frames returned come first.  Decode with
-        :func:`r3_client.decode_rollout` using the same ``start``/``end``/``layers``.
-        Raises :class:`RolloutNotFoundError`, or :class:`InvalidRequestError` for a
-        range outside ``[0, num_rows)`` or an unknown layer id.
-        """
-        (_, _, layer_ids), stored_end, segments, contexts = await self._fetch(
-            rollout_id, start, end
-        )
-        if end is None and start >= stored_end:
-            raise InvalidRequestError(
-                f"start {start} is past the last stored row of rollout {rollout_id} "
-                f"(it holds rows [0, {stored_end}))"
-            )
-        hi = stored_end if end is None else end
-        if not start < hi <= stored_end:
-            raise InvalidRequestError(
-                f"token range [{start}, {end}) is outside rollout {rollout_id}'s rows "
-                f"[0, {stored_end})"
-            )
-        if layers is not None:
-            try:
-                layer_positions(layer_ids, layers)
-            except ShapeError as exc:
-                raise InvalidRequestError(str(exc)) from None
-        if start == 0 and end is None and layers is None and len(segments) == 1:
-            return segments[0][2]  # a single self-contained segment: the stored bytes
-        return await asyncio.to_thread(
-            self._cut, rollout_id, segments, contexts, start, end, layers
-        )
-
-    @staticmethod
-    def _cut(
-        rollout_id: str,
-        segments: list[tuple[int, int, bytes]],
-        contexts: dict[str, bytes],
-        start: int,
-        end: int | None,
-        layers: Sequence[int] | None,
-    ) -> bytes:
-        """Frames (or slices) for the request plus the contexts they continue from."""
-        parts: list[bytes] = []
-        bases: dict[str, Context] = {}
-        carried: set[str] = set()  # contexts a returned frame carries itself
-        for a, b, frame in segments:
-            try:
-                hdr = read_header(frame, verify=False)
-                ctx = None
-                if hdr.context is not None and not hdr.base:
-                    carried.add(hdr.context.digest)
-                if hdr.version == 1:  # stored before format v2: whole, the reader trims
-                    parts.append(frame)
-                    continue
-                if hdr.base:
-                    raw = contexts.get(hdr.base)
-                    if raw is None:
-                        raise StoreError(
-                            f"rollout {rollout_id}: the context of segment [{a}, {b}) is missing"
-                        )
-                    ctx = bases.get(hdr.base) or Context.parse(raw, tables=False)
-                    bases[hdr.base] = ctx
-                cut = (start > a or (end is not None and end < b)) or layers is not None
-                parts.append(
-                    slice_frame(frame, start=start, end=end, layers=layers, context=ctx)
-                    if cut
-                    else frame
-                )
-            except (FormatError, FrameError):
-                # A stored frame damaged in Redis: hand it over whole; the reader's decode
-                # names the rollout and segment (the service never decodes to judge it).
-                parts.append(frame)
-        if not parts and contexts:  # the range lies in a gap: the context says E, K, layers
-            bases = {d: Context.parse(raw, tables=False) for d, raw in list(contexts.items())[:1]}
-        extra = [encode_context(c) for d, c in bases.items() if d not in carried]
-        return b"".join([*extra, *parts])
-
-    async def get(
-        self,
-        rollout_id: str,
-        *,
-        start: int = 0,
-        end: int | None = None,
-        layers: Sequence[int] | None = None,
-    ) -> Routing:
-        """:meth:`get_frame` decoded (a convenience for tests and tools: it decodes in
-        this process; the service's request paths never call it)."""
-        data = await self.get_frame(rollout_id, start=start, end=end, layers=layers)
-        return await asyncio.to_thread(
-            decode_rollout, data, start=start, end=end, layers=layers, rollout_id=rollout_id
-        )
-
-    async def stat(self, rollout_id: str) -> RolloutInfo:
-        """Meta, segments, sizes and TTL of a rollout; :class:`RolloutNotFoundError` if absent."""
-        key = self.key(rollout_id)
-        async with _translate(self._limit):
-            res = await self._stat(keys=[key], args=[])
-            if not res:
-                raise RolloutNotFoundError(f"rollout {rollout_id} not found")
-            try:
-                mem = await self._r.memory_usage(key, samples=0)  # 0 = count every field
-            except rexc.ResponseError:  # MEMORY disabled by the operator
-                mem = None
-        e, k, layer_ids = msgpack.unpackb(res[0])
-        infos = []
-        for raw in res[4:]:
-            seg, codec, nbytes, shared = msgpack.unpackb(raw)
-            infos.append(SegmentInfo(Segment.from_dict(seg), codec, nbytes, shared))
-        infos.sort(key=lambda i: i.segment.start)
-        pttl = int(res[3])
-        return RolloutInfo(
-            rollout_id=rollout_id,
-            num_experts=e,
-            topk=k,
-            layer_ids=tuple(layer_ids),
-            num_rows=max((i.segment.end for i in infos), default=0),
-            stored_bytes=int(res[1]),
-            shared_bytes=int(res[2]),
-            memory_bytes=None if mem is None else int(mem),
-            ttl_s=None if pttl < 0 else pttl / 1000,
-            segments=tuple(infos),
-        )
-
-    async def memory(self) -> dict[str, int]:
-        """Store-wide accounting: Redis ``used_memory`` and key count, summed over primaries."""
-        async with _translate(self._limit):
-            if isinstance(self._r, RedisCluster):
-                nodes = RedisCluster.PRIMARIES
-                per_node: Any = await self._r.info("memory", target_nodes=nodes)
-                used = sum(int(v["used_memory"]) for v in per_node.values())
-                nkeys = int(await self._r.dbsize(target_nodes=nodes))  # summed by redis-py
-            else:
-                info: Any = await self._r.info("memory")
-                used, nkeys = int(info["used_memory"]), int(await self._r.dbsize())
-        return {"used_memory": used, "keys": nkeys}

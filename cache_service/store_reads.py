@@ -1,0 +1,235 @@
+"""Reads of the segment store: frames (whole, sliced, stitched), stats, memory."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import redis.exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+
+from cache_service.store_base import StoreBase, _translate
+from r3_client import (
+    FormatError,
+    FrameError,
+    InvalidRequestError,
+    RolloutNotFoundError,
+    Routing,
+    Segment,
+    ShapeError,
+    StoreError,
+    read_header,
+)
+from r3_client._codec import Context, encode_context
+from r3_client._codec_rollout import decode_rollout, slice_frame
+from r3_client._format import layer_positions
+from r3_client._models import RolloutInfo, SegmentInfo
+
+
+class StoreReads(StoreBase):
+    """Frames of a rollout as stored (the service never decodes), its stat, Redis memory."""
+
+    # ---- reads -------------------------------------------------------------------------
+    async def _fetch(
+        self, rollout_id: str, start: int, end: int | None
+    ) -> tuple[
+        tuple[int, int, tuple[int, ...]], int, list[tuple[int, int, bytes]], dict[str, bytes]
+    ]:
+        """Meta, stored end, ``(start, end, frame)`` of segments overlapping ``[start, end)``,
+        and the rollout's contexts.
+
+        Sorted by start; shared segments resolved to their frames; contexts by digest.
+        A whole-rollout read is one ``HGETALL``; a range asks a script for the
+        overlapping field names (and the context names) and then ``HMGET``s them
+        (segments are never rewritten in place, so the two steps cannot mix
+        versions; a rollout deleted in between reads as not found).
+        """
+        key = self.key(rollout_id)
+        if start < 0 or (end is not None and end <= start):
+            raise InvalidRequestError(f"token range [{start}, {end}) is empty or negative")
+        missing = RolloutNotFoundError(f"rollout {rollout_id} not found")
+        async with _translate(self._limit):
+            if start == 0 and end is None:
+                fields: dict[Any, Any] = await self._r.hgetall(key)
+                meta = fields.get(b"m")
+                named = [(f, v) for f, v in fields.items() if f[:2] in (b"s:", b"c:")]
+                stored_end = max(
+                    (int(f.split(b":")[2]) for f, _ in named if f[:2] == b"s:"), default=0
+                )
+            else:
+                res = await self._fields(keys=[key], args=[start, -1 if end is None else end])
+                meta = res[0] if res else None
+                stored_end = int(res[1]) if res else 0
+                names = res[2:]
+                values: list[Any] = await self._r.hmget(key, names) if names else []
+                if any(v is None for v in values):
+                    raise missing
+                named = list(zip(names, values, strict=True))
+            if meta is None:
+                raise missing
+            contexts = {f[2:].decode(): v for f, v in named if f[:2] == b"c:"}
+            segments = sorted(
+                (int(a), int(b), v)
+                for f, v in named
+                if f[:2] == b"s:"
+                for _, a, b in (f.split(b":"),)
+            )
+            for i, (seg_start, seg_end, value) in enumerate(segments):
+                if value[:1] == b"@":  # shared segment: one HGET in the blob's own slot
+                    blob = await self._r.hget(value[1:].decode(), "f")
+                    if not isinstance(blob, bytes):
+                        raise StoreError(
+                            f"rollout {rollout_id}: a shared segment's data has expired"
+                        )
+                    segments[i] = (seg_start, seg_end, blob)
+        e, k, layer_ids = msgpack.unpackb(meta)
+        return (e, k, tuple(layer_ids)), stored_end, segments, contexts
+
+    async def get_frame(
+        self,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> bytes:
+        """The rollout's stored frames overlapping the request, concatenated: nothing decoded.
+
+        Whole segments come back byte for byte; a segment the range or ``layers``
+        cuts comes back as a :func:`~r3_client.slice_frame` of it (the blocks and
+        layer groups that cover the request; the reader trims).  Context frames for
+        the continuation frames returned come first.  Decode with
+        :func:`r3_client.decode_rollout` using the same ``start``/``end``/``layers``.
+        Raises :class:`RolloutNotFoundError`, or :class:`InvalidRequestError` for a
+        range outside ``[0, num_rows)`` or an unknown layer id.
+        """
+        (_, _, layer_ids), stored_end, segments, contexts = await self._fetch(
+            rollout_id, start, end
+        )
+        if end is None and start >= stored_end:
+            raise InvalidRequestError(
+                f"start {start} is past the last stored row of rollout {rollout_id} "
+                f"(it holds rows [0, {stored_end}))"
+            )
+        hi = stored_end if end is None else end
+        if not start < hi <= stored_end:
+            raise InvalidRequestError(
+                f"token range [{start}, {end}) is outside rollout {rollout_id}'s rows "
+                f"[0, {stored_end})"
+            )
+        if layers is not None:
+            try:
+                layer_positions(layer_ids, layers)
+            except ShapeError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        if start == 0 and end is None and layers is None and len(segments) == 1:
+            return segments[0][2]  # a single self-contained segment: the stored bytes
+        return await asyncio.to_thread(
+            self._cut, rollout_id, segments, contexts, start, end, layers
+        )
+
+    @staticmethod
+    def _cut(
+        rollout_id: str,
+        segments: list[tuple[int, int, bytes]],
+        contexts: dict[str, bytes],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> bytes:
+        """Frames (or slices) for the request plus the contexts they continue from."""
+        parts: list[bytes] = []
+        bases: dict[str, Context] = {}
+        carried: set[str] = set()  # contexts a returned frame carries itself
+        for a, b, frame in segments:
+            try:
+                hdr = read_header(frame, verify=False)
+                ctx = None
+                if hdr.context is not None and not hdr.base:
+                    carried.add(hdr.context.digest)
+                if hdr.version == 1:  # stored before format v2: whole, the reader trims
+                    parts.append(frame)
+                    continue
+                if hdr.base:
+                    raw = contexts.get(hdr.base)
+                    if raw is None:
+                        raise StoreError(
+                            f"rollout {rollout_id}: the context of segment [{a}, {b}) is missing"
+                        )
+                    ctx = bases.get(hdr.base) or Context.parse(raw, tables=False)
+                    bases[hdr.base] = ctx
+                cut = (start > a or (end is not None and end < b)) or layers is not None
+                parts.append(
+                    slice_frame(frame, start=start, end=end, layers=layers, context=ctx)
+                    if cut
+                    else frame
+                )
+            except (FormatError, FrameError):
+                # A stored frame damaged in Redis: hand it over whole; the reader's decode
+                # names the rollout and segment (the service never decodes to judge it).
+                parts.append(frame)
+        if not parts and contexts:  # the range lies in a gap: the context says E, K, layers
+            bases = {d: Context.parse(raw, tables=False) for d, raw in list(contexts.items())[:1]}
+        extra = [encode_context(c) for d, c in bases.items() if d not in carried]
+        return b"".join([*extra, *parts])
+
+    async def get(
+        self,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> Routing:
+        """:meth:`get_frame` decoded (a convenience for tests and tools: it decodes in
+        this process; the service's request paths never call it)."""
+        data = await self.get_frame(rollout_id, start=start, end=end, layers=layers)
+        return await asyncio.to_thread(
+            decode_rollout, data, start=start, end=end, layers=layers, rollout_id=rollout_id
+        )
+
+    async def stat(self, rollout_id: str) -> RolloutInfo:
+        """Meta, segments, sizes and TTL of a rollout; :class:`RolloutNotFoundError` if absent."""
+        key = self.key(rollout_id)
+        async with _translate(self._limit):
+            res = await self._stat(keys=[key], args=[])
+            if not res:
+                raise RolloutNotFoundError(f"rollout {rollout_id} not found")
+            try:
+                mem = await self._r.memory_usage(key, samples=0)  # 0 = count every field
+            except rexc.ResponseError:  # MEMORY disabled by the operator
+                mem = None
+        e, k, layer_ids = msgpack.unpackb(res[0])
+        infos = []
+        for raw in res[4:]:
+            seg, codec, nbytes, shared = msgpack.unpackb(raw)
+            infos.append(SegmentInfo(Segment.from_dict(seg), codec, nbytes, shared))
+        infos.sort(key=lambda i: i.segment.start)
+        pttl = int(res[3])
+        return RolloutInfo(
+            rollout_id=rollout_id,
+            num_experts=e,
+            topk=k,
+            layer_ids=tuple(layer_ids),
+            num_rows=max((i.segment.end for i in infos), default=0),
+            stored_bytes=int(res[1]),
+            shared_bytes=int(res[2]),
+            memory_bytes=None if mem is None else int(mem),
+            ttl_s=None if pttl < 0 else pttl / 1000,
+            segments=tuple(infos),
+        )
+
+    async def memory(self) -> dict[str, int]:
+        """Store-wide accounting: Redis ``used_memory`` and key count, summed over primaries."""
+        async with _translate(self._limit):
+            if isinstance(self._r, RedisCluster):
+                nodes = RedisCluster.PRIMARIES
+                per_node: Any = await self._r.info("memory", target_nodes=nodes)
+                used = sum(int(v["used_memory"]) for v in per_node.values())
+                nkeys = int(await self._r.dbsize(target_nodes=nodes))  # summed by redis-py
+            else:
+                info: Any = await self._r.info("memory")
+                used, nkeys = int(info["used_memory"]), int(await self._r.dbsize())
+        return {"used_memory": used, "keys": nkeys}
