@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
@@ -68,6 +69,7 @@ from cache_service.store_reads import StoreReads
 from r3_client import (
     FrameError,
     InvalidRequestError,
+    R3Error,
     RolloutNotFoundError,
     SegmentConflictError,
     StoreError,
@@ -75,7 +77,7 @@ from r3_client import (
     UnsupportedFrameError,
     read_header,
 )
-from r3_client._codec import Context
+from r3_client._codec import Context, FrameHeader
 from r3_client._codec_v2_read import check_chunks
 from r3_client._models import PutResult
 
@@ -201,6 +203,46 @@ class SegmentStore(DurableWrites, StoreReads):
         segment starts too far past the stored rows.
         """
         key = self.key(rollout_id)
+        ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
+        if ttl < 0:
+            raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
+        hdr, context = await self._checked_header(rollout_id, key, frame)
+        assert hdr.segment is not None
+        segment = hdr.segment
+        meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
+        value, ref, dedupe_hit = frame, "", False
+        async with _translate(self._limit):
+            if segment.tokens_digest and self.settings.dedupe:
+                blob = self._blob_key(meta, segment)
+                shared = await self._write(
+                    blob, self._put_blob, [frame, hdr.digest, ttl * 1000], _BLOB_ACKED.__contains__
+                )
+                if shared in (b"new", b"same"):
+                    value, ref, dedupe_hit = b"@" + blob.encode(), blob, shared == b"same"
+            info = msgpack.packb(
+                [segment.to_dict(), hdr.codec, len(frame), bool(ref)], use_bin_type=True
+            )
+            args = [meta, segment.start, segment.end, value, hdr.digest, info, ttl * 1000]
+            args += [self.settings.max_segments, len(frame), ref, *context]
+            args.append(self.settings.max_gap_rows)
+            res = await self._write(key, self._put, args, lambda r: r[0] in _PUT_ACKED)
+            if res[0] in (b"stored", b"duplicate"):
+                await self._keep_blobs(res[1:], ttl * 1000)
+        status = res[0].decode()
+        if status == "stored" or status == "duplicate":
+            hit = dedupe_hit and status == "stored"
+            return PutResult(status, rollout_id, segment, len(frame), bool(ref), hit)
+        raise self._put_refusal(status, res, rollout_id, hdr)
+
+    async def _checked_header(
+        self, rollout_id: str, key: str, frame: bytes
+    ) -> tuple[FrameHeader, tuple[str, bytes, str]]:
+        """The frame's header, checked for storing, and its context fields for the script.
+
+        The context fields are ``(field, bytes, base field)``: a frame carrying its own
+        context stores it under ``c:<digest>``; a continuation frame names the stored
+        one it extends (which must be there).
+        """
         hdr = read_header(frame)
         if hdr.version < 2:
             raise UnsupportedFrameError(
@@ -214,19 +256,16 @@ class SegmentStore(DurableWrites, StoreReads):
                 "(what encode_frame writes with a segment)"
             )
         segment = hdr.segment
-        ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
-        if ttl < 0:
-            raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
         if hdr.base:
             async with _translate(self._limit):
                 raw_ctx = await self._r.hget(key, f"c:{hdr.base}")
             if not isinstance(raw_ctx, bytes):
                 raise SegmentConflictError(self._no_base(rollout_id, hdr.base))
             hdr = read_header(frame, verify=False, context=Context.parse(raw_ctx, tables=False))
-            ctx_field, ctx_raw, base_field = "", b"", f"c:{hdr.base}"
+            context: tuple[str, bytes, str] = ("", b"", f"c:{hdr.base}")
         else:
             assert hdr.context is not None
-            ctx_field, ctx_raw, base_field = f"c:{hdr.context.digest}", hdr.context.raw, ""
+            context = (f"c:{hdr.context.digest}", hdr.context.raw, "")
         assert hdr.context is not None
         if hdr.layer_ids != hdr.context.layer_ids:
             raise FrameError("a stored segment frame holds every layer of its context")
@@ -236,50 +275,17 @@ class SegmentStore(DurableWrites, StoreReads):
                 f"routing; the limit is {self.settings.max_decoded_bytes}"
             )
         check_chunks(frame, hdr)  # every zstd chunk declares exactly what its shape allows
-        digest = hdr.digest
-        meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
-        value, ref, dedupe_hit = frame, "", False
-        async with _translate(self._limit):
-            if segment.tokens_digest and self.settings.dedupe:
-                blob = self._blob_key(meta, segment)
-                shared = await self._write(
-                    blob, self._put_blob, [frame, digest, ttl * 1000], _BLOB_ACKED.__contains__
-                )
-                if shared in (b"new", b"same"):
-                    value, ref, dedupe_hit = b"@" + blob.encode(), blob, shared == b"same"
-            info = msgpack.packb(
-                [segment.to_dict(), hdr.codec, len(frame), bool(ref)], use_bin_type=True
-            )
-            res = await self._write(
-                key,
-                self._put,
-                [
-                    meta,
-                    segment.start,
-                    segment.end,
-                    value,
-                    digest,
-                    info,
-                    ttl * 1000,
-                    self.settings.max_segments,
-                    len(frame),
-                    ref,
-                    ctx_field,
-                    ctx_raw,
-                    base_field,
-                    self.settings.max_gap_rows,
-                ],
-                lambda r: r[0] in _PUT_ACKED,
-            )
-            if res[0] in (b"stored", b"duplicate"):
-                await self._keep_blobs(res[1:], ttl * 1000)
-        status = res[0].decode()
-        if status == "stored" or status == "duplicate":
-            hit = dedupe_hit and status == "stored"
-            return PutResult(status, rollout_id, segment, len(frame), bool(ref), hit)
+        return hdr, context
+
+    def _put_refusal(
+        self, status: str, res: Sequence[Any], rollout_id: str, hdr: FrameHeader
+    ) -> R3Error:
+        """The error for a put the script refused (``status`` is its first reply)."""
+        assert hdr.segment is not None
+        start, end = hdr.segment.start, hdr.segment.end
         if status == "meta":
             e, k, layers = msgpack.unpackb(res[1])
-            raise SegmentConflictError(
+            return SegmentConflictError(
                 f"rollout {rollout_id} holds routing with E={e}, K={k}, layers={layers}; "
                 f"this segment has E={hdr.num_experts}, K={hdr.topk}, "
                 f"layers={list(hdr.layer_ids)}"
@@ -292,24 +298,24 @@ class SegmentStore(DurableWrites, StoreReads):
                 if how == "differs"
                 else "overlaps it; send only rows not yet stored (start at the stored end)"
             )
-            raise SegmentConflictError(
-                f"segment [{segment.start}, {segment.end}) of rollout {rollout_id} conflicts "
+            return SegmentConflictError(
+                f"segment [{start}, {end}) of rollout {rollout_id} conflicts "
                 f"with stored segment [{a}, {b}): it {detail}"
             )
         if status == "nobase":
-            raise SegmentConflictError(self._no_base(rollout_id, hdr.base))
+            return SegmentConflictError(self._no_base(rollout_id, hdr.base))
         if status == "gap":
-            raise InvalidRequestError(
-                f"segment [{segment.start}, {segment.end}) of rollout {rollout_id} starts "
-                f"{segment.start - int(res[1])} rows past its stored rows [0, {int(res[1])}); "
+            return InvalidRequestError(
+                f"segment [{start}, {end}) of rollout {rollout_id} starts "
+                f"{start - int(res[1])} rows past its stored rows [0, {int(res[1])}); "
                 f"the limit is {self.settings.max_gap_rows} (R3_CACHE_MAX_GAP_ROWS)"
             )
         if status == "full":
-            raise InvalidRequestError(
+            return InvalidRequestError(
                 f"rollout {rollout_id} already has {int(res[1])} segments "
                 f"(limit {self.settings.max_segments})"
             )
-        raise StoreError(f"unexpected put result {res!r}")
+        return StoreError(f"unexpected put result {res!r}")
 
     @staticmethod
     def _no_base(rollout_id: str, base: str) -> str:
