@@ -56,25 +56,15 @@ _V2_OPTIONAL = {"segment", "segments", "digest"}
 def _parse_v2(
     hdr: dict[Any, Any], codec_id: int, blen: int, total: int, context: Context | None
 ) -> FrameHeader:
+    """A v2 frame's header, every field checked (``context``: the caller's, if any)."""
     if codec_id == CONTEXT_CODEC:
         if set(hdr) != {"ctx"} or blen:
             raise FrameError("a context frame has exactly the header key ctx and no body")
         own = _ctx_field(hdr["ctx"])
         return FrameHeader(
-            "context",
-            own.num_experts,
-            own.topk,
-            own.layer_ids,
-            0,
-            0,
-            None,
-            (),
-            {},
-            0,
-            total,
-            version=2,
-            context=own,
-        )
+            "context", own.num_experts, own.topk, own.layer_ids, 0, 0, None, (), {}, 0, total,
+            version=2, context=own,
+        )  # fmt: skip
     keys = set(hdr)
     required = {"start", "end", "params", "blocks", "groups", "chunks"}
     if not required <= keys or not keys <= _V2_KEYS | _V2_OPTIONAL:
@@ -82,6 +72,28 @@ def _parse_v2(
     if ("ctx" in keys) == ("base" in keys):
         raise FrameError("a v2 frame carries exactly one of ctx (its context) or base")
     codec = _CODEC_NAMES[codec_id]
+    start, end, seg, segs, digest = _v2_rows(hdr)
+    ctx, base = _v2_context(hdr, context)
+    layer_subset = _v2_layers(hdr.get("layers"))
+    blocks, groups, chunks = _v2_chunks(hdr, end - start, blen)
+    params = hdr["params"]
+    if not isinstance(params, dict):
+        raise FrameError("header params must be a map")
+    _expect_params(params, {"relabel"} if codec == "set-zstd" else set())
+    if codec == "set-zstd" and not isinstance(params["relabel"], bool):
+        raise FrameError("set-zstd param relabel must be a bool")
+    out = FrameHeader(
+        codec, 0, 0, layer_subset or (), start, end, seg, segs, params, blen, total,
+        version=2, context=ctx, base=base, digest=digest, blocks=blocks, groups=groups,
+        chunks=chunks,
+    )  # fmt: skip
+    return out if ctx is None else _resolve(out, ctx, layer_subset)
+
+
+def _v2_rows(
+    hdr: dict[Any, Any],
+) -> tuple[int, int, Segment | None, tuple[Segment, ...], str]:
+    """The frame's token range, its segment and provenance, and its content digest."""
     try:
         start, end = _int(hdr["start"], "start"), _int(hdr["end"], "end")
         seg = None
@@ -101,31 +113,42 @@ def _parse_v2(
     digest = _sha_field(hdr.get("digest", b""), "digest")
     if digest and (seg is None or (seg.start, seg.end) != (start, end)):
         raise FrameError("a content digest belongs to a whole segment frame")
-    base = ""
-    ctx: Context | None
+    return start, end, seg, segs, digest
+
+
+def _v2_context(hdr: dict[Any, Any], context: Context | None) -> tuple[Context | None, str]:
+    """``(context, base)``: the frame's own context, or the one it names (``base``)."""
     if "ctx" in hdr:
         ctx = _ctx_field(hdr["ctx"])
         if context is not None:
             if context.digest != ctx.digest:
                 raise FrameError("frame carries a different context than the one given")
             ctx = context  # the caller's copy may hold the inflated table
-    else:
-        base = _sha_field(hdr["base"], "base")
-        if not base:
-            raise FrameError("header base must name a context (its 32-byte SHA-256)")
-        if context is not None and context.digest != base:
-            raise FrameError(f"frame needs context {base[:12]}…, not {context.digest[:12]}…")
-        ctx = context
-    layers_field = hdr.get("layers")
-    if layers_field is not None:
-        if not isinstance(layers_field, list):
-            raise FrameError("header layers must be a list")
-        try:
-            layer_subset: tuple[int, ...] | None = check_layer_ids(layers_field)
-        except FormatError as exc:
-            raise FrameError(f"invalid frame header: {exc}") from None
-    else:
-        layer_subset = None
+        return ctx, ""
+    base = _sha_field(hdr["base"], "base")
+    if not base:
+        raise FrameError("header base must name a context (its 32-byte SHA-256)")
+    if context is not None and context.digest != base:
+        raise FrameError(f"frame needs context {base[:12]}…, not {context.digest[:12]}…")
+    return context, base
+
+
+def _v2_layers(field: object) -> tuple[int, ...] | None:
+    """The layer subset a sliced frame holds (None: all of its context's)."""
+    if field is None:
+        return None
+    if not isinstance(field, list):
+        raise FrameError("header layers must be a list")
+    try:
+        return check_layer_ids(field)
+    except FormatError as exc:
+        raise FrameError(f"invalid frame header: {exc}") from None
+
+
+def _v2_chunks(
+    hdr: dict[Any, Any], rows: int, blen: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """Block rows, layer groups and each chunk's ``(length, crc32)``, checked to add up."""
     blocks, groups = _int_list(hdr["blocks"], "blocks"), _int_list(hdr["groups"], "groups")
     chunks_field = hdr["chunks"]
     if not isinstance(chunks_field, list) or len(chunks_field) != len(blocks) * len(groups):
@@ -138,37 +161,11 @@ def _parse_v2(
         if length < 0 or not 0 <= crc < 1 << 32:
             raise FrameError("chunk length or crc32 out of range")
         chunks.append((length, crc))
-    if sum(blocks) != end - start:
-        raise FrameError(f"blocks cover {sum(blocks)} rows; the frame holds {end - start}")
+    if sum(blocks) != rows:
+        raise FrameError(f"blocks cover {sum(blocks)} rows; the frame holds {rows}")
     if sum(c[0] for c in chunks) != blen:
         raise FrameError("chunk lengths do not add up to the body length")
-    params = hdr["params"]
-    if not isinstance(params, dict):
-        raise FrameError("header params must be a map")
-    _expect_params(params, {"relabel"} if codec == "set-zstd" else set())
-    if codec == "set-zstd" and not isinstance(params["relabel"], bool):
-        raise FrameError("set-zstd param relabel must be a bool")
-    out = FrameHeader(
-        codec,
-        0,
-        0,
-        layer_subset or (),
-        start,
-        end,
-        seg,
-        segs,
-        params,
-        blen,
-        total,
-        version=2,
-        context=ctx,
-        base=base,
-        digest=digest,
-        blocks=blocks,
-        groups=groups,
-        chunks=tuple(chunks),
-    )
-    return out if ctx is None else _resolve(out, ctx, layer_subset)
+    return blocks, groups, tuple(chunks)
 
 
 def _resolve(hdr: FrameHeader, ctx: Context, subset: tuple[int, ...] | None) -> FrameHeader:
