@@ -156,6 +156,47 @@ def encode_frame(
     ``codec="set"`` cannot represent ``C(E, K)`` in 128 bits, and
     :class:`UnsupportedFrameError` for an unknown codec name.
     """
+    arr, num_experts, layer_ids, start, provenance = _unpack_routing(
+        indices, num_experts, layer_ids, start, segment
+    )
+    rows, nl, k = arr.shape
+    check_params(num_experts, k)
+    layers = check_layer_ids(layer_ids)
+    if nl != len(layers):
+        raise ShapeError(f"routing has {nl} layers but {len(layers)} layer_ids")
+    end = start + rows
+    if segment is not None and (segment.start, segment.end) != (start, end):
+        raise ShapeError(
+            f"segment [{segment.start}, {segment.end}) does not match the {rows} rows "
+            f"starting at {start}"
+        )
+    if codec not in ("auto", *CODECS):
+        raise UnsupportedFrameError(f"unknown codec {codec!r}; choose from auto, {list(CODECS)}")
+    if codec == "set":
+        ranker(num_experts, k)  # raises CodecError (use raw) when C(E, K) needs > 128 bits
+    srt = canonical_rows(arr, num_experts)  # validates every row
+    whole = len(provenance) == 1 and (provenance[0].start, provenance[0].end) == (start, end)
+    if segment is None and whole:  # one stored segment covering the rows is the segment
+        segment, provenance = provenance[0], ()
+    if version == 2:
+        return _encode_v2(
+            arr, srt, num_experts=num_experts, layers=layers, start=start, segment=segment,
+            provenance=provenance, codec=codec, level=level, base=base, block_rows=block_rows,
+            layer_groups=layer_groups,
+        )  # fmt: skip
+    if version != 1 or base is not None:
+        raise UnsupportedFrameError(f"cannot write format version {version} (with base={base})")
+    return _encode_v1(arr, srt, num_experts, layers, start, segment, provenance, codec, level)
+
+
+def _unpack_routing(
+    indices: npt.ArrayLike | Routing,
+    num_experts: int | None,
+    layer_ids: Sequence[int] | None,
+    start: int | None,
+    segment: Segment | None,
+) -> tuple[npt.NDArray[Any], int, Sequence[int], int, tuple[Segment, ...]]:
+    """``(array, E, layer ids, start, provenance)`` from a Routing or a bare array."""
     provenance: tuple[Segment, ...] = ()
     if isinstance(indices, Routing):
         arr = indices.indices
@@ -171,53 +212,32 @@ def encode_frame(
         start = segment.start if segment is not None else 0
     if arr.ndim != 3:
         raise ShapeError(f"routing must be [tokens, layers, topk], got shape {arr.shape}")
-    rows, nl, k = arr.shape
-    check_params(num_experts, k)
-    layers = check_layer_ids(layer_ids)
-    if nl != len(layers):
-        raise ShapeError(f"routing has {nl} layers but {len(layers)} layer_ids")
-    if rows < 1:
+    if arr.shape[0] < 1:
         raise ShapeError("routing must hold at least one token row")
     if not isinstance(start, int) or start < 0:
         raise ShapeError(f"start must be a non-negative int, got {start!r}")
-    end = start + rows
-    if segment is not None and (segment.start, segment.end) != (start, end):
-        raise ShapeError(
-            f"segment [{segment.start}, {segment.end}) does not match the {rows} rows "
-            f"starting at {start}"
-        )
-    if codec not in ("auto", *CODECS):
-        raise UnsupportedFrameError(f"unknown codec {codec!r}; choose from auto, {list(CODECS)}")
-    if codec == "set":
-        ranker(num_experts, k)  # raises CodecError (use raw) when C(E, K) needs > 128 bits
-    srt = canonical_rows(arr, num_experts)  # validates every row
-    if version == 2:
-        whole = len(provenance) == 1 and (provenance[0].start, provenance[0].end) == (start, end)
-        if segment is None and whole:
-            segment, provenance = provenance[0], ()
-        return _encode_v2(
-            arr,
-            srt,
-            num_experts=num_experts,
-            layers=layers,
-            start=start,
-            segment=segment,
-            provenance=provenance,
-            codec=codec,
-            level=level,
-            base=base,
-            block_rows=block_rows,
-            layer_groups=layer_groups,
-        )
-    if version != 1 or base is not None:
-        raise UnsupportedFrameError(f"cannot write format version {version} (with base={base})")
+    return arr, num_experts, layer_ids, start, provenance
 
+
+def _encode_v1(
+    arr: npt.NDArray[Any],
+    srt: npt.NDArray[Any],
+    num_experts: int,
+    layers: tuple[int, ...],
+    start: int,
+    segment: Segment | None,
+    provenance: tuple[Segment, ...],
+    codec: CodecName,
+    level: int,
+) -> bytes:
+    """A format v1 frame: one body, the header listing the segment or the provenance."""
+    k = arr.shape[2]
+    end = start + arr.shape[0]
     chosen, params, body = (
         _auto_encode(arr, srt, num_experts, k, level)
         if codec == "auto"
         else (codec, *_encode_body(codec, arr, srt, num_experts, k, level))
     )
-
     header: dict[str, Any] = {
         "E": int(num_experts),
         "K": int(k),
@@ -226,9 +246,6 @@ def encode_frame(
         "end": end,
         "params": params,
     }
-    whole = len(provenance) == 1 and (provenance[0].start, provenance[0].end) == (start, end)
-    if segment is None and whole:
-        segment, provenance = provenance[0], ()
     if segment is not None:
         header["segment"] = segment.to_dict()
     elif provenance:
