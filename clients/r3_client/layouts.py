@@ -316,6 +316,49 @@ class MegatronReplayBatch:
         return int(self.positions.shape[0])
 
 
+def _stage_layers(
+    batch: Any, layer_ids: Sequence[int] | None, stage_layers: Sequence[int] | None
+) -> tuple[tuple[int, ...], list[int]]:
+    """This stage's MoE layer ids (ascending) and their positions in the routing."""
+    if layer_ids is None:
+        if batch.layer_ids is None:
+            raise ShapeError("megatron_layout needs layer_ids= for plain-array routing")
+        ids = batch.layer_ids
+    else:
+        ids = check_layer_ids(layer_ids)
+        if batch.layer_ids is not None and batch.layer_ids != ids:
+            raise ShapeError(
+                f"layer_ids={list(ids)} but the routing covers MoE layers {list(batch.layer_ids)}"
+            )
+    if len(ids) != batch.num_layers:
+        raise ShapeError(
+            f"routing has {batch.num_layers} MoE layers but layer_ids names {len(ids)}: {list(ids)}"
+        )
+    if stage_layers is None:
+        local_ids = ids
+    else:
+        wanted = [int(s) for s in stage_layers]
+        missing = [s for s in wanted if s not in ids]
+        if missing:
+            raise ShapeError(f"stage layers {missing} are not among the MoE layer_ids {list(ids)}")
+        if not wanted or len(set(wanted)) != len(wanted):
+            raise ShapeError(f"stage_layers must be non-empty without repeats, got {wanted}")
+        local_ids = tuple(sorted(wanted))
+    return local_ids, [ids.index(lid) for lid in local_ids]
+
+
+def _sp_part(positions: npt.NDArray[np.int64], tp_size: int, tp_rank: int) -> Any:
+    """Sequence parallel: TP rank ``tp_rank``'s contiguous part of the CP-local tokens."""
+    n_cp = positions.shape[0]
+    if n_cp % tp_size:
+        raise ShapeError(
+            f"sequence parallel splits the {n_cp} CP-local tokens over tp_size={tp_size} "
+            "ranks, which does not divide evenly; raise pad_to_multiple"
+        )
+    part = n_cp // tp_size
+    return positions[tp_rank * part : (tp_rank + 1) * part]
+
+
 def _check_rank(size: int, rank: int, name: str) -> None:
     if size < 1:
         raise ShapeError(f"{name}_size must be >= 1, got {size}")
@@ -400,32 +443,7 @@ def megatron_layout(
     batch = _collect(routings, "megatron_layout")
     _check_rank(tp_size, tp_rank, "tp")
     _check_rank(cp_size, cp_rank, "cp")
-    if layer_ids is None:
-        if batch.layer_ids is None:
-            raise ShapeError("megatron_layout needs layer_ids= for plain-array routing")
-        ids = batch.layer_ids
-    else:
-        ids = check_layer_ids(layer_ids)
-        if batch.layer_ids is not None and batch.layer_ids != ids:
-            raise ShapeError(
-                f"layer_ids={list(ids)} but the routing covers MoE layers {list(batch.layer_ids)}"
-            )
-    if len(ids) != batch.num_layers:
-        raise ShapeError(
-            f"routing has {batch.num_layers} MoE layers but layer_ids names {len(ids)}: {list(ids)}"
-        )
-    if stage_layers is None:
-        local_ids = ids
-    else:
-        wanted = [int(s) for s in stage_layers]
-        missing = [s for s in wanted if s not in ids]
-        if missing:
-            raise ShapeError(f"stage layers {missing} are not among the MoE layer_ids {list(ids)}")
-        if not wanted or len(set(wanted)) != len(wanted):
-            raise ShapeError(f"stage_layers must be non-empty without repeats, got {wanted}")
-        local_ids = tuple(sorted(wanted))
-    layer_pos = [ids.index(lid) for lid in local_ids]
-
+    local_ids, layer_pos = _stage_layers(batch, layer_ids, stage_layers)
     if pad_to_multiple is None:
         multiple = 2 * tp_size * cp_size if cp_size > 1 else (tp_size if sequence_parallel else 1)
     else:
@@ -441,18 +459,9 @@ def megatron_layout(
             f"pad_to_multiple={multiple} gives lengths {padded.tolist()}"
         )
     cu = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
-
     positions = _cp_positions(cu, padded, cp_size, cp_rank)
     if sequence_parallel:
-        n_cp = positions.shape[0]
-        if n_cp % tp_size:
-            raise ShapeError(
-                f"sequence parallel splits the {n_cp} CP-local tokens over tp_size={tp_size} "
-                "ranks, which does not divide evenly; raise pad_to_multiple"
-            )
-        part = n_cp // tp_size
-        positions = positions[tp_rank * part : (tp_rank + 1) * part]
-
+        positions = _sp_part(positions, tp_size, tp_rank)
     # Gather from the unpadded rows plus one -1 sentinel row instead of building the padded batch.
     rows_cu = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
     sample = np.searchsorted(cu, positions, side="right") - 1
