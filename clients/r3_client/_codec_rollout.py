@@ -34,6 +34,7 @@ from r3_client._frame import (
     CODECS,
     MAX_DECODED_BYTES,
     MAX_HEADER,
+    Frame,
     FrameHeader,
 )
 
@@ -146,35 +147,14 @@ def decode_rollout(
     the segment.
     """
     who = f"rollout {rollout_id}" if rollout_id else "rollout"
-    contexts: dict[str, Context] = {}
-    heads: list[tuple[memoryview, FrameHeader]] = []
     pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
-    for view in (v for piece in pieces for v in split_frames(piece)):
-        hdr = read_header(view, verify=True)
-        if hdr.codec == "context" or (hdr.context is not None and not hdr.base):
-            # A context frame, or a frame carrying its own context (which continuation
-            # frames of the read may name): its table inflated once, for every frame.
-            assert hdr.context is not None
-            if hdr.context.digest not in contexts:
-                contexts[hdr.context.digest] = Context.parse(hdr.context.raw)
-        if hdr.codec != "context":
-            heads.append((view, hdr))
+    contexts, heads = _read_frames(pieces)
     if not heads:
         # A range that falls wholly in a gap between segments: the read carries only
         # the rollout's context, and every row is -1.
         if end is None or not contexts:
             raise FrameError(f"{who}: the read returned no routing frames")
-        ctx = next(iter(contexts.values()))
-        want = ctx.layer_ids if layers is None else tuple(int(x) for x in layers)
-        kept = tuple(ctx.layer_ids[p] for p in layer_positions(ctx.layer_ids, want))
-        if not 0 <= start < end:
-            raise ShapeError(f"token range [{start}, {end}) is empty or negative")
-        nbytes = (end - start) * len(kept) * ctx.topk * index_dtype(ctx.num_experts).itemsize
-        if nbytes > max_bytes:
-            raise FrameError(f"{who}: rows [{start}, {end}) decode to {nbytes} bytes")
-        empty = np.full((end - start, len(kept), ctx.topk), -1, index_dtype(ctx.num_experts))
-        empty.flags.writeable = False
-        return Routing(empty, ctx.num_experts, kept, start, ())
+        return _gap_only(next(iter(contexts.values())), start, end, layers, max_bytes, who)
     decoded = []
     for view, hdr in heads:
         where = f"{who}, segment [{hdr.start}, {hdr.end})"
@@ -187,6 +167,58 @@ def decode_rollout(
         except FrameError as exc:
             raise type(exc)(f"{where}: {exc}") from None
         decoded.append(frame)
+    return _stitch(decoded, start, end, layers, max_bytes, who)
+
+
+def _read_frames(
+    pieces: Sequence[bytes | bytearray | memoryview],
+) -> tuple[dict[str, Context], list[tuple[memoryview, FrameHeader]]]:
+    """The read's contexts (by digest, tables inflated once) and its routing frames."""
+    contexts: dict[str, Context] = {}
+    heads: list[tuple[memoryview, FrameHeader]] = []
+    for view in (v for piece in pieces for v in split_frames(piece)):
+        hdr = read_header(view, verify=True)
+        if hdr.codec == "context" or (hdr.context is not None and not hdr.base):
+            # A context frame, or a frame carrying its own context (which continuation
+            # frames of the read may name): its table inflated once, for every frame.
+            assert hdr.context is not None
+            if hdr.context.digest not in contexts:
+                contexts[hdr.context.digest] = Context.parse(hdr.context.raw)
+        if hdr.codec != "context":
+            heads.append((view, hdr))
+    return contexts, heads
+
+
+def _gap_only(
+    ctx: Context,
+    start: int,
+    end: int,
+    layers: Sequence[int] | None,
+    max_bytes: int,
+    who: str,
+) -> Routing:
+    """All ``-1`` rows ``[start, end)``: a read that fell wholly in a gap."""
+    want = ctx.layer_ids if layers is None else tuple(int(x) for x in layers)
+    kept = tuple(ctx.layer_ids[p] for p in layer_positions(ctx.layer_ids, want))
+    if not 0 <= start < end:
+        raise ShapeError(f"token range [{start}, {end}) is empty or negative")
+    nbytes = (end - start) * len(kept) * ctx.topk * index_dtype(ctx.num_experts).itemsize
+    if nbytes > max_bytes:
+        raise FrameError(f"{who}: rows [{start}, {end}) decode to {nbytes} bytes")
+    empty = np.full((end - start, len(kept), ctx.topk), -1, index_dtype(ctx.num_experts))
+    empty.flags.writeable = False
+    return Routing(empty, ctx.num_experts, kept, start, ())
+
+
+def _stitch(
+    decoded: list[Frame],
+    start: int,
+    end: int | None,
+    layers: Sequence[int] | None,
+    max_bytes: int,
+    who: str,
+) -> Routing:
+    """Decoded segment frames placed by their rows, trimmed to the rows and layers asked."""
     decoded.sort(key=lambda f: f.header.start)
     first = decoded[0].routing
     e, k = first.num_experts, first.topk
