@@ -316,6 +316,27 @@ class MegatronReplayBatch:
         return int(self.positions.shape[0])
 
 
+def _gather_local(
+    batch: Any,
+    rows: npt.NDArray[np.int64],
+    cu: npt.NDArray[np.int64],
+    positions: npt.NDArray[np.int64],
+    layer_pos: list[int],
+) -> list[Any]:
+    """The local tokens' rows, one int64 ``[local_tokens, K]`` array per stage layer."""
+    # Gather from the unpadded rows plus one -1 sentinel row instead of building the padded batch.
+    rows_cu = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    sample = np.searchsorted(cu, positions, side="right") - 1
+    offset = positions - cu[sample]
+    sentinel = int(rows_cu[-1])
+    source = np.where(offset < rows[sample], rows_cu[sample] + offset, sentinel)
+    src = np.full((sentinel + 1, len(layer_pos), batch.topk), -1, dtype=batch.out_dtype)
+    for i, arr in enumerate(batch.arrays):
+        src[rows_cu[i] : rows_cu[i + 1]] = arr[:, layer_pos]
+    local = src[source]  # still int16: widen per layer, only the local tokens
+    return [local[:, j].astype(np.int64) for j in range(len(layer_pos))]
+
+
 def _stage_layers(
     batch: Any, layer_ids: Sequence[int] | None, stage_layers: Sequence[int] | None
 ) -> tuple[tuple[int, ...], list[int]]:
@@ -408,28 +429,16 @@ def megatron_layout(
     else ``tp_size`` with ``sequence_parallel``, else 1; pass the multiple your
     trainer packs with if it differs -- verl pads to ``tp_size`` whenever
     ``cp_size == 1``).  Samples are concatenated; the padded lengths give
-    ``cu_seqlens``::
-
-        sample 0: T=5, sample 1: T=3, pad_to_multiple=4
-        packed:   a0 a1 a2 a3 -  -  -  - | b0 b1 -  -        cu_seqlens = [0, 8, 12]
-                  (a4 is the last token: -1; then 3 pad rows; b2 last: -1, 1 pad row)
+    ``cu_seqlens``.
 
     **Context parallel** (``cp_size > 1``).  Each padded sequence is cut into
     ``2 * cp_size`` equal chunks; CP rank ``r`` keeps chunks ``r`` and
     ``2*cp_size - 1 - r`` (Megatron's load-balanced zigzag), sequence by
-    sequence::
-
-        cp_size=2, one sequence of 8:   c0 c1 | c2 c3 | c4 c5 | c6 c7
-                                        chunk0  chunk1  chunk2  chunk3
-        cp_rank 0 keeps chunk0 + chunk3 = c0 c1 c6 c7
-        cp_rank 1 keeps chunk1 + chunk2 = c2 c3 c4 c5
+    sequence.
 
     **Sequence parallel.**  The CP-local token axis is split into ``tp_size``
     equal contiguous parts; TP rank ``t`` keeps part ``t`` (without sequence
-    parallel every TP rank's router sees all CP-local tokens)::
-
-        CP-local tokens  x0 x1 x2 x3 x4 x5 x6 x7,  tp_size=2
-        tp_rank 0: x0 x1 x2 x3      tp_rank 1: x4 x5 x6 x7
+    parallel every TP rank's router sees all CP-local tokens).
 
     **Pipeline.**  ``stage_layers`` lists the absolute MoE layer ids this
     stage (all its virtual-pipeline chunks) owns, default all of
@@ -439,6 +448,7 @@ def megatron_layout(
     divisible by ``2 * cp_size``, a CP-local token count not divisible by
     ``tp_size`` under sequence parallel, or a stage layer that is not in
     ``layer_ids``.  ``as_torch=True`` returns CPU ``torch.int64`` tensors.
+    Worked examples of each split: docs/layouts.md ("Megatron-Core: megatron_layout").
     """
     batch = _collect(routings, "megatron_layout")
     _check_rank(tp_size, tp_rank, "tp")
@@ -462,17 +472,7 @@ def megatron_layout(
     positions = _cp_positions(cu, padded, cp_size, cp_rank)
     if sequence_parallel:
         positions = _sp_part(positions, tp_size, tp_rank)
-    # Gather from the unpadded rows plus one -1 sentinel row instead of building the padded batch.
-    rows_cu = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
-    sample = np.searchsorted(cu, positions, side="right") - 1
-    offset = positions - cu[sample]
-    sentinel = int(rows_cu[-1])
-    source = np.where(offset < rows[sample], rows_cu[sample] + offset, sentinel)
-    src = np.full((sentinel + 1, len(layer_pos), batch.topk), -1, dtype=batch.out_dtype)
-    for i, arr in enumerate(batch.arrays):
-        src[rows_cu[i] : rows_cu[i + 1]] = arr[:, layer_pos]
-    local = src[source]  # still int16: widen per layer, only the local tokens
-    per_layer: list[Any] = [local[:, j].astype(np.int64) for j in range(len(layer_pos))]
+    per_layer: list[Any] = _gather_local(batch, rows, cu, positions, layer_pos)
     if as_torch:
         import torch  # lazy: numpy users need not install torch
 
