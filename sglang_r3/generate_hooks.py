@@ -249,10 +249,8 @@ async def around_generate_request(
         raise
 
 
-async def _tagged_generate(
-    original: Callable[..., AsyncIterator[Any]], tm: Any, obj: Any, request: Any
-) -> AsyncIterator[Any]:
-    config = engine_config()
+def _checked_tags(config: EngineConfig, obj: Any) -> tuple[list[OutputTag], int, int, bool]:
+    """A tagged request's output tags and shape ``(tags, batch, n, single)``, or a 400."""
     if not config.enabled:
         raise bad_request(
             "this server does not ship routing; launch it with `python -m "
@@ -267,11 +265,13 @@ async def _tagged_generate(
         raise bad_request(
             "routed_experts_start_len is managed by r3 for tagged requests; leave it 0"
         )
-    shipper = _shipper(tm)
-    # --routing-lookup seen: a rollout this process has not seen is assumed new, with
-    # no lookup before generation (its first write cannot overlap stored rows;
-    # Shipper.ship resolves that case after generation).
-    assumed_new = [config.lookup == "seen" and not shipper.seen(t.rollout_id) for t in tags]
+    return tags, batch, n, single
+
+
+async def _look_up(
+    shipper: Shipper, config: EngineConfig, tags: list[OutputTag], assumed_new: list[bool]
+) -> list[Continuation | None]:
+    """What the cache holds of each tagged rollout (None: new), looked up concurrently."""
 
     async def lookup(tag: OutputTag, new: bool) -> Continuation | None:
         if new:
@@ -285,9 +285,21 @@ async def _tagged_generate(
                 return None
             raise
 
-    conts: list[Continuation | None] = list(
-        await asyncio.gather(*(lookup(t, new) for t, new in zip(tags, assumed_new, strict=True)))
-    )
+    pairs = zip(tags, assumed_new, strict=True)
+    return list(await asyncio.gather(*(lookup(t, new) for t, new in pairs)))
+
+
+async def _tagged_generate(
+    original: Callable[..., AsyncIterator[Any]], tm: Any, obj: Any, request: Any
+) -> AsyncIterator[Any]:
+    config = engine_config()
+    tags, batch, n, single = _checked_tags(config, obj)
+    shipper = _shipper(tm)
+    # --routing-lookup seen: a rollout this process has not seen is assumed new, with
+    # no lookup before generation (its first write cannot overlap stored rows;
+    # Shipper.ship resolves that case after generation).
+    assumed_new = [config.lookup == "seen" and not shipper.seen(t.rollout_id) for t in tags]
+    conts = await _look_up(shipper, config, tags, assumed_new)
     if n > 1:
         taken = [t.rollout_id for t, c in zip(tags, conts, strict=True) if c is not None]
         if taken:
@@ -295,13 +307,11 @@ async def _tagged_generate(
     user_wants_prompt_ids = bool(obj.return_prompt_token_ids)
     obj.return_routed_experts = True
     obj.return_prompt_token_ids = True
-
-    plans = _SEND_PLANS
     planned: list[str] = []
-    if any(c is not None for c in conts):
+    if any(c is not None for c in conts):  # (fixing the rids only when a plan needs them)
         for rid, tag, cont in zip(_send_rids(obj, batch, single), tags, conts, strict=True):
-            if cont is not None:
-                plans[rid] = (tag, cont)
+            if cont is not None:  # the send hooks check its prefix and set its start
+                _SEND_PLANS[rid] = (tag, cont)
                 planned.append(rid)
     starts = [c.end if c is not None else 0 for c in conts]
     incremental = bool(getattr(obj, "stream", False)) and bool(
@@ -354,7 +364,7 @@ async def _tagged_generate(
             yield out
     finally:
         for rid in planned:
-            plans.pop(rid, None)
+            _SEND_PLANS.pop(rid, None)
 
 
 # Continued rollouts' plans, from the generate hook to the send hooks, by request id.
