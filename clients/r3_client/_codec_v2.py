@@ -311,20 +311,29 @@ def _encode_v2(
     header["blocks"] = list(blocks)
     header["groups"] = list(groups)
     header["chunks"] = [[len(c), zlib.crc32(c)] for c in chunks]
-    seg = segment if segment is not None else (None if provenance else Segment(start, start + rows))
-    if seg is not None:
-        header["segment"] = _segment_fields(seg)
-        header["digest"] = bytes.fromhex(content_digest(e, layers, seg, srt, canonical=True))
-    else:
-        if len(provenance) > MAX_SEGMENTS or not all(
-            p.overlaps(start, start + rows) for p in provenance
-        ):
-            raise ShapeError(
-                f"segments must overlap the rows [{start}, {start + rows}) "
-                f"and number at most {MAX_SEGMENTS}"
-            )
-        header["segments"] = [p.to_dict() for p in provenance]
+    header.update(_segment_header(segment, provenance, start, start + rows, e, layers, srt))
     return _assemble_frame(2, CODECS[codec], header, chunks)
+
+
+def _segment_header(
+    segment: Segment | None,
+    provenance: tuple[Segment, ...],
+    start: int,
+    end: int,
+    e: int,
+    layers: tuple[int, ...],
+    srt: npt.NDArray[Any],
+) -> dict[str, Any]:
+    """The header's ``segment`` and content ``digest``, or its provenance ``segments``."""
+    seg = segment if segment is not None else (None if provenance else Segment(start, end))
+    if seg is not None:
+        digest = bytes.fromhex(content_digest(e, layers, seg, srt, canonical=True))
+        return {"segment": _segment_fields(seg), "digest": digest}
+    if len(provenance) > MAX_SEGMENTS or not all(p.overlaps(start, end) for p in provenance):
+        raise ShapeError(
+            f"segments must overlap the rows [{start}, {end}) and number at most {MAX_SEGMENTS}"
+        )
+    return {"segments": [p.to_dict() for p in provenance]}
 
 
 _SEGMENT_TEXT = ("model_id", "weight_version", "tokens_digest")
