@@ -342,6 +342,31 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_all(http_url: str, grpc_url: str, samples: list[Any], agent: Any, stats: Stats) -> None:
+    """Fetch every rollout by id over HTTP (and the agent's again over gRPC); count bytes."""
+    with RoutingClient(http_url) as http:
+        fetched = dict(http.get_many([s.rollout_id for s in samples]))
+        # Segments with a token digest live in content-addressed blobs: a segment
+        # several rollouts share (the GRPO prompt) is stored, and counted, once.
+        unique: dict[tuple[Any, ...], int] = {}
+        for s in samples:
+            got = fetched[s.rollout_id]
+            _check(isinstance(got, Routing), f"{s.rollout_id}: {got}")
+            s.routing = got if isinstance(got, Routing) else None
+            info = http.stat(s.rollout_id)
+            stats.rows += info.num_rows
+            for seg in info.segments:
+                unique[(info.layer_ids, seg.segment)] = seg.nbytes
+        stats.stored_bytes = sum(unique.values())
+    with RoutingClient(grpc_url) as grpc:
+        over_grpc = grpc.get(agent.rollout_id)
+    _check(
+        agent.routing is not None and np.array_equal(over_grpc.indices, agent.routing.indices),
+        "HTTP and gRPC returned different routing",
+    )
+    stats.rollouts = len(samples)
+
+
 def _run(args: argparse.Namespace, work: Path, started: list[Any]) -> Stats:
     import torch
     import transformers
@@ -392,27 +417,7 @@ def _run(args: argparse.Namespace, work: Path, started: list[Any]) -> Stats:
         agent = agent_episode(engine.url, args, f"demo-{run}-agent", rng, stats, stages)
     samples = [*group, agent]
     with stages.stage(f"fetching all {len(samples)} rollouts by id (HTTP batch, gRPC once)"):
-        with RoutingClient(cache.url) as http:
-            fetched = dict(http.get_many([s.rollout_id for s in samples]))
-            # Segments with a token digest live in content-addressed blobs: a segment
-            # several rollouts share (the GRPO prompt) is stored, and counted, once.
-            unique: dict[tuple[Any, ...], int] = {}
-            for s in samples:
-                got = fetched[s.rollout_id]
-                _check(isinstance(got, Routing), f"{s.rollout_id}: {got}")
-                s.routing = got if isinstance(got, Routing) else None
-                info = http.stat(s.rollout_id)
-                stats.rows += info.num_rows
-                for seg in info.segments:
-                    unique[(info.layer_ids, seg.segment)] = seg.nbytes
-            stats.stored_bytes = sum(unique.values())
-        with RoutingClient(grpc_url) as grpc:
-            over_grpc = grpc.get(agent.rollout_id)
-        _check(
-            agent.routing is not None and np.array_equal(over_grpc.indices, agent.routing.indices),
-            "HTTP and gRPC returned different routing",
-        )
-        stats.rollouts = len(samples)
+        _fetch_all(cache.url, grpc_url, samples, agent, stats)
         stages.note(f"{stats.rows:,} rows, {stats.stored_bytes:,} B stored in Redis")
     with stages.stage("replaying in HF transformers: native routing, then the engine's"):
         model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)

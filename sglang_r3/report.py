@@ -322,6 +322,12 @@ def run_report(args: argparse.Namespace) -> int:
     finally:
         for proc in reversed(started):
             proc.stop()
+    _write_report(results, out)
+    return 0
+
+
+def _write_report(results: dict[str, Any], out: Path) -> None:
+    """``mismatch.md``, ``mismatch.json`` and the plots in ``out``; the table printed."""
     md = table(results)
     pngs = plots(results, out)
     summary = {
@@ -332,7 +338,6 @@ def run_report(args: argparse.Namespace) -> int:
     (out / "mismatch.md").write_text(md + "\n")
     print(md)
     print(f"wrote {out / 'mismatch.md'}, {out / 'mismatch.json'}, " + ", ".join(map(str, pngs)))
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
