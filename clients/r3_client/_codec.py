@@ -88,7 +88,6 @@ from r3_client._frame import (
     MAGIC,
     MAX_DECODED_BYTES,
     MAX_HEADER,
-    MAX_SEGMENTS,
     CodecName,
     Frame,
     FrameHeader,
@@ -98,6 +97,7 @@ from r3_client._frame import (
     _provenance_field,
     _unique_map,
     _unpack_map,
+    provenance_field,
 )
 from r3_client._setrank import ranker
 
@@ -249,11 +249,7 @@ def _encode_v1(
     if segment is not None:
         header["segment"] = segment.to_dict()
     elif provenance:
-        if len(provenance) > MAX_SEGMENTS or not all(p.overlaps(start, end) for p in provenance):
-            raise ShapeError(
-                f"segments must overlap the rows [{start}, {end}) and number at most {MAX_SEGMENTS}"
-            )
-        header["segments"] = [p.to_dict() for p in provenance]
+        header["segments"] = provenance_field(provenance, start, end)
     packed = msgpack.packb(header, use_bin_type=True)
     prefix = _PREFIX.pack(MAGIC, 1, CODECS[chosen], 0, len(packed), len(body))
     crc = zlib.crc32(body, zlib.crc32(packed, zlib.crc32(prefix)))

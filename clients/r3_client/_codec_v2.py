@@ -47,10 +47,10 @@ from r3_client._frame import (
     LAYER_GROUPS,
     MAGIC,
     MAX_HEADER,
-    MAX_SEGMENTS,
     MAX_TABLE_ENTRIES,
     _int,
     _unpack_map,
+    provenance_field,
 )
 from r3_client._setrank import ranker
 from r3_client._sortnet import sort_rows
@@ -329,11 +329,7 @@ def _segment_header(
     if seg is not None:
         digest = bytes.fromhex(content_digest(e, layers, seg, srt, canonical=True))
         return {"segment": _segment_fields(seg), "digest": digest}
-    if len(provenance) > MAX_SEGMENTS or not all(p.overlaps(start, end) for p in provenance):
-        raise ShapeError(
-            f"segments must overlap the rows [{start}, {end}) and number at most {MAX_SEGMENTS}"
-        )
-    return {"segments": [p.to_dict() for p in provenance]}
+    return {"segments": provenance_field(provenance, start, end)}
 
 
 _SEGMENT_TEXT = ("model_id", "weight_version", "tokens_digest")

@@ -13,6 +13,7 @@ import msgpack
 
 from r3_client._exceptions import (
     FrameError,
+    ShapeError,
 )
 from r3_client._format import (
     Routing,
@@ -157,6 +158,15 @@ def _check_provenance(seg: Segment | None, segs: tuple[Segment, ...], start: int
         raise FrameError("a frame carries either segment or segments, not both")
     if not all(p.overlaps(start, end) for p in segs):
         raise FrameError("a provenance segment does not overlap the frame's rows")
+
+
+def provenance_field(provenance: tuple[Segment, ...], start: int, end: int) -> list[Any]:
+    """A writer's header ``segments``: each overlapping ``[start, end)``, at most MAX_SEGMENTS."""
+    if len(provenance) > MAX_SEGMENTS or not all(p.overlaps(start, end) for p in provenance):
+        raise ShapeError(
+            f"segments must overlap the rows [{start}, {end}) and number at most {MAX_SEGMENTS}"
+        )
+    return [p.to_dict() for p in provenance]
 
 
 def _int(value: object, name: str) -> int:
