@@ -39,12 +39,15 @@ def test_two_steps_of_grpo_with_weight_pushes(tmp_path: Path) -> None:
     assert all(r["router_disagreement"] == 0.0 for r in replay)
     native = [r for r in records if r["mode"] == "native"]
     assert any(r["router_disagreement"] > 0.0 for r in native)
-    # On the default model (4 layers x 16 experts, bf16 engine, float32 trainer) the
-    # native routers disagree with the engine's on a few % of routers; replay removes
-    # that part of the mismatch (measured 6-130x lower over 2 steps; not seeded:
-    # SGLang's sampling seed needs its deterministic mode, which the CPU path lacks).
+    # The runs' k3 KL is reported, not compared. At 2 steps x 10 samples it is dominated
+    # by the straddling episode's first turn (sampled under the previous weights, in both
+    # runs alike) and by routing flips at near-ties, which change little; sampling is not
+    # seeded (SGLang's seed needs its deterministic mode, which the CPU path lacks).  Over
+    # five runs replay/native ranged 0.017-3.3 (one CI failure at 3.3), so "replay lower"
+    # is not a property of this size.  The routing asserts above are; the full-size
+    # comparison is the recorded run in docs/rl-demo.md.
     kl = result["mean_k3_kl"]
-    assert kl["replay"] < kl["native"], kl
+    assert all(0.0 <= kl[m] < 1.0 for m in ("replay", "native")), kl
     assert any("Redis memory" in c for c in result["checks"]["replay"])
     for name in ("k3_kl.png", "router_disagreement.png", "reward.png"):
         assert (out / name).stat().st_size > 1000
