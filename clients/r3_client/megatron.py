@@ -37,6 +37,7 @@ from typing import Any
 
 from r3_client._exceptions import MegatronReplayError
 from r3_client.layouts import MegatronReplayBatch
+from r3_client.replay._core import to_device
 
 __all__ = ["MegatronReplayError", "RouterReplayDriver", "check_config"]
 
@@ -122,11 +123,7 @@ class RouterReplayDriver:
                 f"moe_router_topk={self.topk}"
             )
         device = torch.device(device) if device is not None else _default_device()
-        if stacked.device.type == "cpu" and device.type == "cuda":
-            moved = stacked.contiguous().pin_memory().to(device, non_blocking=True)
-        else:
-            moved = stacked.to(device)
-        ids = moved.to(torch.int64)
+        ids = to_device(stacked, device).to(torch.int64)
         holes = (ids < 0).all(dim=-1, keepdim=True)
         fill = torch.arange(ids.shape[-1], device=device, dtype=torch.int64)
         return list(torch.where(holes, fill, ids).unbind(0))

@@ -99,18 +99,23 @@ _CURRENT: contextvars.ContextVar[ReplayState | None] = contextvars.ContextVar(
 class _ReplayForward:
     """Replaces ``router.forward`` on one instance; OFF and RECORD call the wrapped forward.
 
-    ``own``: the wrapped forward is the router class's own, so replay may compute
-    its steps directly instead of running it (no native top-k, no native weights).
+    ``own``: the wrapped forward is the router class's own (and transformers is a
+    checked version), so replay may compute its steps directly instead of running
+    it (no native top-k, no native weights).
     """
 
-    def __init__(self, original: Any, state: ReplayState, layer: int, router: Any) -> None:
+    def __init__(
+        self, original: Any, state: ReplayState, layer: int, router: Any, *, checked: bool
+    ) -> None:
         self.original = original
         self.state = state
         self.layer = layer
         self.router = router
-        self.own = getattr(original, "__self__", None) is router and getattr(
-            original, "__func__", None
-        ) is getattr(type(router), "forward", None)
+        self.own = (
+            checked
+            and getattr(original, "__self__", None) is router
+            and getattr(original, "__func__", None) is getattr(type(router), "forward", None)
+        )
 
     def __call__(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         state = self.state
@@ -197,9 +202,7 @@ def apply_routing_replay(model: Any) -> Any:
     state = ReplayState(family, tuple(sorted(routers)), routers, {})
     for i, router in routers.items():
         state.originals[i] = router.forward
-        wrapper = _ReplayForward(router.forward, state, i, router)
-        wrapper.own = wrapper.own and checked
-        router.forward = wrapper
+        router.forward = _ReplayForward(router.forward, state, i, router, checked=checked)
     if family.modeling is not None:
         _patch_aux_loss(family.modeling)
     model._r3_replay = state
@@ -272,8 +275,11 @@ def _as_tensor(routing: Any) -> Any:
     return tensor
 
 
-def _to_device(tensor: Any, device: Any) -> Any:
-    """``tensor`` on ``device``; host to GPU goes through pinned memory, without waiting."""
+def to_device(tensor: Any, device: Any) -> Any:
+    """``tensor`` on ``device``; host to GPU goes through pinned memory, without waiting.
+
+    The one transfer of a replay block (HF) or a micro-batch (Megatron driver).
+    """
     if tensor.device == device:
         return tensor
     if tensor.device.type == "cpu" and device.type == "cuda":
@@ -332,7 +338,7 @@ def _targets(
     targets: dict[int, Target] = {}
     for device, js in by_device.items():
         part = flat if len(js) == len(layers) else flat[:, js, :]
-        moved = _to_device(part, device)  # the block's one transfer to this device
+        moved = to_device(part, device)  # the block's one transfer to this device
         ids = torch.empty((len(js), flat.shape[0], flat.shape[2]), dtype=torch.int64, device=device)
         ids.copy_(moved.permute(1, 0, 2))  # [L', T, K]: each layer a contiguous view
         holes = (ids < 0).all(dim=-1, keepdim=True) if any(has_holes[j] for j in js) else None
