@@ -365,7 +365,9 @@ def _generate_step(
     return step
 
 
-def _fetch_checked(client: RoutingClient, batch: list[Sample], pending: list[Episode]) -> int:
+def _fetch_checked(
+    client: RoutingClient, batch: list[Sample], pending: list[Episode], finished: list[Sample]
+) -> int:
     """Fetch the batch's routing and check it; the bytes stored for it.
 
     Each segment's weight version must be the generating step's, and an episode's
@@ -378,7 +380,6 @@ def _fetch_checked(client: RoutingClient, batch: list[Sample], pending: list[Epi
         _check(isinstance(got, Routing), f"{s.rollout_id}: {got}")
         s.routing = got if isinstance(got, Routing) else None
         stored += check_versions(client, s)
-    finished = [s for s in batch if s.group < 0]
     for e, s in zip(pending, finished, strict=True):
         assert e.first_rows is not None and s.routing is not None
         first = np.asarray(s.routing.indices)[: len(e.first_rows)]
@@ -424,7 +425,7 @@ def run_mode(
                 args, engine, client, rng, pending, tag, version, n + 1 == args.steps
             )
             batch = step.samples + step.finished
-            stored = _fetch_checked(client, batch, pending)
+            stored = _fetch_checked(client, batch, pending, step.finished)
             m = train_step(model, optimizer, batch, replay)
             _check(
                 not replay or m["router_disagreement"] == 0.0,
