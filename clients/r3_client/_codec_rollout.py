@@ -148,7 +148,10 @@ def decode_rollout(
     """
     who = f"rollout {rollout_id}" if rollout_id else "rollout"
     pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
-    contexts, heads = _read_frames(pieces)
+    try:
+        contexts, heads = _read_frames(pieces)
+    except FrameError as exc:
+        raise type(exc)(f"{who}: {exc}") from None
     if not heads:
         # A range that falls wholly in a gap between segments: the read carries only
         # the rollout's context, and every row is -1.

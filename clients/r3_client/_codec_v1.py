@@ -29,6 +29,7 @@ from r3_client._frame import (
     _TRIAL_ROWS,
     _check_decoded_size,
 )
+from r3_client._inflate import inflate_exact
 from r3_client._setrank import pack_bits, ranker, unpack_bits
 
 
@@ -130,22 +131,8 @@ def _zset_decode(
     tdt = _raw_dtype(e)
     table_len = nl * e * tdt.itemsize if relabel else 0
     want = table_len + rows * nl * k * gdt.itemsize
-    try:
-        # Check the declared size before inflating anything: a small crafted body must
-        # not make us allocate more than the header's shape allows.
-        declared = zstandard.frame_content_size(body)
-        if declared != want:
-            raise CodecError(
-                f"set-zstd frame declares {declared} content bytes (-1 = unknown), expected {want}"
-            )
-        dobj = zstandard.ZstdDecompressor().decompressobj()
-        payload = dobj.decompress(body)
-        if not dobj.eof or dobj.unused_data:
-            raise CodecError("set-zstd body is not exactly one complete zstd frame")
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"set-zstd body does not decompress: {exc}") from None
-    if len(payload) != want:
-        raise CodecError(f"set-zstd payload is {len(payload)} bytes, expected {want}")
+    payload = inflate_exact(body, want, "set-zstd body")
+    assert payload is not None
     gaps = _planes_to_gaps(payload, (nl, rows, k), gdt, offset=table_len)
     order = np.frombuffer(payload, dtype=tdt, count=nl * e).reshape(nl, e) if relabel else None
     return _gaps_to_ids(gaps, e, k, order, check_order=True)

@@ -52,6 +52,7 @@ from r3_client._frame import (
     _unpack_map,
     provenance_field,
 )
+from r3_client._inflate import inflate_exact
 from r3_client._setrank import ranker
 from r3_client._sortnet import sort_rows
 
@@ -135,7 +136,7 @@ class Context:
                     f"a relabel table of {entries} entries exceeds {MAX_TABLE_ENTRIES}"
                 )
             want = entries * _raw_dtype(e).itemsize
-            payload = _inflate(blob, want, "context table", check_only=not tables)
+            payload = inflate_exact(blob, want, "context table", check_only=not tables)
             if payload is not None:
                 table = np.frombuffer(payload, dtype=_raw_dtype(e)).reshape(len(layers), e)
                 if not (np.sort(table, axis=1) == np.arange(e)).all():
@@ -146,36 +147,6 @@ class Context:
         """``[len(positions), E]`` inverse tables (expert -> rank) for these layer positions."""
         assert self.table is not None
         return _inverse(self.table[list(positions)])
-
-
-def _inflate(
-    blob: bytes | memoryview, want: int, what: str, *, check_only: bool = False
-) -> bytes | None:
-    """One complete zstd frame declaring exactly ``want`` bytes, inflated to at most ``want``.
-
-    The declared content size is checked before anything is allocated, and the
-    output is capped at ``want`` whatever the frame claims, so a crafted frame
-    cannot make a decoder allocate more than the header it was checked against.
-    ``check_only`` stops after the declaration (no inflation).
-    """
-    try:
-        declared = zstandard.frame_content_size(blob)
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"{what}: not a zstd frame: {exc}") from None
-    if declared != want:
-        raise CodecError(f"{what}: zstd frame declares {declared} bytes (-1 = unknown), not {want}")
-    if check_only:
-        return None
-    try:
-        dobj = zstandard.ZstdDecompressor().decompressobj()
-        out = dobj.decompress(blob) if want else b""
-        if want and (not dobj.eof or dobj.unused_data):
-            raise CodecError(f"{what}: not exactly one complete zstd frame")
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"{what}: does not decompress: {exc}") from None
-    if len(out) != want:
-        raise CodecError(f"{what}: inflated to {len(out)} bytes, not {want}")
-    return out
 
 
 def content_digest(

@@ -23,7 +23,6 @@ from r3_client._codec_v1 import (
 from r3_client._codec_v2 import (
     _SEGMENT_TEXT,
     Context,
-    _inflate,
 )
 from r3_client._exceptions import (
     ChecksumError,
@@ -45,6 +44,7 @@ from r3_client._frame import (
     _int,
     _provenance_field,
 )
+from r3_client._inflate import inflate_exact
 from r3_client._setrank import ranker
 
 _V2_KEYS = {"start", "end", "params", "ctx", "base", "layers", "blocks", "groups", "chunks"}
@@ -256,7 +256,7 @@ def check_chunks(data: bytes | bytearray | memoryview, hdr: FrameHeader) -> None
     for (br, lg), (length, _) in zip(
         itertools.product(hdr.blocks, hdr.groups), hdr.chunks, strict=True
     ):
-        _inflate(
+        inflate_exact(
             view[at : at + length],
             _zchunk_payload(br, lg, hdr.num_experts, hdr.topk),
             "set-zstd chunk",
@@ -311,6 +311,6 @@ def _zchunk_decode(
     rows, nl, k = shape
     gdt = _gap_dtype(e, k)
     n = rows * nl * k
-    payload = _inflate(body, n * gdt.itemsize, "set-zstd chunk")
+    payload = inflate_exact(body, n * gdt.itemsize, "set-zstd chunk")
     assert payload is not None
     return _gaps_to_ids(_planes_to_gaps(payload, (nl, rows, k), gdt), e, k, order)
