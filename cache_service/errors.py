@@ -1,4 +1,5 @@
-"""One table from domain errors to HTTP and gRPC statuses, used by both front ends."""
+"""One table from domain errors to HTTP and gRPC statuses, and the one bound on the
+messages both front ends send with them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from r3_client import (
     StoreUnavailableError,
 )
 
-__all__ = ["ErrorStatus", "status_for"]
+__all__ = ["MAX_MESSAGE_BYTES", "ErrorStatus", "error_message", "status_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +52,23 @@ def status_for(exc: R3Error) -> ErrorStatus:
         if isinstance(exc, cls):
             return status
     return _DEFAULT
+
+
+#: Longest error message (UTF-8 bytes) either front end sends.  gRPC carries it in
+#: the ``grpc-message`` trailer, which clients refuse past 8-16 KiB of metadata
+#: (percent-encoding can triple it), and every item of a batch may carry one.
+MAX_MESSAGE_BYTES = 1024
+
+
+def error_message(exc: R3Error) -> str:
+    """``str(exc)`` cut to :data:`MAX_MESSAGE_BYTES`, saying how long it was.
+
+    Messages already quote lists by :func:`r3_client._exceptions.quote_items`;
+    this is the bound that holds whatever a message quotes.
+    """
+    text = str(exc)
+    raw = text.encode()
+    if len(raw) <= MAX_MESSAGE_BYTES:
+        return text
+    cut = raw[: MAX_MESSAGE_BYTES - 40].decode(errors="ignore")
+    return f"{cut}... ({len(raw)} bytes, cut)"

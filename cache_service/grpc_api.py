@@ -11,7 +11,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from cache_service.auth import KeyRing, bearer_token
-from cache_service.errors import status_for
+from cache_service.errors import error_message, status_for
 from cache_service.logs import log_event
 from cache_service.service import RoutingService
 from r3_client import InvalidRequestError, LimitExceededError, R3Error
@@ -83,7 +83,7 @@ class RoutingCacheServicer:
             status = status_for(exc)
             code, http_status = status.grpc.name, status.http
             context.set_trailing_metadata((("r3-error-code", exc.code),))
-            await context.abort(status.grpc, str(exc))
+            await context.abort(status.grpc, error_message(exc))
             raise  # abort() raises; this line is never reached
         except MemoryError:
             code, http_status = grpc.StatusCode.RESOURCE_EXHAUSTED.name, 413
@@ -209,7 +209,9 @@ class RoutingCacheServicer:
                 self.metrics.bytes_out.labels("grpc").inc(len(res))
                 yield pb.BatchItem(rollout_id=rid, frame=res)
             else:
-                err = pb.Error(code=res.code, message=str(res), http_status=status_for(res).http)
+                err = pb.Error(
+                    code=res.code, message=error_message(res), http_status=status_for(res).http
+                )
                 yield pb.BatchItem(rollout_id=rid, error=err)
 
 

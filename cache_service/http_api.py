@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cache_service.auth import KeyRing, MetricsAccess
-from cache_service.errors import status_for
+from cache_service.errors import error_message, status_for
 from cache_service.http_guard import RequestGuard
 from cache_service.http_routes import ErrorResponse, batch, operations, rollouts
 from cache_service.logs import log_event
@@ -107,7 +107,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(R3Error)
     async def _on_r3(request: Request, exc: R3Error) -> JSONResponse:
-        return _error(status_for(exc).http, exc.code, str(exc))
+        return _error(status_for(exc).http, exc.code, error_message(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
-from cache_service.errors import status_for
+from cache_service.errors import error_message, status_for
 from cache_service.http_guard import NAMESPACE_STATE
 from cache_service.service import MAX_TTL_S, RoutingService
 from r3_client import (
@@ -236,7 +236,7 @@ async def batch_get(req: BatchGetRequest, svc: ServiceDep, ns: NamespaceDep) -> 
             chunk = (
                 encode_frame_item(rid, res)
                 if isinstance(res, bytes)
-                else encode_error_item(rid, res.code, str(res), status_for(res).http)
+                else encode_error_item(rid, res.code, error_message(res), status_for(res).http)
             )
             count += 1
             yield chunk

@@ -25,6 +25,8 @@ from r3_client import (
     RolloutInfo,
     read_header,
 )
+from r3_client._exceptions import quote_items
+from r3_client._format import MAX_LAYER_ID
 
 __all__ = ["MAX_TTL_S", "RoutingService"]
 
@@ -44,6 +46,25 @@ async def _bounded(work: Awaitable[T]) -> T:
         return await work
     except MemoryError:
         raise LimitExceededError("the request needs more memory than the service allows") from None
+
+
+def _check_layer_subset(layers: Sequence[int] | None) -> None:
+    """Refuse a layer subset no rollout can hold: once per request, before any rollout.
+
+    The store still checks a subset against each rollout's layers; without this
+    a batch answered the same error once per id it named.
+    """
+    if layers is None:
+        return
+    if not layers:
+        raise InvalidRequestError("layer subset is empty")
+    outside = [x for x in layers if not 0 <= x <= MAX_LAYER_ID]
+    if outside:
+        raise InvalidRequestError(
+            f"layer ids {quote_items(outside)} are outside [0, {MAX_LAYER_ID}]"
+        )
+    if len(set(layers)) != len(layers):
+        raise InvalidRequestError(f"layer subset repeats ids: {quote_items(layers)}")
 
 
 class RoutingService:
@@ -89,6 +110,7 @@ class RoutingService:
         layers: Sequence[int] | None = None,
     ) -> bytes:
         """The rollout's stored frames (or slices of them), concatenated, undecoded."""
+        _check_layer_subset(layers)
         return await _bounded(
             self._ns(namespace).get_frame(rollout_id, start=start, end=end, layers=layers)
         )
@@ -154,12 +176,18 @@ class RoutingService:
             raise LimitExceededError(
                 f"batch of {len(rollout_ids)} rollouts; the limit is {self.settings.max_batch}"
             )
+        _check_layer_subset(layers)
         view = self._ns(namespace)
+        # An id named again is answered the error it already met, not asked again.
+        failed: dict[str, R3Error] = {}
 
         async def one(rid: str) -> bytes | R3Error:
+            if rid in failed:
+                return failed[rid]
             try:
                 return await _bounded(view.get_frame(rid, start=start, end=end, layers=layers))
             except R3Error as exc:
+                failed[rid] = exc
                 return exc
 
         todo = iter(rollout_ids)

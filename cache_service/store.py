@@ -79,9 +79,33 @@ from r3_client import (
 )
 from r3_client._codec import Context, FrameHeader
 from r3_client._codec_v2_read import check_chunks
+from r3_client._exceptions import quote_items
 from r3_client._models import PutResult
 
 __all__ = ["DURABILITY_MODES", "SegmentStore", "StoreSettings", "check_namespace"]
+
+_OPEN_REDIS = (
+    "direct reads are on, but Redis {nodes} lets clients in without a password (its "
+    "`default` user is `on` and `nopass`, Redis's out-of-the-box setting): anyone who "
+    "reaches the Redis port would read every tenant's rollouts, whatever user a read "
+    "plan creates, so no read plan is issued. Give the default user a password "
+    "(`requirepass <password>` in redis.conf, or `ACL SETUSER default on >password`) or "
+    "switch it off (`user default off`, with a user of its own for the service), and put "
+    "the service's credentials in R3_CACHE_REDIS_URL; or set R3_CACHE_DIRECT_READS=false. "
+    "(Without R3_CACHE_REDIS_URL the service starts its own Redis with a password.)"
+)
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its credentials, for messages and logs."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rsplit('@', 1)[-1]}"
+
+
+def _admits_anyone(acl_user: Any) -> bool:
+    """Whether an ``ACL GETUSER default`` reply lets connections in with no credentials."""
+    flags = {f.decode() if isinstance(f, bytes) else str(f) for f in acl_user[b"flags"]}
+    return "on" in flags and "nopass" in flags
 
 
 class SegmentStore(DurableWrites, StoreReads):
@@ -116,7 +140,7 @@ class SegmentStore(DurableWrites, StoreReads):
                 if attempt == settings.connect_retries:
                     await client.aclose()
                     raise StoreUnavailableError(
-                        f"cannot reach Redis at {settings.redis_url}: {exc}"
+                        f"cannot reach Redis at {_redacted(settings.redis_url)}: {exc}"
                     ) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -147,6 +171,42 @@ class SegmentStore(DurableWrites, StoreReads):
         for ref in refs:
             await self._write(ref.decode(), self._keep_blob, [ttl_ms], bool)
 
+    async def refuse_open_redis(self) -> None:
+        """Raise :class:`StoreError` unless every Redis node refuses clients without
+        credentials (direct reads: at start-up, and before each read plan).
+
+        A reader user confines its holder to one namespace only while Redis asks every
+        connection for credentials: with the ``default`` user ``on`` and ``nopass``
+        anyone who reaches the port reads every tenant.  Checked with ``ACL GETUSER
+        default`` on every node (ACLs are per node); a Redis restarted without a
+        password set at run time is caught at the next plan.
+        """
+        nodes = self._r.get_nodes() if isinstance(self._r, RedisCluster) else [None]
+        open_nodes = []
+        async with _translate(self._limit):
+            for node in nodes:
+                try:
+                    if node is None:
+                        reply = await self._r.execute_command("ACL", "GETUSER", "default")  # type: ignore[no-untyped-call]
+                        name = _redacted(self.settings.redis_url)
+                    else:
+                        assert isinstance(self._r, RedisCluster)
+                        reply = await self._r.execute_command(
+                            "ACL", "GETUSER", "default", target_nodes=node
+                        )
+                        if isinstance(reply, dict) and node.name in reply:
+                            reply = reply[node.name]  # some redis-py versions key it by node
+                        name = node.name
+                except rexc.NoPermissionError as exc:
+                    raise StoreError(
+                        "direct reads need the service's Redis user to run ACL GETUSER and "
+                        f"ACL SETUSER on every node; Redis refused: {exc}"
+                    ) from exc
+                if _admits_anyone(reply):
+                    open_nodes.append(name)
+        if open_nodes:
+            raise StoreError(_OPEN_REDIS.format(nodes=", ".join(open_nodes)))
+
     async def grant_reader(self, secret: str) -> tuple[str, str, str]:
         """Create (idempotently) this namespace's read-only Redis user; its credentials.
 
@@ -157,9 +217,11 @@ class SegmentStore(DurableWrites, StoreReads):
         ignores a refused ``CLIENT SETINFO``, which Redis 7.0 does not know).
         The password is HMAC-SHA256(``secret``, namespace), so every replica of the
         service issues the same one.  Returns ``(username, password, key prefix)``.
+        Refused (:meth:`refuse_open_redis`) where Redis admits clients without credentials.
         """
         if not self._namespace:
             raise InvalidRequestError("direct reads are per namespace")
+        await self.refuse_open_redis()
         user = f"r3-read-{self._namespace}"
         password = hmac.new(secret.encode(), self._namespace.encode(), "sha256").hexdigest()
         prefix = f"{self._prefix}:"
@@ -286,9 +348,9 @@ class SegmentStore(DurableWrites, StoreReads):
         if status == "meta":
             e, k, layers = msgpack.unpackb(res[1])
             return SegmentConflictError(
-                f"rollout {rollout_id} holds routing with E={e}, K={k}, layers={layers}; "
-                f"this segment has E={hdr.num_experts}, K={hdr.topk}, "
-                f"layers={list(hdr.layer_ids)}"
+                f"rollout {rollout_id} holds routing with E={e}, K={k}, "
+                f"layers={quote_items(layers)}; this segment has E={hdr.num_experts}, "
+                f"K={hdr.topk}, layers={quote_items(hdr.layer_ids)}"
             )
         if status == "conflict":
             other, how = res[1].decode(), res[2].decode()

@@ -34,6 +34,7 @@ and grpc exception is translated here too (:func:`from_httpx`,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -65,7 +66,28 @@ __all__ = [
     "error_for_code",
     "from_grpc",
     "from_httpx",
+    "quote_items",
 ]
+
+#: How many items of a list an error message quotes; the rest are counted, not shown.
+QUOTED_ITEMS = 8
+
+
+def quote_items(values: Sequence[object], *, head: int = QUOTED_ITEMS) -> str:
+    """``values`` as an error message shows them: a short list whole, a long one as its
+    first ``head`` items and a count, e.g. ``[0, 1, 2, ... (100000 items)]``.
+
+    Use it wherever a message quotes a list a caller sent: quoted whole, a
+    100,000-entry layer list made a 0.7 MB request cost 44 MB of error replies.
+    """
+    shown = ", ".join(_clip(str(v), 40) for v in values[:head])
+    if len(values) <= head:
+        return f"[{shown}]"
+    return f"[{shown}, ... ({len(values)} items)]"
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class R3Error(Exception):

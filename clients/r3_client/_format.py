@@ -31,6 +31,7 @@ from r3_client._exceptions import (
     InvalidRequestError,
     PartialRowError,
     ShapeError,
+    quote_items,
 )
 from r3_client._sortnet import sort_rows
 
@@ -51,6 +52,8 @@ __all__ = [
 MAX_EXPERTS = 65535
 #: Largest top-k the format accepts.
 MAX_TOPK = 64
+#: Largest MoE layer id the format accepts.
+MAX_LAYER_ID = 65535
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_TEXT = 256
@@ -186,9 +189,11 @@ def check_layer_ids(layer_ids: Sequence[int]) -> tuple[int, ...]:
         raise ShapeError("layer_ids must be integers")
     out = tuple(int(i) for i in ids)
     if out[0] < 0 or any(b <= a for a, b in itertools.pairwise(out)):
-        raise ShapeError(f"layer_ids must be non-negative and strictly increasing, got {out}")
-    if out[-1] > 65535:
-        raise ShapeError("layer ids above 65535 are not supported")
+        raise ShapeError(
+            f"layer_ids must be non-negative and strictly increasing, got {quote_items(out)}"
+        )
+    if out[-1] > MAX_LAYER_ID:
+        raise ShapeError(f"layer ids above {MAX_LAYER_ID} are not supported")
     return out
 
 
@@ -394,9 +399,15 @@ def layer_positions(layer_ids: Sequence[int], wanted: Sequence[int]) -> list[int
     wanted = [int(w) for w in wanted]
     if not wanted:
         raise ShapeError("layer subset is empty")
-    if len(set(wanted)) != len(wanted):
-        raise ShapeError(f"layer subset repeats an id: {wanted}")
+    seen: set[int] = set()
+    for w in wanted:
+        if w in seen:
+            raise ShapeError(f"layer subset repeats id {w}: {quote_items(wanted)}")
+        seen.add(w)
     missing = [w for w in wanted if w not in where]
     if missing:
-        raise ShapeError(f"layers {missing} are not MoE layers of this rollout {list(layer_ids)}")
+        raise ShapeError(
+            f"layers {quote_items(missing)} are not MoE layers of this rollout "
+            f"{quote_items(layer_ids)}"
+        )
     return sorted(where[w] for w in wanted)
