@@ -62,6 +62,18 @@ class ServiceSettings(BaseSettings):
     max_decoded_bytes: int = Field(
         default=1 << 30, ge=1024, description="decoded routing bytes one segment may declare"
     )
+    max_rollout_rows: int = Field(
+        default=1 << 20, ge=1, description="rows one rollout may reach (its longest context)"
+    )
+    max_rollout_gap_rows: int = Field(
+        default=1 << 17, ge=0, description="rows of one rollout that no segment covers, in all"
+    )
+    max_rollout_bytes: int = Field(
+        default=1 << 31,
+        ge=1024,
+        description="decoded bytes (rows x L x K x id size) one rollout may reach; "
+        "the client's default read limit",
+    )
     max_batch: int = Field(default=1024, ge=1)
     batch_concurrency: int = Field(default=8, ge=1, le=256)
     default_ttl_s: int = Field(default=24 * 3600, ge=0)
@@ -190,6 +202,9 @@ class ServiceSettings(BaseSettings):
             durability_timeout_ms=self.durability_timeout_ms,
             max_gap_rows=self.max_gap_rows,
             max_decoded_bytes=self.max_decoded_bytes,
+            max_rollout_rows=self.max_rollout_rows,
+            max_rollout_gap_rows=self.max_rollout_gap_rows,
+            max_rollout_bytes=self.max_rollout_bytes,
         )
 
 

@@ -75,6 +75,7 @@ from r3_client import (
     StoreError,
     StoreUnavailableError,
     UnsupportedFrameError,
+    index_dtype,
     read_header,
 )
 from r3_client._codec import Context, FrameHeader
@@ -286,7 +287,7 @@ class SegmentStore(DurableWrites, StoreReads):
             )
             args = [meta, segment.start, segment.end, value, hdr.digest, info, ttl * 1000]
             args += [self.settings.max_segments, len(frame), ref, *context]
-            args.append(self.settings.max_gap_rows)
+            args += [self.settings.max_gap_rows, self.settings.max_rollout_gap_rows]
             res = await self._write(key, self._put, args, lambda r: r[0] in _PUT_ACKED)
             if res[0] in (b"stored", b"duplicate"):
                 await self._keep_blobs(res[1:], ttl * 1000)
@@ -337,7 +338,27 @@ class SegmentStore(DurableWrites, StoreReads):
                 f"routing; the limit is {self.settings.max_decoded_bytes}"
             )
         check_chunks(frame, hdr)  # every zstd chunk declares exactly what its shape allows
+        self._check_rollout_size(rollout_id, hdr)
         return hdr, context
+
+    def _check_rollout_size(self, rollout_id: str, hdr: FrameHeader) -> None:
+        """Refuse a segment that would take the rollout past the rows or decoded bytes a
+        reader is expected to hold (the segment's end is the rollout's rows from then on)."""
+        assert hdr.segment is not None
+        start, end = hdr.segment.start, hdr.segment.end
+        where = f"segment [{start}, {end}) of rollout {rollout_id}"
+        if end > self.settings.max_rollout_rows:
+            raise InvalidRequestError(
+                f"{where} ends past row {self.settings.max_rollout_rows}, the most one rollout "
+                "may hold (R3_CACHE_MAX_ROLLOUT_ROWS)"
+            )
+        row_bytes = len(hdr.layer_ids) * hdr.topk * index_dtype(hdr.num_experts).itemsize
+        if end * row_bytes > self.settings.max_rollout_bytes:
+            raise InvalidRequestError(
+                f"{where} would make the rollout decode to {end * row_bytes} bytes "
+                f"({end} rows x {row_bytes}); the limit is {self.settings.max_rollout_bytes} "
+                "(R3_CACHE_MAX_ROLLOUT_BYTES)"
+            )
 
     def _put_refusal(
         self, status: str, res: Sequence[Any], rollout_id: str, hdr: FrameHeader
@@ -371,6 +392,13 @@ class SegmentStore(DurableWrites, StoreReads):
                 f"segment [{start}, {end}) of rollout {rollout_id} starts "
                 f"{start - int(res[1])} rows past its stored rows [0, {int(res[1])}); "
                 f"the limit is {self.settings.max_gap_rows} (R3_CACHE_MAX_GAP_ROWS)"
+            )
+        if status == "gaps":
+            return InvalidRequestError(
+                f"segment [{start}, {end}) of rollout {rollout_id} would leave {int(res[1])} "
+                f"rows that no segment covers; the limit is "
+                f"{self.settings.max_rollout_gap_rows} (R3_CACHE_MAX_ROLLOUT_GAP_ROWS: fill "
+                "the gaps first)"
             )
         if status == "full":
             return InvalidRequestError(

@@ -54,7 +54,10 @@ class StoreSettings:
     ``redis_url`` is a ``redis://`` DSN; ``cluster=True`` treats it as one seed
     node of a Redis Cluster.  ``default_ttl_s`` (0 = keep forever) applies to
     every write.  ``max_segments`` bounds one rollout's segment count (the put
-    script scans them).
+    script scans them).  A rollout's rows (its highest segment end) stay within
+    ``max_rollout_rows`` and, decoded, within ``max_rollout_bytes``; the rows no
+    segment covers within ``max_rollout_gap_rows`` in all (``max_gap_rows`` bounds
+    one hop past the stored end).
 
     ``durability`` says when a write counts as done: ``ack`` when Redis applied
     it; ``replicas`` when ``durability_replicas`` replicas of the key's master have
@@ -78,6 +81,9 @@ class StoreSettings:
     durability_timeout_ms: int = 1000
     max_gap_rows: int = 1 << 17
     max_decoded_bytes: int = 1 << 30
+    max_rollout_rows: int = 1 << 20
+    max_rollout_gap_rows: int = 1 << 17
+    max_rollout_bytes: int = 1 << 31
 
     def __post_init__(self) -> None:
         if self.durability not in DURABILITY_MODES:

@@ -1,11 +1,12 @@
 -- Atomically add one segment to a rollout hash.
 -- KEYS[1]  rollout hash  (<prefix>:{<rollout_id>})
 -- ARGV     meta, start, end, value, digest, info, ttl_ms, max_segments, nbytes, ref,
---          ctx_field, ctx, base_field, max_gap
+--          ctx_field, ctx, base_field, max_gap, max_gap_total
 --          value is the frame, or "@<blob key>" when the frame is shared (ref = blob key, else "")
 --          ctx_field/ctx: "c:<digest>" and the context bytes a self-contained frame carries
 --          ("" for a continuation frame); base_field: "c:<digest>" a continuation frame
---          needs (else ""); max_gap: rows a segment may start past the stored end
+--          needs (else ""); max_gap: rows a segment may start past the stored end;
+--          max_gap_total: rows of the rollout no segment covers, in all, after this put
 -- Fields:  m = rollout meta (E, K, layers; must match across segments)
 --          s:<a>:<b> = frame or "@<blob key>", d:<a>:<b> = content digest,
 --          h:<a>:<b> = segment info, r:<a>:<b> = blob key of a shared segment
@@ -13,13 +14,14 @@
 --          c:<digest> = a rollout context (format v2) that continuation frames name
 -- Returns  {"stored", refs...} | {"duplicate", refs...} | {"meta", stored_meta}
 --          | {"conflict", "<a>:<b>", "differs"|"overlaps"} | {"full", n}
---          | {"nobase"} | {"gap", stored_end}
+--          | {"nobase"} | {"gap", stored_end} | {"gaps", gap rows after this put}
 --          refs = blob keys this rollout references (their TTLs are refreshed by the caller)
 local key = KEYS[1]
 local meta, s, e = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local value, dig, info = ARGV[4], ARGV[5], ARGV[6]
 local ttl, max_segments, nbytes, ref = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
 local ctx_field, ctx, base_field, max_gap = ARGV[11], ARGV[12], ARGV[13], tonumber(ARGV[14])
+local max_gap_total = tonumber(ARGV[15])
 
 local function refresh(status)
   if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('PERSIST', key) end
@@ -32,12 +34,13 @@ end
 
 local cur = redis.call('HGET', key, 'm')
 if cur and cur ~= meta then return {'meta', cur} end
-local stored_end = 0
+local stored_end, covered = 0, 0
 for _, f in ipairs(redis.call('HKEYS', key)) do
   local a, b = string.match(f, '^d:(%d+):(%d+)$')
   if a then
     a = tonumber(a); b = tonumber(b)
     if b > stored_end then stored_end = b end
+    covered = covered + (b - a)  -- stored segments never overlap
     if a < e and s < b then
       if a == s and b == e then
         if redis.call('HGET', key, f) == dig then
@@ -54,6 +57,8 @@ for _, f in ipairs(redis.call('HKEYS', key)) do
 end
 if base_field ~= '' and redis.call('HEXISTS', key, base_field) == 0 then return {'nobase'} end
 if s > stored_end + max_gap then return {'gap', stored_end} end
+local gaps = math.max(stored_end, e) - (covered + e - s)
+if gaps > max_gap_total then return {'gaps', gaps} end
 local n = tonumber(redis.call('HGET', key, 'n') or '0')
 if n >= max_segments then return {'full', n} end
 local r = s .. ':' .. e

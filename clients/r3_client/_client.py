@@ -32,7 +32,7 @@ from r3_client._client_core import (
     _Cursor,
     _sync_transport,
 )
-from r3_client._codec import CodecName
+from r3_client._codec import MAX_DECODED_BYTES, CodecName
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     R3Error,
@@ -54,6 +54,8 @@ class RoutingClient:
     API is identical.  ``api_key`` is sent as a bearer token.  Every call is
     idempotent and retried per ``retry`` on connection failures, timeouts and
     503s.  Errors are :class:`R3Error` subclasses whatever the transport.
+    ``max_bytes`` caps what one read decodes to (checked before allocating; the
+    default, 2 GiB, holds the longest rollout the service stores by default).
     """
 
     def __init__(
@@ -64,9 +66,10 @@ class RoutingClient:
         timeout: Timeout = Timeout(),
         retry: Retry = Retry(),
         transport: Transport | None = None,
+        max_bytes: int = MAX_DECODED_BYTES,
     ) -> None:
         self._t = transport or _sync_transport(url, api_key, timeout)
-        self._core = _Core(retry)
+        self._core = _Core(retry, max_bytes)
 
     def __enter__(self) -> RoutingClient:
         return self
@@ -232,9 +235,10 @@ class AsyncRoutingClient:
         timeout: Timeout = Timeout(),
         retry: Retry = Retry(),
         transport: AsyncTransport | None = None,
+        max_bytes: int = MAX_DECODED_BYTES,
     ) -> None:
         self._t = transport or _async_transport(url, api_key, timeout)
-        self._core = _Core(retry)
+        self._core = _Core(retry, max_bytes)
 
     async def __aenter__(self) -> AsyncRoutingClient:
         return self

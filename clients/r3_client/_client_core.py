@@ -49,8 +49,9 @@ _THREAD_DECODE_BYTES = 64 << 10
 class _Core:
     """Everything both clients share; no I/O."""
 
-    def __init__(self, retry: Retry) -> None:
+    def __init__(self, retry: Retry, max_bytes: int) -> None:
         self.retry = retry
+        self.max_bytes = max_bytes
 
     def backoff(self, exc: Exception, failures: int) -> float:
         """Seconds to wait before trying again after the ``failures``-th failure.
@@ -89,12 +90,24 @@ class _Core:
         if start < 0 or (end is not None and end <= start):
             raise ShapeError(f"token range [{start}, {end}) is empty or negative")
 
-    @staticmethod
     def decode(
-        data: bytes, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        data: bytes,
+        rollout_id: str,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
     ) -> Routing:
-        """A read's frames, stitched and trimmed to the request (the service never decodes)."""
-        return decode_rollout(data, start=start, end=end, layers=layers, rollout_id=rollout_id)
+        """A read's frames, stitched and trimmed to the request (the service never decodes);
+        a result over ``max_bytes`` is refused before it is allocated."""
+        return decode_rollout(
+            data,
+            start=start,
+            end=end,
+            layers=layers,
+            rollout_id=rollout_id,
+            max_bytes=self.max_bytes,
+        )
 
     def result(
         self, item: StreamItem, start: int, end: int | None, layers: Sequence[int] | None

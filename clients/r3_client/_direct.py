@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from r3_client._codec import Context, encode_context, read_header
+from r3_client._codec import MAX_DECODED_BYTES, Context, encode_context, read_header
 from r3_client._codec_rollout import decode_rollout
 from r3_client._config import Timeout
 from r3_client._exceptions import (
@@ -49,7 +49,9 @@ class DirectReader:
     ``redis`` (redis-py).  Synchronous; one connection pool.
     """
 
-    def __init__(self, plan: dict[str, Any], *, timeout: float = 30.0) -> None:
+    def __init__(
+        self, plan: dict[str, Any], *, timeout: float = 30.0, max_bytes: int = MAX_DECODED_BYTES
+    ) -> None:
         import redis  # lazy: only direct readers need redis-py
         from redis.cluster import RedisCluster
 
@@ -64,13 +66,19 @@ class DirectReader:
             cluster = bool(plan["cluster"])
         except (KeyError, TypeError) as exc:
             raise ProtocolError(f"read plan is incomplete: {exc}") from None
+        self.max_bytes = max_bytes
         self._r: Any = (
             RedisCluster.from_url(url, **kw) if cluster else redis.Redis.from_url(url, **kw)
         )
 
     @classmethod
     def from_service(
-        cls, url: str, *, api_key: str | None = None, timeout: float = 30.0
+        cls,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        max_bytes: int = MAX_DECODED_BYTES,
     ) -> DirectReader:
         """Ask the service at ``url`` (HTTP) for this API key's read plan.
 
@@ -84,7 +92,7 @@ class DirectReader:
             plan = http.read_plan()
         finally:
             http.close()
-        return cls(plan, timeout=timeout)
+        return cls(plan, timeout=timeout, max_bytes=max_bytes)
 
     def __enter__(self) -> DirectReader:
         return self
@@ -204,7 +212,14 @@ class DirectReader:
             if isinstance(got, R3Error):
                 return got
             try:
-                return decode_rollout(got, start=start, end=end, layers=layers, rollout_id=rid)
+                return decode_rollout(
+                    got,
+                    start=start,
+                    end=end,
+                    layers=layers,
+                    rollout_id=rid,
+                    max_bytes=self.max_bytes,
+                )
             except (FormatError, FrameError) as exc:
                 return exc
 

@@ -36,8 +36,10 @@ FORMAT_VERSION: Final = 2
 CONTEXT_CODEC: Final = 3
 
 
-#: Largest decoded array a decoder allocates unless told otherwise (``max_bytes``).
-MAX_DECODED_BYTES: Final = 1 << 34
+#: Largest decoded array a decoder allocates unless told otherwise (``max_bytes``): 2 GiB,
+#: the service's default cap on one rollout (a 1M-token Qwen3-235B rollout is 1.5 GiB
+#: as int16), so a default reader reads whatever a default service stores.
+MAX_DECODED_BYTES: Final = 1 << 31
 
 
 #: Largest relabel table (``L·E`` entries) a context may carry.
