@@ -81,6 +81,7 @@ from r3_client import (
 from r3_client._codec import Context, FrameHeader
 from r3_client._codec_v2_read import check_chunks
 from r3_client._exceptions import quote_items
+from r3_client._frame import BLOCK_ROWS
 from r3_client._models import PutResult
 
 __all__ = ["DURABILITY_MODES", "SegmentStore", "StoreSettings", "check_namespace"]
@@ -107,6 +108,24 @@ def _admits_anyone(acl_user: Any) -> bool:
     """Whether an ``ACL GETUSER default`` reply lets connections in with no credentials."""
     flags = {f.decode() if isinstance(f, bytes) else str(f) for f in acl_user[b"flags"]}
     return "on" in flags and "nopass" in flags
+
+
+def _check_blocks(hdr: FrameHeader) -> None:
+    """A stored frame's blocks are ``BLOCK_ROWS`` rows each, the last maybe shorter.
+
+    The format lets a writer pick any block size; the store takes the default
+    only, so a header grows with its rows (a frame of one-row blocks has a header
+    as big as its body, parsed on every ranged read) and a ranged read never
+    returns more than one block's rows past what it asked for.
+    """
+    *full, last = hdr.blocks
+    if any(b != BLOCK_ROWS for b in full) or last > BLOCK_ROWS:
+        shown = list(hdr.blocks[:4]) + (["…"] if len(hdr.blocks) > 4 else [])
+        raise FrameError(
+            f"a stored frame's blocks are {BLOCK_ROWS} rows each (the last may be shorter); "
+            f"this one has {len(hdr.blocks)} blocks {shown} for {hdr.num_rows} rows: "
+            "encode it with the default block_rows"
+        )
 
 
 class SegmentStore(DurableWrites, StoreReads):
@@ -188,7 +207,7 @@ class SegmentStore(DurableWrites, StoreReads):
             for node in nodes:
                 try:
                     if node is None:
-                        reply = await self._r.execute_command("ACL", "GETUSER", "default")  # type: ignore[no-untyped-call]
+                        reply = await self._r.execute_command("ACL", "GETUSER", "default")
                         name = _redacted(self.settings.redis_url)
                     else:
                         assert isinstance(self._r, RedisCluster)
@@ -337,6 +356,7 @@ class SegmentStore(DurableWrites, StoreReads):
                 f"segment [{segment.start}, {segment.end}) declares {hdr.decoded_bytes} bytes of "
                 f"routing; the limit is {self.settings.max_decoded_bytes}"
             )
+        _check_blocks(hdr)
         check_chunks(frame, hdr)  # every zstd chunk declares exactly what its shape allows
         self._check_rollout_size(rollout_id, hdr)
         return hdr, context

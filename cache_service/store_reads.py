@@ -10,6 +10,7 @@ import msgpack
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
+from cache_service.headers import HeaderCache
 from cache_service.store_base import StoreBase, _translate
 from r3_client import (
     FormatError,
@@ -20,12 +21,14 @@ from r3_client import (
     Segment,
     ShapeError,
     StoreError,
-    read_header,
 )
 from r3_client._codec import Context, encode_context
 from r3_client._codec_rollout import decode_rollout, slice_frame
 from r3_client._format import layer_positions
 from r3_client._models import RolloutInfo, SegmentInfo
+
+#: Parsed headers of stored frames, shared by every namespace (keyed by content).
+_HEADERS = HeaderCache()
 
 
 class StoreReads(StoreBase):
@@ -145,7 +148,7 @@ class StoreReads(StoreBase):
         carried: set[str] = set()  # contexts a returned frame carries itself
         for a, b, frame in segments:
             try:
-                hdr = read_header(frame, verify=False)
+                hdr = _HEADERS.header(frame)
                 ctx = None
                 if hdr.context is not None and not hdr.base:
                     carried.add(hdr.context.digest)
@@ -160,9 +163,12 @@ class StoreReads(StoreBase):
                         )
                     ctx = bases.get(hdr.base) or Context.parse(raw, tables=False)
                     bases[hdr.base] = ctx
+                    hdr = _HEADERS.header(frame, ctx)
                 cut = (start > a or (end is not None and end < b)) or layers is not None
                 parts.append(
-                    slice_frame(frame, start=start, end=end, layers=layers, context=ctx)
+                    slice_frame(
+                        frame, start=start, end=end, layers=layers, context=ctx, header=hdr
+                    )
                     if cut
                     else frame
                 )

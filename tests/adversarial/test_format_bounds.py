@@ -51,13 +51,13 @@ def _put(svc: Service, r: str, frame: bytes) -> tuple[int, dict[str, object]]:
 def test_far_gap_segment_is_refused_at_put_on_both_transports(service_single: Service) -> None:
     """Before: a 1-row segment at row 2**40 was stored; every GET then tried to allocate
     rows x L x K (a 500 with "Unable to allocate 4.00 TiB")."""
-    for row in (GAP_LIMIT + 1, 2**40 - 1):
+    for row, limit in ((GAP_LIMIT + 1, "_MAX_GAP_ROWS"), (2**40 - 1, "_MAX_ROLLOUT_ROWS")):
         r = rid()
         frame = encode_frame(ROW, num_experts=E, layer_ids=LAYERS, segment=Segment(row, row + 1))
         status, body = _put(service_single, r, frame)
         assert status == 400, body
         assert body["error"]["code"] == "invalid_request"  # type: ignore[index]
-        assert "R3_CACHE_MAX_GAP_ROWS" in body["error"]["message"]  # type: ignore[index]
+        assert f"R3_CACHE{limit}" in body["error"]["message"]  # type: ignore[index]
         with pytest.raises(grpc.RpcError) as info:
             service_single.stub().PutSegment(
                 pb.PutSegmentRequest(rollout_id=r, frame=frame), metadata=grpc_md()
