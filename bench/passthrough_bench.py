@@ -8,7 +8,8 @@ the same stored bytes, for the rollout shapes RL actually writes: a GRPO sample
 (shared prompt segment + response segment), an agent rollout (one segment per turn)
 and a single-segment rollout; and what a layer slice (one pipeline stage) moves.
 
-Starts its own ``redis-server`` (loopback, free port, AOF off) and its own service
+Starts its own ``redis-server`` (loopback, free port, AOF off, a password: the service
+issues read plans only where Redis asks for credentials) and its own service
 (``python -m cache_service serve``, auth on, direct reads on, as
 ``tests/service/_service.py`` starts it) and stops both by PID at the end, also on
 Ctrl-C / SIGTERM.
@@ -84,6 +85,7 @@ import contextlib
 import itertools
 import json
 import math
+import secrets
 import signal
 import sys
 import tempfile
@@ -121,7 +123,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "service"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
-from _service import KEY_A, Service, start_service  # noqa: E402
+from _service import DIRECT_READS, KEY_A, Service, start_service  # noqa: E402
 from service_bench import (  # noqa: E402
     _raise_interrupt,
     machine_info,
@@ -1007,12 +1009,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "R3_CACHE_MAX_BATCH": "1024",
         "R3_CACHE_MAX_BODY_BYTES": str(256 << 20),
         "R3_CACHE_MAX_TOKENS_PER_SEGMENT": str(1 << 20),
-        "R3_CACHE_DIRECT_READS": "true",  # and _service.LIMITS's R3_CACHE_DIRECT_READ_SECRET
+        **DIRECT_READS,
     }
     report: dict[str, Any] = {"machine": info, "args": vars(args) | {"json": str(args.json)}}
     with tempfile.TemporaryDirectory(prefix="r3-passthrough-bench-") as tmp_s:
         tmp = Path(tmp_s)
-        rp = RedisProcess(free_port(), tmp / "redis", appendonly=False)
+        rp = RedisProcess(
+            free_port(), tmp / "redis", appendonly=False, password=secrets.token_urlsafe(24)
+        )
         svc: Service | None = None
         try:
             rp.start()

@@ -167,7 +167,9 @@ def create_app(
             raise RuntimeError("create_app without a service needs settings.redis_url")
         store = await SegmentStore.connect(settings.store_settings(settings.redis_url))
         try:
-            yield {"service": RoutingService(store, settings, metrics)}
+            own = RoutingService(store, settings, metrics)
+            await own.check_direct_reads()
+            yield {"service": own}
         finally:
             await store.close()
 

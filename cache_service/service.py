@@ -115,12 +115,19 @@ class RoutingService:
             self._ns(namespace).get_frame(rollout_id, start=start, end=end, layers=layers)
         )
 
+    async def check_direct_reads(self) -> None:
+        """At start-up, with direct reads on: refuse (:class:`StoreError`) a Redis that
+        admits clients without credentials (:meth:`SegmentStore.refuse_open_redis`)."""
+        if self.settings.direct_reads:
+            await self.store.refuse_open_redis()
+
     async def read_plan(self, namespace: str) -> dict[str, object]:
         """Where and how this namespace's trainers read Redis directly (``direct_reads``).
 
         Auth already decided the namespace; the credentials it gets can only read
-        that namespace's keys (see :meth:`SegmentStore.grant_reader`).  The service
-        stays the only writer.
+        that namespace's keys (see :meth:`SegmentStore.grant_reader`), and are issued
+        only while Redis refuses clients without credentials.  The service stays the
+        only writer.
         """
         secret = self.settings.read_secret() if self.settings.direct_reads else None
         if secret is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -14,7 +16,46 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from cache_service.store import StoreSettings, check_namespace
 from r3_client import InvalidRequestError
 
-__all__ = ["ServiceSettings", "get_settings", "is_loopback"]
+__all__ = ["ServiceSettings", "check_read_secret", "get_settings", "is_loopback", "secret_bits"]
+
+#: What a direct-read secret must have (docs/service.md, "Direct reads"): every
+#: namespace's Redis reader password is HMAC-SHA256(secret, namespace), and one read
+#: plan lets its holder test guesses of the secret offline, as fast as HMAC runs.
+MIN_SECRET_CHARS = 32
+MIN_SECRET_BITS = 128
+MAKE_A_SECRET = (
+    "python -c 'import secrets; print(secrets.token_urlsafe(32))' or openssl rand -base64 32"
+)
+
+
+def secret_bits(secret: str) -> float:
+    """An estimate of ``secret``'s entropy in bits: its length times the Shannon entropy
+    of its character frequencies.
+
+    Low for short, repetitive or small-alphabet strings; a generated 32-byte secret
+    scores about 180-250.  It cannot tell a generated string from a long phrase or a
+    run like ``abcd…``: it refuses what is plainly guessable, it proves nothing random.
+    """
+    n = len(secret)
+    return -sum(c * math.log2(c / n) for c in Counter(secret).values())
+
+
+def check_read_secret(secret: str, source: str) -> str:
+    """``secret``, or ``ValueError`` naming ``source`` and how to make a good one.
+
+    Called when the settings are read, so a guessable secret stops the service at
+    start-up.  The message never quotes the secret.
+    """
+    bits = secret_bits(secret)
+    if len(secret) < MIN_SECRET_CHARS or bits < MIN_SECRET_BITS:
+        raise ValueError(
+            f"{source}: the direct-read secret has {len(secret)} characters and about "
+            f"{bits:.0f} bits of entropy; it needs at least {MIN_SECRET_CHARS} characters "
+            f"and {MIN_SECRET_BITS} bits, because every namespace's Redis reader password "
+            "is HMAC-SHA256(secret, namespace) and one read plan is enough to test guesses "
+            f"of it offline. Generate one: {MAKE_A_SECRET}"
+        )
+    return secret
 
 
 def is_loopback(host: str) -> bool:
@@ -93,7 +134,9 @@ class ServiceSettings(BaseSettings):
     direct_read_url: str | None = Field(
         default=None, description="the Redis URL trainers use for direct reads (default: redis_url)"
     )
-    direct_read_secret: str | None = Field(default=None, min_length=16)
+    direct_read_secret: str | None = Field(
+        default=None, description="random, >= 32 characters and >= 128 bits (check_read_secret)"
+    )
     direct_read_secret_file: Path | None = None
     log_level: str = "INFO"
 
@@ -114,6 +157,12 @@ class ServiceSettings(BaseSettings):
                     "characters from a-z 0-9 _ -"
                 ) from None
         return v
+
+    @field_validator("direct_read_secret")
+    @classmethod
+    def _secret_strong(cls, v: str | None) -> str | None:
+        """A secret nobody can guess, or the service refuses to start."""
+        return None if v is None else check_read_secret(v, "R3_CACHE_DIRECT_READ_SECRET")
 
     def auth_enabled(self) -> bool:
         """Auth is on when asked, or (``auto``) whenever a listener is not loopback-only."""
@@ -161,7 +210,9 @@ class ServiceSettings(BaseSettings):
         return key
 
     def read_secret(self) -> str | None:
-        """The secret per-namespace Redis reader passwords derive from (``direct_reads``)."""
+        """The secret per-namespace Redis reader passwords derive from (``direct_reads``):
+        ``direct_read_secret``, else the stripped contents of ``direct_read_secret_file``,
+        which must pass :func:`check_read_secret` too."""
         if self.direct_read_secret is not None:
             return self.direct_read_secret
         if self.direct_read_secret_file is None:
@@ -170,9 +221,9 @@ class ServiceSettings(BaseSettings):
             secret = self.direct_read_secret_file.read_text().strip()
         except OSError as exc:
             raise ValueError(f"{self.direct_read_secret_file}: cannot read: {exc}") from None
-        if len(secret) < 16:
-            raise ValueError(f"{self.direct_read_secret_file}: the secret needs 16+ characters")
-        return secret
+        return check_read_secret(
+            secret, f"R3_CACHE_DIRECT_READ_SECRET_FILE {self.direct_read_secret_file}"
+        )
 
     def check_direct_reads(self) -> None:
         """Refuse to start (``ValueError``) with direct reads on and no readable secret,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from _service import Service, start_service
+from _service import DIRECT_READS, Service, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port, start_cluster
 from cache_service.store import SegmentStore, StoreSettings
@@ -15,16 +16,24 @@ from cache_service.store import SegmentStore, StoreSettings
 
 @pytest.fixture(scope="session")
 def redis_single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    """One standalone redis-server for the whole session."""
-    proc = RedisProcess(free_port(), tmp_path_factory.mktemp("redis"), appendonly=False).start()
+    """One standalone redis-server for the whole session; its ``url`` carries its password
+    (a Redis that admits anyone is no place for direct reads)."""
+    proc = RedisProcess(
+        free_port(),
+        tmp_path_factory.mktemp("redis"),
+        appendonly=False,
+        password=secrets.token_urlsafe(24),
+    ).start()
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisProcess]]:
-    """A 3-master Redis Cluster on loopback ports."""
-    nodes = start_cluster(Path(tmp_path_factory.mktemp("cluster")))
+    """A 3-master Redis Cluster on loopback ports, every node with the same password."""
+    nodes = start_cluster(
+        Path(tmp_path_factory.mktemp("cluster")), password=secrets.token_urlsafe(24)
+    )
     yield nodes
     for n in nodes:
         n.stop()
@@ -51,8 +60,8 @@ async def store(
 def service_single(
     redis_single: RedisProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
-    """The service over the session's standalone redis-server."""
-    svc = start_service(tmp_path_factory.mktemp("svc-single"), redis_single.url)
+    """The service over the session's standalone redis-server, direct reads on."""
+    svc = start_service(tmp_path_factory.mktemp("svc-single"), redis_single.url, env=DIRECT_READS)
     yield svc
     svc.stop()
 
@@ -61,8 +70,10 @@ def service_single(
 def service_cluster(
     redis_cluster: list[RedisProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
-    """The service over the session's 3-master Redis Cluster."""
-    svc = start_service(tmp_path_factory.mktemp("svc-cluster"), redis_cluster[0].url, cluster=True)
+    """The service over the session's 3-master Redis Cluster, direct reads on."""
+    svc = start_service(
+        tmp_path_factory.mktemp("svc-cluster"), redis_cluster[0].url, cluster=True, env=DIRECT_READS
+    )
     yield svc
     svc.stop()
 

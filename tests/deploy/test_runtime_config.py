@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def _cache_settings(
     secret = (
         base64.b64decode(rendered[0]["data"]["direct-read-secret"]).decode()
         if rendered
-        else "s" * 64
+        else secrets.token_urlsafe(32)  # what docs/deploy.md has prod generate
     )
     secret_file = tmp_path / "direct-read-secret"
     secret_file.write_text(secret + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,8 +29,12 @@ LIMITS = {
     "R3_CACHE_MAX_BODY_BYTES": str(4 << 20),
     "R3_CACHE_MAX_TOKENS_PER_SEGMENT": "20000",
     "R3_CACHE_MAX_BATCH": "64",
+}
+#: Direct reads on, as the session's services run them; only over a Redis that asks
+#: for a password (the service refuses any other), such as ``redis_single``'s.
+DIRECT_READS = {
     "R3_CACHE_DIRECT_READS": "true",
-    "R3_CACHE_DIRECT_READ_SECRET": "direct-read-secret-0123456789",
+    "R3_CACHE_DIRECT_READ_SECRET": secrets.token_urlsafe(32),
 }
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from cache_service.auth import KeyRing, bearer_token
-from cache_service.settings import ServiceSettings
+from cache_service.settings import ServiceSettings, secret_bits
 from r3_client import AuthError
 
 
@@ -116,3 +118,27 @@ def test_direct_reads_without_a_secret_refuse_to_start(
     monkeypatch.setenv("R3_CACHE_DIRECT_READ_SECRET_FILE", str(tmp_path / "missing"))
     res = _serve(tmp_path)
     assert res.returncode == 2 and "cannot read" in res.stderr, res.stderr
+
+
+def test_direct_read_secret_needs_real_entropy() -> None:
+    """What the documented generators make is accepted every time; a short, repeated,
+    dictionary or 16-byte secret is refused, without the secret in the message."""
+    makers = (
+        lambda: secrets.token_urlsafe(32),
+        lambda: base64.b64encode(secrets.token_bytes(32)).decode(),  # openssl rand -base64 32
+        lambda: secrets.token_hex(32),  # openssl rand -hex 32
+    )
+    for make in makers:
+        for _ in range(500):
+            s = make()
+            assert secret_bits(s) > 160
+            assert ServiceSettings(direct_read_secret=s).read_secret() == s
+    for weak in (
+        "password12345678",
+        "a" * 64,
+        "dev-direct-read-secret-not-secret",
+        secrets.token_hex(16),  # 128 random bits, but 32 hex characters score ~115
+    ):
+        with pytest.raises(ValidationError, match="token_urlsafe") as info:
+            ServiceSettings(direct_read_secret=weak)
+        assert weak not in str(info.value)
