@@ -167,7 +167,7 @@ class StoreReads(StoreBase):
                 cut = (start > a or (end is not None and end < b)) or layers is not None
                 parts.append(
                     slice_frame(
-                        frame, start=start, end=end, layers=layers, context=ctx, header=hdr
+                        frame, start=start, end=end, layers=layers, context=ctx, parsed=hdr
                     )
                     if cut
                     else frame

@@ -46,7 +46,7 @@ def slice_frame(
     end: int | None = None,
     layers: Sequence[int] | None = None,
     context: Context | None = None,
-    header: FrameHeader | None = None,
+    parsed: FrameHeader | None = None,
 ) -> bytes:
     """Cut a v2 frame down to the blocks and layer groups that cover a range: no decoding.
 
@@ -54,11 +54,11 @@ def slice_frame(
     and whose layers are the groups holding any of ``layers`` (absolute ids); the
     reader trims to the exact range.  Chunk bytes are copied unchanged (their
     CRCs travel in the header); the segment becomes provenance.  A continuation
-    frame without a ``layers`` field needs ``context`` to slice by layer.  ``header``
+    frame without a ``layers`` field needs ``context`` to slice by layer.  ``parsed``
     is ``read_header(data, verify=False, context=context)`` when the caller holds it
     already (the service keeps parsed headers of stored frames).
     """
-    hdr = read_header(data, verify=False, context=context) if header is None else header
+    hdr = read_header(data, verify=False, context=context) if parsed is None else parsed
     if hdr.version != 2 or hdr.codec == "context":
         raise UnsupportedFrameError("only v2 routing frames can be sliced")
     lo = hdr.start if start is None else max(start, hdr.start)
