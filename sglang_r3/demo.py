@@ -16,6 +16,10 @@ Qwen3-MoE, starts a real SGLang server in CPU mode with this extension, and then
 Every process it starts is stopped at the end, on errors, on Ctrl-C and on SIGTERM.
 Exit status: 0 on success, 1 when a check fails (e.g. replay did not reproduce the
 engine's routing), 130 when interrupted.
+
+``R3_DEMO_HOLD_AFTER_STAGE=k`` (for tests of the clean-up) makes the demo print
+``holding after stage k`` once stage ``k`` is done and wait there until interrupted,
+so a signal lands at a known point instead of racing the rest of the run.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import sys
@@ -44,6 +49,8 @@ from r3_client.mismatch import logprob_mismatch, routing_disagreement
 from sglang_r3.report import output_logprobs
 
 BASE64 = 4 / 3  # upstream ships int32 rows as base64 text
+#: Stage after which the demo waits for a signal (module docstring); unset: it does not.
+HOLD_ENV = "R3_DEMO_HOLD_AFTER_STAGE"
 
 
 @dataclass
@@ -78,8 +85,11 @@ class Stages:
     long wait (SGLang loading) never looks like a hang.
     """
 
-    def __init__(self, total: int, heartbeat_s: float = 15.0) -> None:
+    def __init__(
+        self, total: int, heartbeat_s: float = 15.0, hold_after: int | None = None
+    ) -> None:
         self.total, self.k, self.heartbeat_s = total, 0, heartbeat_s
+        self.hold_after = hold_after
 
     @contextmanager
     def stage(self, what: str) -> Iterator[None]:
@@ -100,6 +110,10 @@ class Stages:
             done.set()
             ticker.join()
         print(f"      done in {time.monotonic() - t:.1f} s", flush=True)
+        if self.k == self.hold_after:
+            print(f"      holding after stage {self.k} until interrupted ({HOLD_ENV})", flush=True)
+            while True:  # SIGINT / SIGTERM raise KeyboardInterrupt out of the sleep
+                time.sleep(60)
 
     def note(self, msg: str) -> None:
         print(f"      {msg}", flush=True)
@@ -378,7 +392,8 @@ def _run(args: argparse.Namespace, work: Path, started: list[Any]) -> Stats:
     # The demo prints its own stage lines; transformers' per-file bars would bury them.
     tf: Any = transformers
     tf.utils.logging.disable_progress_bar()
-    stages = Stages(7)
+    hold = os.environ.get(HOLD_ENV)
+    stages = Stages(7, hold_after=int(hold) if hold else None)
     stats = Stats()
     rng = np.random.default_rng(args.seed)
     run = uuid.uuid4().hex[:6]
