@@ -2,7 +2,7 @@
 
 Both paths start from 256 rollout ids and end with the same verl batch
 ``[256, prompt_len + response_len, 48, 8]`` int16 torch tensor (prompt left-padded,
-response right-padded, -1 padding), measured in the same run, best of
+response right-padded, 0 at padding and the last token, as verl fills them), measured in the same run, best of
 ``--repeat``:
 
 * **upstream**: what RL frameworks do with SGLang today — fetch each rollout's
@@ -116,7 +116,7 @@ async def upstream_path(
     url: str, n: int, prompt: int, response: int, concurrency: int = 8
 ) -> tuple[torch.Tensor, int]:
     """Fetch JSON, base64-decode, frombuffer, pad by hand: what frameworks do today."""
-    out = torch.full((n, prompt + response, L, K), -1, dtype=torch.int16)
+    out = torch.zeros((n, prompt + response, L, K), dtype=torch.int16)
     nbytes = 0
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:

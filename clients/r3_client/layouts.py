@@ -3,19 +3,26 @@
 Every function here takes one or more rollouts' routing, each ``[T-1, L, K]``
 (a :class:`~r3_client.Routing` starting at token 0, or a plain integer array),
 and places routing row ``t`` at the position where the trainer puts token
-``t``.  Three rules hold for every layout:
+``t``.  Rows are sets: copied as they are, order within a row never relied upon.
 
-* **last token** -- a rollout of ``T`` tokens has rows for tokens ``0 .. T-2``
-  only (token ``T-1`` never went through a forward pass), so the last token's
-  position holds ``-1``;
-* **padding** -- every padding position holds ``-1``, never ``0`` (``0`` is a
-  real expert, and repeated zeros crash Megatron's all-to-all);
-* **rows are sets** -- rows are copied as they are; order within a row is
-  never relied upon.
+What goes where no row was recorded is the consumer's contract, pinned per
+framework in ``docs/integrations.md``:
 
-``-1`` tells the replay adapters "no recorded route: use the router's own
-choice here".  Numpy layouts are ``int16`` (``int32`` when an expert id does
-not fit in int16); the Megatron layout is ``int64``, which
+* **third-party trainers** (:func:`verl_layout`, :func:`slime_layout`,
+  :func:`miles_layout`): the shape, dtype, layer axis and fill their own replay
+  code consumes.  verl fills padding and the last token with ``0``; slime and
+  miles take ``T-1`` rows and add the last one themselves.  ``num_layers=``
+  makes the layer axis absolute (dense layers ``0``, as upstream SGLang returns
+  them).  Rows nobody shipped (``-1`` from :func:`~r3_client.decode_rollout`)
+  are refused unless ``missing="fill"``: none of these trainers falls back to its
+  router on them.
+* **our replay adapters** (:func:`hf_layout`, :func:`megatron_layout`): the
+  last token and padding hold ``-1``, never ``0`` (``0`` is a real expert, and
+  repeated zeros crash Megatron's all-to-all); the HF adapter routes ``-1`` rows
+  natively, the Megatron driver replays experts ``0..K-1`` there (miles' rule).
+
+Numpy layouts are ``int16`` (``int32`` when an expert id does not fit in int16,
+and always for miles); the Megatron layout is ``int64``, which
 ``RouterReplay.set_replay_data`` wants.  See ``docs/layouts.md``.
 """
 
@@ -30,12 +37,15 @@ import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
 from r3_client._format import Routing, check_layer_ids
+from r3_client._layout_rows import Missing, absolute_layers, uncovered
 
 __all__ = [
     "MegatronReplayBatch",
+    "Missing",
     "RoutingLike",
     "hf_layout",
     "megatron_layout",
+    "miles_layout",
     "slime_layout",
     "verl_layout",
 ]
@@ -156,6 +166,34 @@ def _check_rows_match_tokens(
         )
 
 
+def _layer_ids(batch: _Rows, layer_ids: Sequence[int] | None) -> tuple[int, ...] | None:
+    """The routing's MoE layer ids: from its :class:`Routing` inputs or ``layer_ids``."""
+    if layer_ids is None:
+        return batch.layer_ids
+    ids = check_layer_ids(layer_ids)
+    if batch.layer_ids is not None and batch.layer_ids != ids:
+        raise ShapeError(
+            f"layer_ids={list(ids)} but the routing covers MoE layers {list(batch.layer_ids)}"
+        )
+    return ids
+
+
+def _consumer_rows(
+    batch: _Rows,
+    layer_ids: Sequence[int] | None,
+    num_layers: int | None,
+    missing: Missing,
+    fill: npt.NDArray[Any],
+) -> tuple[list[npt.NDArray[Any]], int]:
+    """Each sample's rows with uncovered rows handled and the layer axis made absolute."""
+    ids = _layer_ids(batch, layer_ids)
+    out = []
+    for i, arr in enumerate(batch.arrays):
+        arr = uncovered(arr, f"sample {i}'s routing", missing, fill)
+        out.append(absolute_layers(arr, ids, num_layers, f"sample {i}'s routing"))
+    return out, out[0].shape[1]
+
+
 def verl_layout(
     routings: Sequence[RoutingLike],
     prompt_lens: Sequence[int] | npt.ArrayLike,
@@ -163,8 +201,11 @@ def verl_layout(
     *,
     prompt_len: int | None = None,
     response_len: int | None = None,
+    num_layers: int | None = None,
+    layer_ids: Sequence[int] | None = None,
+    missing: Missing = "raise",
 ) -> npt.NDArray[np.integer[Any]]:
-    """verl's ``batch["routed_experts"]``: ``[bs, prompt_len + response_len, L, K]``.
+    """verl 0.9.1's ``batch["routed_experts"]``: ``[bs, prompt_len + response_len, L, K]``.
 
     Use it when building a verl ``DataProto`` whose ``prompts`` are left-padded
     to ``prompt_len`` and ``responses`` right-padded to ``response_len``.
@@ -172,15 +213,24 @@ def verl_layout(
     response tokens and ``P_i + R_i - 1`` routing rows.  Token ``t < P_i`` sits
     at column ``prompt_len - P_i + t``, token ``t >= P_i`` at
     ``prompt_len + t - P_i``.  ``prompt_len`` / ``response_len`` default to
-    the batch maxima.  Raises :class:`ShapeError` when a sample's row count
-    is not ``P_i + R_i - 1`` or it does not fit the given lengths::
+    the batch maxima.  Every padding position and each sample's last token hold
+    ``0``, as verl's own rollout fills them (its replay gathers at every attended
+    position, the last token included, and crashes on ``-1``).
+
+    ``num_layers``: the model's ``num_hidden_layers``; the layer axis becomes
+    absolute (verl indexes it by ``layer_number - 1``), MoE rows at their layer ids
+    (a :class:`Routing`'s, or ``layer_ids`` for plain arrays), dense layers ``0``.
+    Required for models with dense layers (DeepSeek-V3, GLM-4.5, Kimi-K2, ...).
+    ``missing``: rows nobody shipped raise (default) or, with ``"fill"``, become ``0``.
+    Raises :class:`ShapeError` when a sample's row count is not ``P_i + R_i - 1``
+    or it does not fit the given lengths::
 
         P_i=3, R_i=2, prompt_len=5, response_len=4   (r_t = routing row t)
 
         column:  0   1   2   3   4 | 5   6   7   8
-                 pad pad r0  r1  r2| r3  -1  pad pad
+                 pad pad r0  r1  r2| r3  0   pad pad
                  <-- prompt, left- | response, right-padded -->
-        every pad and the last token (-1 after r3) hold -1 in all L x K slots
+        every pad and the last token (0 after r3) hold 0 in all L x K slots
     """
     batch = _collect(routings, "verl_layout")
     n = len(batch.arrays)
@@ -194,36 +244,29 @@ def verl_layout(
         if over.size:
             i = int(over[0])
             raise ShapeError(f"sample {i} has {have[i]} {name} tokens, more than {name}_len={cap}")
-    # np.empty, then every position written exactly once (rows or -1): a batch is
-    # hundreds of MB, and a full -1 pre-fill would double the memory traffic.
-    out = np.empty((n, plen + rlen, batch.num_layers, batch.topk), dtype=batch.out_dtype)
-    for i, arr in enumerate(batch.arrays):
+    fill = np.zeros(batch.topk, dtype=np.int64)
+    arrays, nl = _consumer_rows(batch, layer_ids, num_layers, missing, fill)
+    # np.zeros is calloc: pages are zeroed lazily, so the fill costs no extra pass.
+    out = np.zeros((n, plen + rlen, nl, batch.topk), dtype=batch.out_dtype)
+    for i, arr in enumerate(arrays):
         pi, rows = int(p[i]), arr.shape[0]
         in_prompt = min(pi, rows)
-        out[i, : plen - pi] = -1
         out[i, plen - pi : plen - pi + in_prompt] = arr[:in_prompt]
-        out[i, plen - pi + in_prompt : plen] = -1
         out[i, plen : plen + rows - in_prompt] = arr[in_prompt:]
-        out[i, plen + rows - in_prompt :] = -1
     return out
 
 
-def slime_layout(
-    routing: RoutingLike, num_tokens: int, *, pad_last: bool = False
+def _sample_layout(
+    routing: RoutingLike,
+    num_tokens: int,
+    what: str,
+    dtype: np.dtype[Any] | None,
+    num_layers: int | None,
+    layer_ids: Sequence[int] | None,
+    missing: Missing,
 ) -> npt.NDArray[np.integer[Any]]:
-    """slime / miles ``Sample.rollout_routed_experts`` for one sample of ``num_tokens`` tokens.
-
-    Use it when filling a slime ``Sample``: without ``pad_last`` the result is
-    the routing itself, checked to have ``num_tokens - 1`` rows; with
-    ``pad_last=True`` one ``-1`` row is appended for the last token (the row
-    the trainer adds; miles' convention), so it aligns with ``tokens``::
-
-        num_tokens = 4
-        pad_last=False:  [r0, r1, r2]         shape [3, L, K] = [num_tokens-1, L, K]
-        pad_last=True:   [r0, r1, r2, -1]     shape [4, L, K] = [num_tokens,   L, K]
-        token index:      0   1   2   3
-    """
-    batch = _collect([routing], "slime_layout")
+    """One sample's ``[num_tokens - 1, L or num_layers, K]`` rows (slime and miles)."""
+    batch = _collect([routing], what)
     arr = batch.arrays[0]
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer):
         raise ShapeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
@@ -232,10 +275,51 @@ def slime_layout(
             f"routing has {arr.shape[0]} rows but the sample has {num_tokens} tokens; "
             f"expected {max(num_tokens - 1, 0)} rows (one per token except the last)"
         )
-    rows = arr.shape[0]
-    out = np.full((rows + int(pad_last), *arr.shape[1:]), -1, dtype=batch.out_dtype)
-    out[:rows] = arr
-    return out
+    fill = np.arange(batch.topk, dtype=np.int64)
+    (rows,), _ = _consumer_rows(batch, layer_ids, num_layers, missing, fill)
+    return rows.astype(dtype or batch.out_dtype, copy=rows is arr)
+
+
+def slime_layout(
+    routing: RoutingLike,
+    num_tokens: int,
+    *,
+    num_layers: int | None = None,
+    layer_ids: Sequence[int] | None = None,
+    missing: Missing = "raise",
+) -> npt.NDArray[np.integer[Any]]:
+    """slime's ``Sample.rollout_routed_experts`` for one sample of ``num_tokens`` tokens.
+
+    ``[num_tokens - 1, L, K]``: one row per token but the last, which slime's
+    trainer adds itself (it asserts ``len(tokens) - 1`` rows).  ``num_layers`` (slime's
+    ``args.num_layers``) makes the layer axis absolute: MoE rows at their layer ids,
+    dense layers ``0``.  ``missing="fill"`` fills rows nobody shipped with experts
+    ``0..K-1`` instead of raising.  ``int16`` (``int32`` for ids beyond int16)::
+
+        num_tokens = 4  ->  [r0, r1, r2]   shape [3, L, K]
+        token index:         0   1   2     (token 3: slime's trainer adds its row)
+    """
+    return _sample_layout(routing, num_tokens, "slime_layout", None, num_layers, layer_ids, missing)
+
+
+def miles_layout(
+    routing: RoutingLike,
+    num_tokens: int,
+    *,
+    num_layers: int | None = None,
+    layer_ids: Sequence[int] | None = None,
+    missing: Missing = "raise",
+) -> npt.NDArray[np.int32]:
+    """miles' ``Sample.rollout_routed_experts``: :func:`slime_layout`'s rows as ``int32``.
+
+    miles asserts the same ``[len(tokens) - 1, num_layers, K]`` shape and adds the
+    last row itself, but its replay gathers with the array's own dtype, which must
+    be ``int32`` or ``int64``.
+    """
+    out = _sample_layout(
+        routing, num_tokens, "miles_layout", np.dtype(np.int32), num_layers, layer_ids, missing
+    )
+    return out.astype(np.int32, copy=False)
 
 
 def hf_layout(

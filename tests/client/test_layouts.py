@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from r3_client import Routing, ShapeError
-from r3_client.layouts import hf_layout, megatron_layout, slime_layout, verl_layout
+from r3_client.layouts import hf_layout, megatron_layout, miles_layout, slime_layout, verl_layout
 
 N = -1  # "no route", for readable literals
 
@@ -35,6 +35,9 @@ def assert_rows_are_sets(arr: npt.NDArray[Any], topk: int) -> None:
 # --------------------------------------------------------------------------- verl
 
 
+Z = 0  # verl's fill at padding and the last token (verl 0.9.1 fills 0; it crashes on -1)
+
+
 def test_verl_hand_computed() -> None:
     # sample 0: P=3, R=2 (T=5, rows r0..r3); sample 1: P=1, R=3 (T=4, rows r0..r2)
     s0 = rows([0, 1], [2, 3], [4, 5], [6, 7])
@@ -43,8 +46,8 @@ def test_verl_hand_computed() -> None:
     assert out.dtype == np.int16 and out.shape == (2, 6, 1, 2)
     expected = [
         # prompt_len = 3        | response_len = 3
-        [[0, 1], [2, 3], [4, 5], [6, 7], [N, N], [N, N]],
-        [[N, N], [N, N], [1, 0], [3, 2], [5, 4], [N, N]],
+        [[0, 1], [2, 3], [4, 5], [6, 7], [Z, Z], [Z, Z]],
+        [[Z, Z], [Z, Z], [1, 0], [3, 2], [5, 4], [Z, Z]],
     ]
     assert out[:, :, 0].tolist() == expected
 
@@ -54,8 +57,8 @@ def test_verl_explicit_lengths_and_empty_response() -> None:
     s1 = rows([7, 0])  # P=1, R=1
     out = verl_layout([s0, s1], [3, 1], [0, 1], prompt_len=4, response_len=2)
     expected = [
-        [[N, N], [3, 4], [5, 6], [N, N], [N, N], [N, N]],
-        [[N, N], [N, N], [N, N], [7, 0], [N, N], [N, N]],
+        [[Z, Z], [3, 4], [5, 6], [Z, Z], [Z, Z], [Z, Z]],
+        [[Z, Z], [Z, Z], [Z, Z], [7, 0], [Z, Z], [Z, Z]],
     ]
     assert out[:, :, 0].tolist() == expected
 
@@ -68,8 +71,45 @@ def test_verl_accepts_routing_objects_and_keeps_layers() -> None:
     assert out.shape == (1, 9, 2, 2)
     np.testing.assert_array_equal(out[0, 1:5], arr[:4])  # prompt tokens 0..3 at columns 1..4
     np.testing.assert_array_equal(out[0, 5:7], arr[4:6])  # response tokens 4, 5
-    assert (out[0, [0, 7, 8]] == -1).all()  # left pad, last token (6), right pad
-    assert_rows_are_sets(out, 2)
+    assert (out[0, [0, 7, 8]] == 0).all()  # left pad, last token (6), right pad
+    assert (out >= 0).all()  # nothing verl's gather would index out of bounds
+
+
+def test_verl_scatters_moe_rows_to_absolute_layers() -> None:
+    """Dense first layers (DeepSeek-V3 style): verl indexes layers by layer_number - 1."""
+    rng = np.random.default_rng(1)
+    arr = np.stack([rng.permutation(16)[:4].reshape(2, 2) for _ in range(4)]).astype(np.int16)
+    r = Routing.from_array(arr, num_experts=16, layer_ids=[2, 4])
+    out = verl_layout([r], [3], [2], num_layers=5)
+    assert out.shape == (1, 5, 5, 2)
+    np.testing.assert_array_equal(out[0, :4, 2], arr[:, 0])
+    np.testing.assert_array_equal(out[0, :4, 4], arr[:, 1])
+    assert (out[0, :, [0, 1, 3]] == 0).all()  # dense layers: 0, as upstream SGLang returns
+    plain = verl_layout([arr], [3], [2], num_layers=5, layer_ids=[2, 4])
+    np.testing.assert_array_equal(plain, out)
+    with pytest.raises(ShapeError, match="layer_ids= with plain arrays"):
+        verl_layout([arr], [3], [2], num_layers=5)
+    with pytest.raises(ShapeError, match="not below num_layers=4"):
+        verl_layout([r], [3], [2], num_layers=4)
+    with pytest.raises(ShapeError, match=r"routing covers MoE layers \[2, 4\]"):
+        verl_layout([r], [3], [2], num_layers=5, layer_ids=[1, 4])
+
+
+def test_layouts_refuse_rows_nobody_shipped_unless_told_to_fill() -> None:
+    """decode_rollout marks rows no segment covered with -1; verl and slime crash on them,
+    miles replays 0..K-1 silently: refused by default."""
+    gap = rows([0, 1], [N, N], [N, N], [6, 7])
+    with pytest.raises(
+        ShapeError, match=r"sample 0's routing has no recorded route for token rows \[1, 3\)"
+    ):
+        verl_layout([gap], [2], [3])
+    with pytest.raises(ShapeError, match="no recorded route"):
+        slime_layout(gap, 5)
+    filled = verl_layout([gap], [2], [3], missing="fill")
+    assert filled[0, :, 0].tolist() == [[0, 1], [0, 0], [0, 0], [6, 7], [0, 0]]
+    assert slime_layout(gap, 5, missing="fill")[:, 0].tolist() == [[0, 1], [0, 1], [0, 1], [6, 7]]
+    with pytest.raises(ShapeError, match="mixing -1"):
+        verl_layout([rows([0, 1], [N, 3], [4, 5])], [2], [2], missing="fill")
 
 
 @pytest.mark.parametrize(
@@ -118,11 +158,29 @@ def test_slime_hand_computed() -> None:
     r = rows([0, 1], [2, 3], [4, 5])
     plain = slime_layout(r, 4)
     assert plain.shape == (3, 1, 2) and plain[:, 0].tolist() == [[0, 1], [2, 3], [4, 5]]
-    padded = slime_layout(r, 4, pad_last=True)
-    assert padded.dtype == np.int16
-    assert padded[:, 0].tolist() == [[0, 1], [2, 3], [4, 5], [N, N]]
-    single = slime_layout(np.zeros((0, 1, 2), dtype=np.int32), 1, pad_last=True)
-    assert single.tolist() == [[[N, N]]]
+    assert plain.dtype == np.int16
+    plain[0, 0, 0] = 9
+    assert r[0, 0, 0] == 0  # a copy, never the caller's array
+    assert slime_layout(np.zeros((0, 1, 2), dtype=np.int32), 1).shape == (0, 1, 2)
+
+
+def test_slime_and_miles_leave_the_last_row_to_the_trainer() -> None:
+    """Both assert rows == len(tokens) - 1 and add the last row themselves; the old
+    pad_last=True (documented as miles' convention) gave len(tokens) rows."""
+    r = rows([0, 1], [2, 3], [4, 5])
+    with pytest.raises(TypeError):
+        slime_layout(r, 4, pad_last=True)  # type: ignore[call-arg]
+    for layout in (slime_layout, miles_layout):
+        assert layout(r, 4).shape[0] == 4 - 1
+
+
+def test_miles_layout_is_int32_on_the_absolute_layer_axis() -> None:
+    arr = np.stack([np.array([[1, 2], [3, 4]]) + t for t in range(3)]).astype(np.int16)
+    out = miles_layout(arr, 4, num_layers=4, layer_ids=[1, 3])
+    assert out.dtype == np.int32 and out.shape == (3, 4, 2)
+    np.testing.assert_array_equal(out[:, 1], arr[:, 0])
+    np.testing.assert_array_equal(out[:, 3], arr[:, 1])
+    assert (out[:, [0, 2]] == 0).all()
 
 
 def test_slime_errors() -> None:
