@@ -2,8 +2,8 @@
 
 Both paths start from 256 rollout ids and end with the same verl batch
 ``[256, prompt_len + response_len, 48, 8]`` int16 torch tensor (prompt left-padded,
-response right-padded, 0 at padding and the last token, as verl fills them), measured in the same run, best of
-``--repeat``:
+response right-padded, 0 at padding and the last token, as verl fills them), measured
+in the same run, best of ``--repeat``:
 
 * **upstream**: what RL frameworks do with SGLang today — fetch each rollout's
   SGLang-shaped JSON response (``meta_info.routed_experts`` = base64 of int32

@@ -166,9 +166,7 @@ class StoreReads(StoreBase):
                     hdr = _HEADERS.header(frame, ctx)
                 cut = (start > a or (end is not None and end < b)) or layers is not None
                 parts.append(
-                    slice_frame(
-                        frame, start=start, end=end, layers=layers, context=ctx, parsed=hdr
-                    )
+                    slice_frame(frame, start=start, end=end, layers=layers, context=ctx, parsed=hdr)
                     if cut
                     else frame
                 )
