@@ -73,6 +73,48 @@ class Continuation:
     digest: str
 
 
+#: ``(first row, weight version)`` of each run of rows computed under one version, by
+#: first row (the first run starts at row 0): :func:`version_runs`.
+Versions = tuple[tuple[int, str], ...]
+
+
+def version_runs(meta_info: dict[str, Any], prompt_len: int, default: str) -> Versions:
+    """Which rows of an output were computed under which weight version.
+
+    SGLang 0.5.23 reports ``meta_info["weight_versions"]``, spans of *output tokens*
+    ``{"version", "start", "end"}``, when the weights changed while the request was
+    running (``/pause_generation`` ``in_place`` or ``retract``, then an update).
+    Output token ``i`` was sampled from the forward pass of position
+    ``prompt_len + i - 1``, so a span starting at output token ``a > 0`` starts at row
+    ``prompt_len + a - 1``; the prompt's rows belong to the first span.  With one
+    version (the usual case) every row is ``default`` (the tag's version, else the
+    engine's).  When there are several, the engine's names label every part: a
+    tag's single version cannot describe rows computed under two.
+    """
+    spans = meta_info.get("weight_versions")
+    if not isinstance(spans, list) or len({str(s.get("version")) for s in spans}) < 2:
+        return ((0, default),)
+    runs: list[tuple[int, str]] = []
+    for span in sorted(spans, key=lambda s: int(s.get("start") or 0)):
+        row = 0 if not runs else prompt_len + int(span["start"]) - 1
+        version = str(span["version"])
+        if runs and row <= runs[-1][0]:
+            runs[-1] = (runs[-1][0], version)
+        elif not runs or version != runs[-1][1]:
+            runs.append((row, version))
+    return tuple(runs)
+
+
+def version_at(versions: Versions, row: int) -> str:
+    """The weight version row ``row`` was computed under."""
+    out = versions[0][1]
+    for first, version in versions:
+        if first > row:
+            break
+        out = version
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """The frames of one output, ready to write (built off the event loop)."""
@@ -185,7 +227,7 @@ class Shipper:
         start: int,
         cuts: list[int],
         tokens: list[int],
-        wv: str,
+        versions: Versions,
     ) -> _Plan:
         """Everything proportional to rows, run in a worker thread (numpy, zstd and
         sha256 release the GIL there): rows of the MoE layers, per-segment token
@@ -196,7 +238,7 @@ class Shipper:
         rows = engine_rows_of(routing, self.shape)
         check_engine_rows(rows, cuts[-1] - start)
         moe = rows if self._all_moe else rows[:, list(self.shape.moe_layer_ids), :]
-        return self._frames(rollout_id, moe, start, cuts, tokens, wv)
+        return self._frames(rollout_id, moe, start, cuts, tokens, versions)
 
     def _frames(
         self,
@@ -205,7 +247,7 @@ class Shipper:
         start: int,
         cuts: list[int],
         tokens: list[int],
-        wv: str,
+        versions: Versions,
     ) -> _Plan:
         """Encode ``moe`` (rows from ``start``) as one segment per pair of ``cuts``.
 
@@ -217,7 +259,7 @@ class Shipper:
         did not.
         """
         segs = [
-            Segment(a, b, self.model_id, wv, token_digest(tokens[:b]))
+            Segment(a, b, self.model_id, version_at(versions, a), token_digest(tokens[:b]))
             for a, b in itertools.pairwise(cuts)
         ]
         parts = [moe[a - start : b - start] for a, b in itertools.pairwise(cuts)]
@@ -336,13 +378,15 @@ class Shipper:
         if routing is None:
             return self._no_routing(meta_info, ref)
         wv = self._accept(tag, routing, meta_info, max(end - start, 0), ref)
+        versions = version_runs(meta_info, len(prompt_ids), wv)
+        ref["weight_version"] = version_at(versions, max(end - 1, 0))
         if end <= start:
             check_row_count(count_rows(routing, self.shape), 0)
             self._remember(tag.rollout_id)
             return self._stored(ref)
         try:
             written = await self._store_rows(
-                tag, routing, start, tokens, len(prompt_ids), wv, assumed_new, may_continue
+                tag, routing, start, tokens, len(prompt_ids), versions, assumed_new, may_continue
             )
         except (FormatError, SegmentConflictError, LimitExceededError, *_CACHE_DOWN) as exc:
             return self._failed(exc, tag, ref)
@@ -358,6 +402,7 @@ class Shipper:
                     "end": seg.end,
                     "nbytes": put.nbytes,
                     "dedupe_hit": put.dedupe_hit,
+                    "weight_version": seg.weight_version,
                 }
             )
         metrics.ROWS.inc(end - start)
@@ -406,9 +451,7 @@ class Shipper:
                     f"r3: the scheduler retracted this request {retractions} time(s); its rows "
                     "may be re-prefilled rather than those sampled with (policy: fail)",
                 )
-        wv = tag.weight_version or str(meta_info.get("weight_version") or "")
-        ref["weight_version"] = wv
-        return wv
+        return tag.weight_version or str(meta_info.get("weight_version") or "")
 
     async def _store_rows(
         self,
@@ -417,7 +460,7 @@ class Shipper:
         start: int,
         tokens: list[int],
         prompt_len: int,
-        wv: str,
+        versions: Versions,
         assumed_new: bool,
         may_continue: bool,
     ) -> tuple[_Plan, list[PutResult], int]:
@@ -428,8 +471,10 @@ class Shipper:
         there, and ``puts`` is empty when nothing is past it.
         """
         end, prompt_end = len(tokens) - 1, prompt_len - 1
-        cuts = self._cuts(tag, start, prompt_end, end)
-        plan = await asyncio.to_thread(self._plan, tag.rollout_id, routing, start, cuts, tokens, wv)
+        cuts = self._cuts(tag, start, prompt_end, end, versions)
+        plan = await asyncio.to_thread(
+            self._plan, tag.rollout_id, routing, start, cuts, tokens, versions
+        )
         try:
             return plan, await self._write(tag.rollout_id, plan), start
         except SegmentConflictError:
@@ -441,9 +486,9 @@ class Shipper:
         start = cont.end  # only the rows past the stored trajectory are new
         if start >= end:  # nothing past it (no token generated)
             return plan, [], start
-        cuts = self._cuts(tag, start, prompt_end, end)
+        cuts = self._cuts(tag, start, prompt_end, end, versions)
         plan = await asyncio.to_thread(
-            self._frames, tag.rollout_id, plan.moe[start:], start, cuts, tokens, wv
+            self._frames, tag.rollout_id, plan.moe[start:], start, cuts, tokens, versions
         )
         return plan, await self._write(tag.rollout_id, plan), start
 
@@ -472,12 +517,18 @@ class Shipper:
         raise R3RequestError(503, f"r3: {reason} (policy: fail)") from None
 
     @staticmethod
-    def _cuts(tag: OutputTag, start: int, prompt_end: int, end: int) -> list[int]:
+    def _cuts(
+        tag: OutputTag, start: int, prompt_end: int, end: int, versions: Versions
+    ) -> list[int]:
+        """Segment boundaries of rows ``[start, end)``: one segment per weight version
+        the rows were computed under, and the prompt's rows on their own when shared."""
+        cuts = {start, end}
         if tag.share_prompt and start < prompt_end < end:
             # The samples of a GRPO group read the prompt's rows from the same radix
             # slots; storing them as their own segment lets the service keep them once.
-            return [start, prompt_end, end]
-        return [start, end]
+            cuts.add(prompt_end)
+        cuts.update(row for row, _ in versions if start < row < end)
+        return sorted(cuts)
 
     async def _stored_prefix(
         self, tag: OutputTag, prompt_ids: Sequence[int], may_continue: bool

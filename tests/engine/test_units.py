@@ -16,7 +16,7 @@ from sglang_r3.cpu import build_cuda_stub
 from sglang_r3.errors import R3RequestError
 from sglang_r3.handover import check_engine_rows, decode_rows
 from sglang_r3.layers import moe_shape
-from sglang_r3.shipping import Shipper
+from sglang_r3.shipping import Shipper, version_at, version_runs
 from sglang_r3.tagging import OutputTag, output_tags, request_shape
 
 
@@ -215,3 +215,30 @@ def test_cuda_stub_builds_and_exports_the_symbol(tmp_path: Path) -> None:
     assert build_cuda_stub(tmp_path) == lib.parent  # cached
     syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True)
     assert "cuPointerGetAttribute" in syms.stdout
+
+
+def test_rows_are_labelled_by_the_weight_version_that_computed_them() -> None:
+    # No span, or one version: the default (the tag's version, else the engine's).
+    assert version_runs({}, 10, "tag") == ((0, "tag"),)
+    one = [{"version": "e1", "start": 0, "end": 5}]
+    assert version_runs({"weight_versions": one}, 10, "tag") == ((0, "tag"),)
+    # Output token a was sampled from position P + a - 1: that row starts the next run.
+    spans = [
+        {"version": "e1", "start": 0, "end": 3},
+        {"version": "e2", "start": 3, "end": 7},
+        {"version": "e3", "start": 7, "end": 9},
+    ]
+    runs = version_runs({"weight_versions": spans}, 10, "tag")
+    assert runs == ((0, "e1"), (12, "e2"), (16, "e3"))
+    assert [version_at(runs, r) for r in (0, 11, 12, 15, 16, 40)] == [
+        "e1",
+        "e1",
+        "e2",
+        "e2",
+        "e3",
+        "e3",
+    ]
+    shipper_tag = OutputTag(0, 0, "r", "", False, True)
+    # Cuts: the prompt's end (shared) and each version boundary inside [start, end).
+    assert Shipper._cuts(shipper_tag, 0, 9, 18, runs) == [0, 9, 12, 16, 18]
+    assert Shipper._cuts(shipper_tag, 13, 9, 15, runs) == [13, 15]

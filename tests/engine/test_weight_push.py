@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from _engine import as_sets, rid
+from _engine import as_sets, inline_rows, rid
 from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
@@ -128,3 +129,179 @@ def test_turns_straddling_a_push_keep_their_versions(
     # The first turn's rows are those of the weights that generated it.
     now = cache_client.get(rollout).indices
     np.testing.assert_array_equal(now[: len(first_rows)], first_rows)
+
+
+def _read_stream(response: httpx.Response, on_tokens: Any) -> dict[str, Any]:
+    """Read a ``/generate`` stream to its end; ``on_tokens(n)`` after each chunk; the last chunk."""
+    last: dict[str, Any] = {}
+    for line in response.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: ") :])
+        assert "error" not in chunk, chunk
+        last = chunk
+        on_tokens(len(chunk.get("output_ids") or []))
+    return last
+
+
+def test_a_generation_aborted_for_a_push_and_resumed_continues_its_rollout(
+    engine: EngineServer, weights: dict[str, Path], cache_client: RoutingClient
+) -> None:
+    """AReaL's interrupted rollout: ``/pause_generation`` aborts the in-flight
+    generation, the weights are pushed, generation continues, and the driver resumes
+    with the same rollout, ``input_ids`` = prompt + the output so far (areal
+    ``RemoteSGLangEngine.agenerate``).  The rollout holds one row per token, the
+    aborted part under v1, the rest under v2, each row shipped once."""
+    _push(engine, weights["a"], "v1")
+    rollout = rid("resume")
+    paused = False
+
+    def pause_after(tokens: int) -> None:
+        nonlocal paused
+        if tokens >= 8 and not paused:
+            paused = True
+            r = httpx.post(f"{engine.url}/pause_generation", json={"mode": "abort"}, timeout=120)
+            assert r.status_code == 200, r.text
+
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {
+            "max_new_tokens": 2000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "custom_params": {
+                "r3": {"rollout_id": rollout, "weight_version": "v1", "inline": True}
+            },
+        },
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{engine.url}/generate", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        aborted = _read_stream(response, pause_after)
+    assert paused
+    meta = aborted["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort", meta["finish_reason"]
+    partial = aborted["output_ids"]
+    assert 8 <= len(partial) < 2000
+    boundary = len(PROMPT) + len(partial) - 1  # rows of the aborted call: [0, boundary)
+    ref = meta["r3"]
+    assert ref["stored"] is True and (ref["start"], ref["end"]) == (0, boundary), ref
+    assert ref["weight_version"] == "v1"
+    computed_v1 = inline_rows(aborted, 3)
+    assert computed_v1.shape[0] == boundary
+
+    _push(engine, weights["b"], "v2")
+    r = httpx.post(f"{engine.url}/continue_generation", json={}, timeout=60)
+    assert r.status_code == 200, r.text
+
+    resumed_ids = PROMPT + partial
+    r = httpx.post(
+        f"{engine.url}/generate",
+        json={
+            "input_ids": resumed_ids,
+            "sampling_params": {
+                "max_new_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+                "custom_params": {
+                    "r3": {"rollout_id": rollout, "weight_version": "v2", "inline": True}
+                },
+            },
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    resumed = r.json()
+    final = resumed_ids + resumed["output_ids"]
+    ref2 = resumed["meta_info"]["r3"]
+    assert ref2["stored"] is True and ref2["weight_version"] == "v2"
+    assert (ref2["start"], ref2["end"]) == (boundary, len(final) - 1), ref2  # only new rows
+
+    info = cache_client.stat(rollout)
+    segs = sorted(info.segments, key=lambda s: s.segment.start)
+    ranges = [(s.segment.start, s.segment.end) for s in segs]
+    assert ranges == [(0, boundary), (boundary, len(final) - 1)], ranges
+    assert [s.segment.weight_version for s in segs] == ["v1", "v2"]
+    assert info.num_rows == len(final) - 1
+    stored = cache_client.get(rollout)
+    assert stored.indices.shape[0] == len(final) - 1 and (stored.indices >= 0).all()
+    # The rows before the boundary are the ones the aborted call computed under v1;
+    # after it, the resumed call's (under v2).
+    np.testing.assert_array_equal(as_sets(stored.indices[:boundary]), as_sets(computed_v1))
+    np.testing.assert_array_equal(
+        as_sets(stored.indices[boundary:]), as_sets(inline_rows(resumed, 3))
+    )
+    by_version = {s.weight_version: (s.start, s.end) for s in stored.segments}
+    assert by_version == {"v1": (0, boundary), "v2": (boundary, len(final) - 1)}
+
+
+def test_a_generation_paused_in_place_across_a_push_labels_each_part(
+    engine: EngineServer, weights: dict[str, Path], cache_client: RoutingClient
+) -> None:
+    """miles/slime fully-async: ``/pause_generation`` ``in_place`` keeps the request and
+    its KV, the weights change under it, generation continues.  One output, rows from
+    two weight versions: stored as two segments split where SGLang's
+    ``meta_info["weight_versions"]`` says the version changed, each labelled with its
+    own version (not one label for both)."""
+    _push(engine, weights["a"], "w1")
+    rollout = rid("inplace")
+    paused = False
+
+    def push_after(tokens: int) -> None:
+        nonlocal paused
+        if tokens >= 8 and not paused:
+            paused = True
+            r = httpx.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}, timeout=120)
+            assert r.status_code == 200, r.text
+            _push(engine, weights["b"], "w2", flush_cache=False)
+            r = httpx.post(f"{engine.url}/continue_generation", json={}, timeout=60)
+            assert r.status_code == 200, r.text
+
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {
+            "max_new_tokens": 300,
+            "temperature": 0,
+            "ignore_eos": True,
+            "custom_params": {"r3": {"rollout_id": rollout, "inline": True}},
+        },
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{engine.url}/generate", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        last = _read_stream(response, push_after)
+    meta = last["meta_info"]
+    assert meta["finish_reason"]["type"] == "length", meta["finish_reason"]
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == ["w1", "w2"], spans
+    n = len(last["output_ids"])
+    # Output token i was sampled from the forward pass of position P + i - 1, so the
+    # rows of the first span's tokens (and the prompt's) are [0, P + a - 1).
+    boundary = len(PROMPT) + spans[1]["start"] - 1
+    end = len(PROMPT) + n - 1
+    info = cache_client.stat(rollout)
+    segs = sorted(info.segments, key=lambda s: s.segment.start)
+    got = [(s.segment.start, s.segment.end, s.segment.weight_version) for s in segs]
+    assert got == [(0, boundary, "w1"), (boundary, end, "w2")], got
+    ref = meta["r3"]
+    assert [(s["start"], s["end"], s["weight_version"]) for s in ref["segments"]] == got
+    stored = cache_client.get(rollout)
+    np.testing.assert_array_equal(as_sets(stored.indices), as_sets(inline_rows(last, 3)))
+    # The rows labelled w1 are what w1 computes: generating the first span's tokens
+    # again under w1 gives the same tokens and the same rows.
+    _push(engine, weights["a"], "w1-again")
+    r = httpx.post(
+        f"{engine.url}/generate",
+        json={
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": spans[1]["start"], "temperature": 0},
+            "return_routed_experts": True,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    again = r.json()
+    assert again["output_ids"] == last["output_ids"][: spans[1]["start"]]
+    np.testing.assert_array_equal(
+        as_sets(stored.indices[:boundary]), as_sets(inline_rows(again, 3))
+    )
