@@ -42,3 +42,18 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
+
+# The `verl` test extra (pyproject.toml) for tests/integrations: installed --no-deps, as
+# its comment says; only with `all` (what `make test` installs) or when asked for by name.
+case ",$EXTRAS," in
+  *,all,* | *,verl,*)
+    verl_pkgs="$(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["verl"]))')"
+    verl_stamp=".venv/.verl-$(echo "$verl_pkgs" | sha256sum | cut -c1-16)"
+    if [ ! -f "$verl_stamp" ]; then
+      echo "bootstrap: installing the verl test extra (--no-deps): $verl_pkgs" >&2
+      .venv/bin/python -m pip install -q --no-deps $verl_pkgs
+      rm -f .venv/.verl-*
+      touch "$verl_stamp"
+    fi
+    ;;
+esac
