@@ -10,7 +10,8 @@ framework in ``docs/integrations.md``:
 
 * **third-party trainers** (:func:`verl_layout`, :func:`slime_layout`,
   :func:`miles_layout`): the shape, dtype, layer axis and fill their own replay
-  code consumes.  verl fills padding and the last token with ``0``; slime and
+  code consumes.  verl fills padding and the last token with ``0`` (as its own
+  rollout does; a ``-1`` in a replayed row crashes its gather); slime and
   miles take ``T-1`` rows and add the last one themselves.  ``num_layers=``
   makes the layer axis absolute (dense layers ``0``, as upstream SGLang returns
   them).  Rows nobody shipped (``-1`` from :func:`~r3_client.decode_rollout`)
@@ -214,8 +215,9 @@ def verl_layout(
     at column ``prompt_len - P_i + t``, token ``t >= P_i`` at
     ``prompt_len + t - P_i``.  ``prompt_len`` / ``response_len`` default to
     the batch maxima.  Every padding position and each sample's last token hold
-    ``0``, as verl's own rollout fills them (its replay gathers at every attended
-    position, the last token included, and crashes on ``-1``).
+    ``0``, as verl's own rollout fills them (verl never gathers there: it drops
+    padding and leaves the last token to its router; a ``-1`` inside a sample's
+    replayed rows crashes its gather, hence ``missing``).
 
     ``num_layers``: the model's ``num_hidden_layers``; the layer axis becomes
     absolute (verl indexes it by ``layer_number - 1``), MoE rows at their layer ids
