@@ -10,9 +10,11 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from cache_service.auth import KeyRing, bearer_token
+from cache_service.auth import KeyRing
 from cache_service.errors import error_message, status_for
+from cache_service.grpc_gate import AuthGate, ReceiveBudget, namespace_of
 from cache_service.logs import log_event
+from cache_service.memory import Trimmer
 from cache_service.service import RoutingService
 from r3_client import InvalidRequestError, LimitExceededError, R3Error
 from r3_client._proto import r3_cache_pb2 as pb
@@ -23,14 +25,24 @@ __all__ = ["RoutingCacheServicer", "start_grpc_server"]
 T = TypeVar("T")
 logger = logging.getLogger("r3.cache")
 
+#: What a PutSegment message carries besides its frame (rollout id, field tags).
+_PUT_FRAMING = 1 << 12
+#: How many of the largest messages the server accepts it may hold at once.
+RECEIVE_BUDGET_MESSAGES = 4
+#: Request bytes freed between two trims of the C heap (cache_service/memory.py).
+TRIM_AFTER_BYTES = 64 << 20
+
 
 class RoutingCacheServicer:
     """Translates gRPC requests into :class:`RoutingService` calls and errors into statuses.
 
-    Methods take the request's raw bytes: each call is authenticated from its
-    metadata and its size checked *before* the message is parsed, and a
-    malformed message is INVALID_ARGUMENT (gRPC's own deserializer would make it
-    INTERNAL, which reads as a server bug).
+    Every method is request-streaming at the transport (its ``requests`` iterator
+    goes unused) and reads its one message itself, with ``context.read()``, as raw
+    bytes, inside the :class:`ReceiveBudget`: an unauthenticated
+    call never gets here (:class:`AuthGate` refuses it unread), a call waits
+    while the budget is spent, and its size is checked *before* the message is
+    parsed.  A malformed message is INVALID_ARGUMENT (gRPC's own deserializer
+    would make it INTERNAL, which reads as a server bug).
     """
 
     def __init__(self, service: RoutingService, keys: KeyRing) -> None:
@@ -39,16 +51,23 @@ class RoutingCacheServicer:
         self.metrics = service.metrics
         settings = service.settings
         # A PutSegment carries a frame; every other request is a few ids and numbers.
+        # Only PutSegment's limit is grpc's own (the server's one receive limit, see
+        # start_grpc_server); the others are checked once the message has arrived.
         self._limits = {
-            "PutSegment": settings.max_body_bytes + (1 << 12),
+            "PutSegment": self.receive_limit,
             "BatchGet": settings.max_request_bytes,
         }
         self._default_limit = settings.max_request_bytes
+        self.budget = ReceiveBudget(
+            RECEIVE_BUDGET_MESSAGES * self.receive_limit,
+            self.receive_limit,
+            Trimmer(TRIM_AFTER_BYTES),
+        )
 
-    def _namespace(self, context: grpc.aio.ServicerContext[Any, Any]) -> str:
-        md = dict(context.invocation_metadata() or ())
-        value = md.get("authorization")
-        return self.keys.namespace(bearer_token(value if isinstance(value, str) else None))
+    @property
+    def receive_limit(self) -> int:
+        """The largest message the server receives: a maximum-size PutSegment."""
+        return self.service.settings.max_body_bytes + _PUT_FRAMING
 
     def _parse(self, method: str, cls: Any, raw: bytes) -> Any:
         limit = self._limits.get(method, self._default_limit)
@@ -67,41 +86,38 @@ class RoutingCacheServicer:
         self,
         method: str,
         cls: Any,
-        raw: bytes,
         context: grpc.aio.ServicerContext[Any, Any],
         fn: Callable[[str, Any], Awaitable[T]],
     ) -> T:
-        """Authenticate, parse, run ``fn(namespace, request)``; an error becomes a status."""
+        """Authenticate, receive, parse, run ``fn(namespace, request)``; an error becomes
+        a status.  The message's bytes count against the budget until ``fn`` returns."""
         op = _OPS[method]
         t0 = time.perf_counter()
-        code, http_status = "OK", 200
+        http_status = 200
+        refusal: tuple[grpc.StatusCode, str | None, str] | None = None  # status, code, message
         try:
-            ns = self._namespace(context)  # before the message is even parsed
-            self.metrics.bytes_in.labels("grpc").inc(len(raw))
-            return await fn(ns, self._parse(method, cls, raw))
+            return await self._serve(method, cls, context, fn)
         except R3Error as exc:
             status = status_for(exc)
-            code, http_status = status.grpc.name, status.http
-            context.set_trailing_metadata((("r3-error-code", exc.code),))
-            await context.abort(status.grpc, error_message(exc))
-            raise  # abort() raises; this line is never reached
+            http_status = status.http
+            refusal = (status.grpc, exc.code, error_message(exc))
         except MemoryError:
-            code, http_status = grpc.StatusCode.RESOURCE_EXHAUSTED.name, 413
-            context.set_trailing_metadata((("r3-error-code", LimitExceededError.code),))
-            await context.abort(
+            http_status = 413
+            refusal = (
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
+                LimitExceededError.code,
                 "the request needs more memory than the service allows",
             )
-            raise
         except Exception:
             if context.done():
                 raise
-            code, http_status = grpc.StatusCode.INTERNAL.name, 500
+            http_status = 500
             logger.exception("gRPC %s failed", method)
-            await context.abort(
-                grpc.StatusCode.INTERNAL, "internal error; the service log has the details"
+            refusal = (
+                grpc.StatusCode.INTERNAL,
+                None,
+                "internal error; the service log has the details",
             )
-            raise
         finally:
             self.metrics.record_request("grpc", op, http_status, time.perf_counter() - t0)
             log_event(
@@ -109,12 +125,34 @@ class RoutingCacheServicer:
                 logging.INFO,
                 transport="grpc",
                 op=op,
-                status=code,
+                status=refusal[0].name if refusal else "OK",
                 ms=round((time.perf_counter() - t0) * 1e3, 2),
             )
+        # Aborted only here, out of the except blocks: grpc keeps the abort's exception,
+        # and raised inside one it would carry the error, its traceback, and through
+        # that the frames holding the request's bytes (~2 copies of every failed
+        # message, kept for good).
+        status_code, r3_code, message = refusal
+        if r3_code is not None:
+            context.set_trailing_metadata((("r3-error-code", r3_code),))
+        await context.abort(status_code, message)
+
+    async def _serve(
+        self,
+        method: str,
+        cls: Any,
+        context: grpc.aio.ServicerContext[Any, Any],
+        fn: Callable[[str, Any], Awaitable[T]],
+    ) -> T:
+        ns = namespace_of(self.keys, context.invocation_metadata())  # AuthGate checked it
+        async with self.budget.receive(context) as raw:
+            if raw is None:
+                raise InvalidRequestError(f"{method} call carried no request message")
+            self.metrics.bytes_in.labels("grpc").inc(len(raw))
+            return await fn(ns, self._parse(method, cls, raw))
 
     async def PutSegment(  # noqa: N802 (gRPC method names)
-        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PutSegmentResponse:
         """See the .proto."""
 
@@ -123,10 +161,10 @@ class RoutingCacheServicer:
             message: pb.PutSegmentResponse = to_message(r, pb.PutSegmentResponse)
             return message
 
-        return await self._call("PutSegment", pb.PutSegmentRequest, raw, context, run)
+        return await self._call("PutSegment", pb.PutSegmentRequest, context, run)
 
     async def GetRollout(  # noqa: N802
-        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RolloutFrame:
         """See the .proto."""
 
@@ -141,10 +179,10 @@ class RoutingCacheServicer:
             self.metrics.bytes_out.labels("grpc").inc(len(frame))
             return pb.RolloutFrame(frame=frame)
 
-        return await self._call("GetRollout", pb.GetRolloutRequest, raw, context, run)
+        return await self._call("GetRollout", pb.GetRolloutRequest, context, run)
 
     async def StatRollout(  # noqa: N802
-        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RolloutStat:
         """See the .proto."""
 
@@ -154,20 +192,20 @@ class RoutingCacheServicer:
             )
             return message
 
-        return await self._call("StatRollout", pb.RolloutRef, raw, context, run)
+        return await self._call("StatRollout", pb.RolloutRef, context, run)
 
     async def DeleteRollout(  # noqa: N802
-        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteResponse:
         """See the .proto (deleting a missing rollout is not an error: ``existed=false``)."""
 
         async def run(ns: str, request: pb.RolloutRef) -> pb.DeleteResponse:
             return pb.DeleteResponse(existed=await self.service.delete(ns, request.rollout_id))
 
-        return await self._call("DeleteRollout", pb.RolloutRef, raw, context, run)
+        return await self._call("DeleteRollout", pb.RolloutRef, context, run)
 
     async def TouchRollout(  # noqa: N802
-        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.TouchResponse:
         """See the .proto."""
 
@@ -176,10 +214,10 @@ class RoutingCacheServicer:
             await self.service.touch(ns, request.rollout_id, ttl)
             return pb.TouchResponse()
 
-        return await self._call("TouchRollout", pb.TouchRequest, raw, context, run)
+        return await self._call("TouchRollout", pb.TouchRequest, context, run)
 
     async def BatchGet(  # noqa: N802
-        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.BatchItem]:
         """See the .proto.  Items are produced as the client consumes them."""
 
@@ -203,7 +241,7 @@ class RoutingCacheServicer:
 
             return chain()
 
-        stream = await self._call("BatchGet", pb.BatchGetRequest, raw, context, start)
+        stream = await self._call("BatchGet", pb.BatchGetRequest, context, start)
         async for rid, res in stream:
             if isinstance(res, bytes):
                 self.metrics.bytes_out.labels("grpc").inc(len(res))
@@ -226,36 +264,46 @@ _OPS = {
 
 
 def _handlers(servicer: RoutingCacheServicer) -> grpc.GenericRpcHandler:
-    """Method handlers built from the .proto's service descriptor, taking raw request bytes
-    (no request deserializer): the servicer authenticates before it parses."""
+    """Method handlers built from the .proto's service descriptor, request-streaming and
+    taking raw request bytes (no request deserializer): the servicer reads its one
+    message itself, inside the receive budget, and parses it after checking its size."""
     service = pb.DESCRIPTOR.services_by_name["RoutingCache"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
         resp_cls = getattr(pb, method.output_type.name)
         behavior = getattr(servicer, method.name)
         if method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
                 behavior, response_serializer=resp_cls.SerializeToString
             )
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(
                 behavior, response_serializer=resp_cls.SerializeToString
             )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 async def start_grpc_server(
-    service: RoutingService, keys: KeyRing, host: str, port: int, max_message_bytes: int
+    service: RoutingService, keys: KeyRing, host: str, port: int
 ) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server on ``host:port`` (0 = any free port); returns it and its port."""
+    """Start a grpc.aio server on ``host:port`` (0 = any free port); returns it and its port.
+
+    grpc python has one receive limit per server, not per method: it is
+    PutSegment's (the largest frame, ``max_body_bytes``, plus its framing), so
+    grpc itself refuses a larger message of any method; the smaller limits of the
+    other methods are checked once their message has arrived, inside the receive
+    budget, and only for callers :class:`AuthGate` let through.
+    """
+    servicer = RoutingCacheServicer(service, keys)
     server = grpc.aio.server(
+        interceptors=[AuthGate(keys, service.metrics, _OPS)],
         options=[
-            ("grpc.max_receive_message_length", max_message_bytes + (1 << 16)),
+            ("grpc.max_receive_message_length", servicer.receive_limit),
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
-    server.add_generic_rpc_handlers((_handlers(RoutingCacheServicer(service, keys)),))
+    server.add_generic_rpc_handlers((_handlers(servicer),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")

@@ -71,7 +71,7 @@ async def run(settings: ServiceSettings) -> None:
 
 async def _serve(settings: ServiceSettings, service: RoutingService, keys: KeyRing) -> None:
     grpc_server, grpc_port = await start_grpc_server(
-        service, keys, settings.grpc_host, settings.grpc_port, settings.max_body_bytes
+        service, keys, settings.grpc_host, settings.grpc_port
     )
     app = create_app(settings, service)
     config = uvicorn.Config(
