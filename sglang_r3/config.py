@@ -26,6 +26,7 @@ ENV_MAX_OUTPUTS = "SGLANG_R3_MAX_OUTPUTS"
 ENV_LOOKUP = "SGLANG_R3_LOOKUP"
 ENV_TAG_HEADER = "SGLANG_R3_TAG_HEADER"
 ENV_REQUIRE_TAG = "SGLANG_R3_REQUIRE_TAG"
+ENV_SHARE_PROMPT = "SGLANG_R3_SHARE_PROMPT"
 
 #: The header sglang-router's manual policy routes by (and forwards to the engine):
 #: the rollout id, so one value both pins a rollout to its engine and tags it.
@@ -35,6 +36,8 @@ _HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 CacheErrorPolicy = Literal["fail", "inline"]
 RetractionPolicy = Literal["mark", "fail"]
 LookupPolicy = Literal["always", "seen"]
+SharePromptPolicy = Literal["auto", "always", "never"]
+SHARE_PROMPT_CHOICES: tuple[str, ...] = ("auto", "always", "never")
 
 
 class ConfigError(ValueError):
@@ -63,6 +66,11 @@ class EngineConfig:
     ``require_tag``: refuse (400) every generation request that carries no tag,
     instead of generating it with no routing stored (engines behind a router,
     where a lost tag would otherwise go unnoticed until the trainer's fetch).
+    ``share_prompt``: whether a first turn's prompt rows are stored as their own
+    segment, which the cache keeps once for every rollout with the same prompt
+    tokens, version and rows, when the request's tag does not say (header-tagged
+    requests never can): ``auto`` for requests with ``n > 1``, ``always`` also for
+    GRPO samples sent one request each (verl, slime, miles, AReaL), ``never``.
     """
 
     routing_cache: str = ""
@@ -76,6 +84,7 @@ class EngineConfig:
     lookup: LookupPolicy = "always"
     tag_header: str = DEFAULT_TAG_HEADER
     require_tag: bool = False
+    share_prompt: SharePromptPolicy = "auto"
 
     @property
     def enabled(self) -> bool:
@@ -112,6 +121,9 @@ class EngineConfig:
         require = env.get(ENV_REQUIRE_TAG, "0").strip().lower()
         if require not in ("0", "1", "false", "true", ""):
             raise ConfigError(f"{ENV_REQUIRE_TAG}={require!r}: use 1 or 0")
+        share = env.get(ENV_SHARE_PROMPT, "auto").strip().lower() or "auto"
+        if share not in SHARE_PROMPT_CHOICES:
+            raise ConfigError(f"{ENV_SHARE_PROMPT}={share!r}: use auto, always or never")
         if attempts < 1 or timeout <= 0 or max_outputs < 1:
             raise ConfigError("put attempts, timeout and max outputs must be positive")
         return cls(
@@ -126,6 +138,7 @@ class EngineConfig:
             lookup=lookup,  # type: ignore[arg-type]
             tag_header=tag_header,
             require_tag=require in ("1", "true"),
+            share_prompt=share,  # type: ignore[arg-type]
         )
 
     def to_env(self) -> dict[str, str]:
@@ -140,6 +153,7 @@ class EngineConfig:
             ENV_LOOKUP: self.lookup,
             ENV_TAG_HEADER: self.tag_header,
             ENV_REQUIRE_TAG: "1" if self.require_tag else "0",
+            ENV_SHARE_PROMPT: self.share_prompt,
         }
         if self.api_key:
             out[ENV_API_KEY] = self.api_key

@@ -259,7 +259,13 @@ def _checked_tags(config: EngineConfig, obj: Any) -> tuple[list[OutputTag], int,
     if not hasattr(obj, "return_routed_experts"):
         raise bad_request("only generation requests can be tagged")
     batch, n, single = request_shape(obj.text, obj.input_ids, obj.sampling_params)
-    tags = output_tags(obj.sampling_params, batch_size=batch, n=n, max_outputs=config.max_outputs)
+    tags = output_tags(
+        obj.sampling_params,
+        batch_size=batch,
+        n=n,
+        max_outputs=config.max_outputs,
+        share_prompt=config.share_prompt,
+    )
     assert tags is not None  # _is_tagged said so
     if obj.routed_experts_start_len:
         raise bad_request(

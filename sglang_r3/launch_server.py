@@ -12,6 +12,9 @@ Takes every ``python -m sglang.launch_server`` argument plus::
     --routing-tag-header NAME        header naming a request's rollout id (default:
                                      X-SMG-Routing-Key, what sglang-router forwards)
     --routing-require-tag            refuse untagged generation requests (400)
+    --routing-share-prompt {auto,always,never}
+                                     store a first turn's prompt rows as their own,
+                                     deduplicated segment (default auto: n > 1 only)
 
 ``--help`` shows SGLang's options and these, in their own group.
 
@@ -31,7 +34,9 @@ from typing import Any
 from sglang_r3.config import (
     DEFAULT_TAG_HEADER,
     ENV_REQUIRE_TAG,
+    ENV_SHARE_PROMPT,
     ENV_TAG_HEADER,
+    SHARE_PROMPT_CHOICES,
     ConfigError,
     EngineConfig,
 )
@@ -106,6 +111,15 @@ def _add_r3_args(p: argparse.ArgumentParser) -> Any:
         default=os.environ.get(ENV_REQUIRE_TAG, "0").lower() in ("1", "true"),
         help="refuse every generation request that names no rollout (400) instead of "
         "generating it with no routing stored (default: off; on in deploy/)",
+    )
+    g.add_argument(
+        "--routing-share-prompt",
+        choices=SHARE_PROMPT_CHOICES,
+        default=os.environ.get(ENV_SHARE_PROMPT, "auto"),
+        help="store a first turn's prompt rows as their own segment, which the cache "
+        "keeps once for every rollout with the same prompt and rows, when the request's "
+        "tag does not say: auto (default: requests with n > 1), always (also GRPO "
+        "samples sent one request each, e.g. behind sglang-router), never",
     )
     g.add_argument(
         "--routing-put-attempts",
@@ -235,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lookup=ours.routing_lookup,
                 tag_header=ours.routing_tag_header.strip().lower(),
                 require_tag=ours.routing_require_tag,
+                share_prompt=ours.routing_share_prompt,
             )
             EngineConfig.from_env(config.to_env())  # the same checks children will run
         except ConfigError as exc:

@@ -521,11 +521,15 @@ class Shipper:
         tag: OutputTag, start: int, prompt_end: int, end: int, versions: Versions
     ) -> list[int]:
         """Segment boundaries of rows ``[start, end)``: one segment per weight version
-        the rows were computed under, and the prompt's rows on their own when shared."""
+        the rows were computed under, and a first turn's prompt rows on their own when
+        shared."""
         cuts = {start, end}
-        if tag.share_prompt and start < prompt_end < end:
-            # The samples of a GRPO group read the prompt's rows from the same radix
-            # slots; storing them as their own segment lets the service keep them once.
+        if tag.share_prompt and start == 0 < prompt_end < end:
+            # The samples of a GRPO group (one request or one each) compute or read the
+            # same prompt rows; stored as their own segment, the service keeps them once
+            # for every rollout with the same rows.  Only from row 0: the service shares
+            # by exact range and token prefix, so a later turn's part never matches
+            # another rollout's, and splitting it would only add segments.
             cuts.add(prompt_end)
         cuts.update(row for row, _ in versions if start < row < end)
         return sorted(cuts)

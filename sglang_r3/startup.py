@@ -150,6 +150,7 @@ def _add_routes() -> None:
             "routing_cache": config.routing_cache,
             "on_cache_error": config.on_cache_error,
             "on_retraction": config.on_retraction,
+            "share_prompt": config.share_prompt,
             "sglang": SGLANG_VERSION,
             "hooks": HTTP_TARGETS,
         }

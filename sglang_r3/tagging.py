@@ -113,11 +113,19 @@ def _flag(tag: Mapping[str, Any], key: str, default: bool) -> bool:
 
 
 def output_tags(
-    sampling_params: Any, *, batch_size: int, n: int, max_outputs: int
+    sampling_params: Any,
+    *,
+    batch_size: int,
+    n: int,
+    max_outputs: int,
+    share_prompt: str = "auto",
 ) -> list[OutputTag] | None:
     """The tag of every output, or None when the request is not tagged at all.
 
     ``batch_size`` prompts with ``n`` samples each give ``batch_size * n`` outputs.
+    ``share_prompt`` is the server's policy for a tag that does not say
+    (:attr:`sglang_r3.config.EngineConfig.share_prompt`): ``auto`` shares the
+    prompt's rows when ``n > 1``, ``always`` and ``never`` as named.
     Raises a 400 :class:`~sglang_r3.errors.R3RequestError` for a malformed tag,
     a bad or repeated rollout id, or a request only partly tagged.
     """
@@ -160,7 +168,9 @@ def output_tags(
         except FormatError as exc:
             raise bad_request(str(exc)) from None
         inline = _flag(tag, "inline", False)
-        share = _flag(tag, "share_prompt", n > 1)
+        share = _flag(
+            tag, "share_prompt", n > 1 if share_prompt == "auto" else share_prompt == "always"
+        )
         on_err = _choice(tag, "on_cache_error", ("fail", "inline"))
         on_ret = _choice(tag, "on_retraction", ("mark", "fail"))
         for j, rid in enumerate(ids):

@@ -126,9 +126,25 @@ def test_config_from_env() -> None:
         {"SGLANG_R3_ON_RETRACTION": "ignore"},
         {"SGLANG_R3_PUT_ATTEMPTS": "0"},
         {"SGLANG_R3_PUT_TIMEOUT_S": "soon"},
+        {"SGLANG_R3_SHARE_PROMPT": "sometimes"},
     ):
         with pytest.raises(ConfigError):
             EngineConfig.from_env(bad)
+
+
+def test_the_server_policy_decides_prompt_sharing_when_the_tag_does_not() -> None:
+    def share(n: int, policy: str, **tag: object) -> bool:
+        sp = {"custom_params": {"r3": {"rollout_id": "g", **tag}}}
+        got = output_tags(sp, batch_size=1, n=n, max_outputs=16, share_prompt=policy)
+        assert got is not None
+        return got[0].share_prompt
+
+    assert EngineConfig.from_env({}).share_prompt == "auto"
+    assert EngineConfig.from_env({"SGLANG_R3_SHARE_PROMPT": "always"}).share_prompt == "always"
+    assert [share(1, "auto"), share(2, "auto")] == [False, True]
+    assert [share(1, "always"), share(2, "always")] == [True, True]
+    assert [share(1, "never"), share(2, "never")] == [False, False]
+    assert share(1, "never", share_prompt=True) and not share(2, "always", share_prompt=False)
 
 
 def test_moe_shape_rules() -> None:
@@ -242,3 +258,5 @@ def test_rows_are_labelled_by_the_weight_version_that_computed_them() -> None:
     # Cuts: the prompt's end (shared) and each version boundary inside [start, end).
     assert Shipper._cuts(shipper_tag, 0, 9, 18, runs) == [0, 9, 12, 16, 18]
     assert Shipper._cuts(shipper_tag, 13, 9, 15, runs) == [13, 15]
+    # A later turn's new prompt part is not split off (only a first turn's prompt is).
+    assert Shipper._cuts(shipper_tag, 5, 9, 11, runs) == [5, 11]
