@@ -216,6 +216,18 @@ class RoutingCacheServicer:
 
         return await self._call("TouchRollout", pb.TouchRequest, context, run)
 
+    async def RewindRollout(  # noqa: N802
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RolloutStat:
+        """See the .proto."""
+
+        async def run(ns: str, request: pb.RewindRequest) -> pb.RolloutStat:
+            info = await self.service.rewind(ns, request.rollout_id, request.rows)
+            message: pb.RolloutStat = to_message(info, pb.RolloutStat)
+            return message
+
+        return await self._call("RewindRollout", pb.RewindRequest, context, run)
+
     async def BatchGet(  # noqa: N802
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.BatchItem]:
@@ -259,6 +271,7 @@ _OPS = {
     "StatRollout": "stat_rollout",
     "DeleteRollout": "delete_rollout",
     "TouchRollout": "touch_rollout",
+    "RewindRollout": "rewind_rollout",
     "BatchGet": "batch_get",
 }
 

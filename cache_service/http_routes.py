@@ -66,6 +66,12 @@ class TouchRequest(BaseModel):
     ttl_s: int | None = Field(default=None, ge=0, le=MAX_TTL_S)
 
 
+class RewindRequest(BaseModel):
+    """The rows to keep: every segment starting at or after ``rows`` is dropped."""
+
+    rows: int = Field(ge=1, le=1 << 40)
+
+
 class ReadPlanResponse(BaseModel):
     """Direct-read credentials: a Redis user that can only read this namespace's keys."""
 
@@ -209,6 +215,20 @@ async def touch_rollout(
     """Reset a rollout's TTL."""
     await svc.touch(ns, rollout_id, body.ttl_s if body else None)
     return Response(status_code=204)
+
+
+@rollouts.post(
+    "/v1/rollouts/{rollout_id}/rewind", name="rewind_rollout", response_model=RolloutInfo
+)
+async def rewind_rollout(
+    rollout_id: str, body: RewindRequest, svc: ServiceDep, ns: NamespaceDep
+) -> RolloutInfo:
+    """Drop the segments starting at or after ``rows`` (409 if one straddles it); the stat.
+
+    For a driver that lost the answer to a turn the engine finished and stored: it
+    goes back to the rows it holds, then sends the turn again.  Idempotent.
+    """
+    return await svc.rewind(ns, rollout_id, body.rows)
 
 
 @batch.post(

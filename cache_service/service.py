@@ -164,6 +164,13 @@ class RoutingService:
             raise InvalidRequestError(f"ttl_s must be between 0 and {MAX_TTL_S} s, got {ttl_s}")
         await self._ns(namespace).touch(rollout_id, ttl_s)
 
+    async def rewind(self, namespace: str, rollout_id: str, rows: int) -> RolloutInfo:
+        """Drop the segments starting at or after ``rows`` (idempotent); the rollout's stat
+        after it.  For a driver that lost the answer to a turn the engine stored."""
+        store = self._ns(namespace)
+        await store.rewind(rollout_id, rows)
+        return await store.stat(rollout_id)
+
     async def batch_get(
         self,
         namespace: str,

@@ -442,6 +442,35 @@ class SegmentStore(DurableWrites, StoreReads):
                 return bool(await self._r.delete(key))
             return bool(await self._write(key, self._delete, [], bool))
 
+    async def rewind(self, rollout_id: str, rows: int, *, ttl_s: int | None = None) -> int:
+        """Drop every segment starting at or after row ``rows``; the number dropped.
+
+        What a driver calls when it lost the answer to a turn the engine finished
+        and stored (a timeout, an abort): it goes back to the ``rows`` it knows it
+        holds and sends the turn again.  Idempotent (nothing past ``rows``: 0).
+        Raises :class:`RolloutNotFoundError`, :class:`InvalidRequestError` for
+        ``rows < 1`` (delete the rollout instead), and :class:`SegmentConflictError`
+        when a stored segment covers rows on both sides of ``rows`` (a segment is
+        kept or dropped whole: the service does not decode).  Resets the TTL.
+        """
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise InvalidRequestError(
+                f"rewind needs rows >= 1 (the rows to keep), got {rows!r}; to drop all, delete"
+            )
+        key = self.key(rollout_id)
+        ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
+        async with _translate(self._limit):
+            res = await self._write(key, self._rewind, [rows, ttl * 1000], bool)
+        if not res:
+            raise RolloutNotFoundError(f"rollout {rollout_id} not found")
+        if res[0] == b"straddle":
+            a, b = res[1].decode().split(":")
+            raise SegmentConflictError(
+                f"rollout {rollout_id} cannot be rewound to {rows} rows: its stored segment "
+                f"[{a}, {b}) covers rows on both sides (rewind to {a} or {b})"
+            )
+        return int(res[1])
+
     async def touch(self, rollout_id: str, ttl_s: int | None = None) -> None:
         """Reset the rollout's TTL (default: ``settings.default_ttl_s``; 0 = never expire).
 

@@ -147,6 +147,7 @@ class StoreBase:
         self._fields = client.register_script(_load("segment_fields.lua"))
         self._stat = client.register_script(_load("stat_rollout.lua"))
         self._touch = client.register_script(_load("touch_rollout.lua"))
+        self._rewind = client.register_script(_load("rewind_rollout.lua"))
         self._put_blob = client.register_script(_load("put_blob.lua"))
         self._keep_blob = client.register_script(_load("keep_blob.lua"))
         self._delete = client.register_script("return redis.call('DEL', KEYS[1])")

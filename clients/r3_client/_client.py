@@ -157,6 +157,19 @@ class RoutingClient:
         check_rollout_id(rollout_id)
         self._retrying(lambda: self._t.touch(rollout_id, ttl_s))
 
+    def rewind(self, rollout_id: str, rows: int) -> RolloutInfo:
+        """Drop the rollout's segments starting at or after ``rows``; what is stored after.
+
+        For a driver that lost the answer to a turn the engine finished and stored
+        (a timeout, an abort): every retry of that turn would conflict with the
+        stored rows, so it goes back to the ``rows`` it knows it holds (the
+        previous turn's ``len(tokens) - 1``) and sends the turn again.  Idempotent,
+        so safe to retry.  Raises :class:`SegmentConflictError` when a stored segment
+        covers rows on both sides of ``rows`` (segments are dropped whole).
+        """
+        check_rollout_id(rollout_id)
+        return RolloutInfo.from_dict(self._retrying(lambda: self._t.rewind(rollout_id, rows)))
+
     def get_many(
         self,
         rollout_ids: Sequence[str],
@@ -318,6 +331,11 @@ class AsyncRoutingClient:
         """See :meth:`RoutingClient.delete`."""
         check_rollout_id(rollout_id)
         return await self._retrying(lambda: self._t.delete(rollout_id))
+
+    async def rewind(self, rollout_id: str, rows: int) -> RolloutInfo:
+        """See :meth:`RoutingClient.rewind`."""
+        check_rollout_id(rollout_id)
+        return RolloutInfo.from_dict(await self._retrying(lambda: self._t.rewind(rollout_id, rows)))
 
     async def touch(self, rollout_id: str, ttl_s: int | None = None) -> None:
         """See :meth:`RoutingClient.touch`."""

@@ -56,6 +56,14 @@ class TouchResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RewindRequest(_message.Message):
+    __slots__ = ("rollout_id", "rows")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    rows: int
+    def __init__(self, rollout_id: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
+
 class BatchGetRequest(_message.Message):
     __slots__ = ("rollout_ids", "start", "end", "layers")
     ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class RoutingCacheStub:
                 request_serializer=r3__cache__pb2.TouchRequest.SerializeToString,
                 response_deserializer=r3__cache__pb2.TouchResponse.FromString,
                 _registered_method=True)
+        self.RewindRollout = channel.unary_unary(
+                '/r3.cache.v1.RoutingCache/RewindRollout',
+                request_serializer=r3__cache__pb2.RewindRequest.SerializeToString,
+                response_deserializer=r3__cache__pb2.RolloutStat.FromString,
+                _registered_method=True)
         self.BatchGet = channel.unary_stream(
                 '/r3.cache.v1.RoutingCache/BatchGet',
                 request_serializer=r3__cache__pb2.BatchGetRequest.SerializeToString,
@@ -101,6 +106,13 @@ class RoutingCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RewindRollout(self, request, context):
+        """Drop the segments starting at or after `rows` (idempotent); the stat after it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def BatchGet(self, request, context):
         """Many rollouts, streamed in request order with bounded server memory.
         """
@@ -135,6 +147,11 @@ def add_RoutingCacheServicer_to_server(servicer, server):
                     servicer.TouchRollout,
                     request_deserializer=r3__cache__pb2.TouchRequest.FromString,
                     response_serializer=r3__cache__pb2.TouchResponse.SerializeToString,
+            ),
+            'RewindRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.RewindRollout,
+                    request_deserializer=r3__cache__pb2.RewindRequest.FromString,
+                    response_serializer=r3__cache__pb2.RolloutStat.SerializeToString,
             ),
             'BatchGet': grpc.unary_stream_rpc_method_handler(
                     servicer.BatchGet,
@@ -277,6 +294,33 @@ class RoutingCache:
             '/r3.cache.v1.RoutingCache/TouchRollout',
             r3__cache__pb2.TouchRequest.SerializeToString,
             r3__cache__pb2.TouchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RewindRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/r3.cache.v1.RoutingCache/RewindRollout',
+            r3__cache__pb2.RewindRequest.SerializeToString,
+            r3__cache__pb2.RolloutStat.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,10 @@ class Transport(Protocol):
         """Reset the TTL."""
         ...
 
+    def rewind(self, rollout_id: str, rows: int) -> dict[str, Any]:
+        """Drop the segments starting at or after ``rows``; the description after it."""
+        ...
+
     def batch_get(
         self,
         rollout_ids: Sequence[str],
@@ -78,6 +82,10 @@ class AsyncTransport(Protocol):
 
     async def touch(self, rollout_id: str, ttl_s: int | None) -> None:
         """See :meth:`Transport.touch`."""
+        ...
+
+    async def rewind(self, rollout_id: str, rows: int) -> dict[str, Any]:
+        """See :meth:`Transport.rewind`."""
         ...
 
     def batch_get(

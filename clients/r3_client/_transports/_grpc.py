@@ -119,6 +119,11 @@ class GrpcTransport:
             req.ttl_s = ttl_s
         self._call(self._stub.TouchRollout, req)
 
+    def rewind(self, rollout_id: str, rows: int) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        req = pb.RewindRequest(rollout_id=rollout_id, rows=rows)
+        return _plain(self._call(self._stub.RewindRollout, req), RolloutInfo)
+
     def batch_get(
         self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
     ) -> Generator[StreamItem, None, None]:
@@ -197,6 +202,11 @@ class AsyncGrpcTransport:
         if ttl_s is not None:
             req.ttl_s = ttl_s
         await self._call("TouchRollout", req)
+
+    async def rewind(self, rollout_id: str, rows: int) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        req = pb.RewindRequest(rollout_id=rollout_id, rows=rows)
+        return _plain(await self._call("RewindRollout", req), RolloutInfo)
 
     async def batch_get(
         self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None

@@ -155,6 +155,13 @@ class HTTPTransport:
             resp = self._http.post(_path(rollout_id, "/touch"), json={"ttl_s": ttl_s})
         _raise_for(resp)
 
+    def rewind(self, rollout_id: str, rows: int) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        with _translate():
+            resp = self._http.post(_path(rollout_id, "/rewind"), json={"rows": rows})
+        _raise_for(resp)
+        return _json(resp)
+
     def batch_get(
         self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
     ) -> Generator[StreamItem, None, None]:
@@ -233,6 +240,13 @@ class AsyncHTTPTransport:
         async with _atranslate():
             resp = await self._http.post(_path(rollout_id, "/touch"), json={"ttl_s": ttl_s})
         _raise_for(resp)
+
+    async def rewind(self, rollout_id: str, rows: int) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        async with _atranslate():
+            resp = await self._http.post(_path(rollout_id, "/rewind"), json={"rows": rows})
+        _raise_for(resp)
+        return _json(resp)
 
     async def batch_get(
         self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None

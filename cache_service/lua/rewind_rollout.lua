@@ -1,0 +1,28 @@
+-- Drop every segment of a rollout that starts at or after a row count (a driver going
+-- back to the rows it knows it has; idempotent).
+-- KEYS[1]  rollout hash
+-- ARGV     rows (>= 1), ttl_ms (0 = no expiry)
+-- Returns  {} when the rollout does not exist | {"straddle", "<a>:<b>"} when a segment
+--          covers [rows-1, rows] (it cannot be cut without decoding) | {"ok", removed}
+local key = KEYS[1]
+if redis.call('EXISTS', key) == 0 then return {} end
+local rows, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local drop = {}
+for _, f in ipairs(redis.call('HKEYS', key)) do
+  local a, b = string.match(f, '^d:(%d+):(%d+)$')
+  if a then
+    a = tonumber(a); b = tonumber(b)
+    if a < rows and rows < b then return {'straddle', a .. ':' .. b} end
+    if a >= rows then drop[#drop + 1] = a .. ':' .. b end
+  end
+end
+for _, r in ipairs(drop) do
+  -- h:<r> is msgpack [segment, codec, frame bytes, shared] (store.py put_segment).
+  local info = cmsgpack.unpack(redis.call('HGET', key, 'h:' .. r))
+  redis.call('HINCRBY', key, 'b', -info[3])
+  if info[4] then redis.call('HINCRBY', key, 'sb', -info[3]) end
+  redis.call('HINCRBY', key, 'n', -1)
+  redis.call('HDEL', key, 's:' .. r, 'd:' .. r, 'h:' .. r, 'r:' .. r)
+end
+if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('PERSIST', key) end
+return {'ok', #drop}
