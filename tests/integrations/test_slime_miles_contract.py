@@ -11,18 +11,14 @@ Both hold ``Sample.rollout_routed_experts`` as ``[len(tokens) - 1, args.num_laye
 token's row themselves, then pack samples back to back (thd), zigzag-slice for context
 parallelism and take column ``layer_id`` for the router of absolute layer ``layer_id``.
 docs/integrations.md (sections ``## slime`` / ``## miles``) states the contract; its
-recipes are executed at the end of this file.
+recipes, built on ``r3_client.integrations``, run in test_glue.py against a real cache.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import dataclasses
-import enum
 import re
-import sys
-import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +28,7 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from r3_client import Routing, ShapeError, check_rollout_id
+from r3_client import Routing, ShapeError
 from r3_client.layouts import miles_layout, slime_layout
 from r3_client.testing import synthetic_routing
 
@@ -518,7 +514,7 @@ def test_why_raw_minus_one_is_refused() -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# docs/integrations.md: the slime and miles recipes run as written
+# docs/integrations.md names the pinned commits (its recipes run in test_glue.py)
 
 
 def section(title: str) -> str:
@@ -528,144 +524,6 @@ def section(title: str) -> str:
     return m.group(0)
 
 
-def python_blocks(text: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
-
-
 def test_docs_name_the_pinned_commits() -> None:
     assert SLIME_COMMIT[:7] in section("slime").splitlines()[0]
     assert MILES_COMMIT[:7] in section("miles").splitlines()[0]
-
-
-class Status(enum.Enum):
-    PENDING = "pending"
-    COMPLETED = "completed"
-    TRUNCATED = "truncated"
-    ABORTED = "aborted"
-
-
-PROMPT = (1, 2, 3, 4)
-
-
-@dataclasses.dataclass
-class FakeSample:
-    """The ``Sample`` fields the recipes touch.
-
-    slime/utils/types.py:93-150; miles/utils/types.py:25-80.
-    """
-
-    index: int
-    tokens: list[int]
-    status: Status = Status.PENDING
-    session_id: str | None = None  # slime
-    routing_key: str | None = None  # miles
-    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
-    rollout_routed_experts: Any = None
-    Status = Status
-
-
-class FakeEngine:
-    """An engine + cache: stores each request's rows under its routing key, turn after turn."""
-
-    def __init__(self, model: Model) -> None:
-        self.model = model
-        self.stored: dict[str, list[int]] = {}
-        self.keys: list[str | None] = []
-
-    async def generate(self, key: str | None, sample: FakeSample, new: int, status: Status) -> None:
-        self.keys.append(key)
-        if key is not None:
-            have = self.stored.get(key, [])
-            assert sample.tokens[: len(have)] == have, (
-                "a turn must extend the stored conversation (409)"
-            )
-        sample.tokens = sample.tokens + [7] * new
-        sample.status = status
-        if key is not None:
-            self.stored[key] = list(sample.tokens)
-
-    async def get(self, key: str) -> Routing:
-        return routing_for(self.model, len(self.stored[key]) - 1, seed=len(key))
-
-
-@pytest.fixture
-def fake_modules(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Stub ``slime`` / ``miles`` modules whose ``generate`` is one engine call, aborted once."""
-    box: dict[str, Any] = {"engine": FakeEngine(DENSE_FIRST), "abort_next": True}
-
-    async def generate(
-        args: Any, sample: FakeSample, sampling_params: dict[str, Any]
-    ) -> FakeSample:
-        if not sample.tokens:  # miles tokenizes the prompt on a fresh start (sglang_rollout.py:223)
-            sample.tokens = list(PROMPT)
-        key = sample.session_id if args.framework == "slime" else sample.routing_key
-        status = Status.ABORTED if box["abort_next"] else Status.COMPLETED
-        box["abort_next"] = False
-        await box["engine"].generate(key, sample, 3, status)
-        return sample
-
-    for name in ("slime", "slime.rollout", "slime.utils", "miles", "miles.rollout", "miles.utils"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    for fw in ("slime", "miles"):
-        rollout = types.ModuleType(f"{fw}.rollout.sglang_rollout")
-        rollout.generate = generate  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, rollout.__name__, rollout)
-        typ = types.ModuleType(f"{fw}.utils.types")
-        typ.Sample = FakeSample  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, typ.__name__, typ)
-    monkeypatch.setenv("R3_RUN", "grpo-0412-r2")
-    monkeypatch.setenv("R3_NUM_LAYERS", str(DENSE_FIRST.num_layers))
-    monkeypatch.setenv("R3_URL", "http://127.0.0.1:1")
-    return box
-
-
-@pytest.mark.parametrize(
-    ("framework", "layout"), [("slime", slime_layout), ("miles", miles_layout)]
-)
-def test_docs_recipe_runs(framework: str, layout: Any, fake_modules: dict[str, Any]) -> None:
-    """The recipe: group siblings get distinct keys; a partial rollout (aborted, resumed) keeps its
-    key and continues the stored conversation; the filled field is exactly the layout's output;
-    miles' reset_for_retry (tokens cleared, routing_key kept) starts a new rollout."""
-    blocks = python_blocks(section(framework))
-    assert blocks, f"the {framework} section shows its recipe"
-    ns: dict[str, Any] = {}
-    exec(compile("\n".join(blocks), f"docs/integrations.md#{framework}", "exec"), ns)
-    engine: FakeEngine = fake_modules["engine"]
-    ns["r3"] = engine  # the AsyncRoutingClient, answered by the fake cache
-    args = types.SimpleNamespace(framework=framework)
-    group = [FakeSample(index=i, tokens=[]) for i in (40, 41)]
-    key_of = (lambda s: s.session_id) if framework == "slime" else (lambda s: s.routing_key)
-
-    async def gen(sample: FakeSample, **kw: Any) -> None:
-        assert await ns["generate_r3"](args, sample, {}, **kw) is sample
-
-    for s in group:
-        asyncio.run(gen(s))
-    assert group[0].status is Status.ABORTED and group[0].rollout_routed_experts is None
-    asyncio.run(gen(group[0]))  # the partial rollout resumes
-    keys = [k for k in engine.keys if k is not None]
-    assert len(set(keys)) == 2 and keys[0] == keys[2], keys  # siblings differ, resume keeps it
-    for k in keys:
-        check_rollout_id(k)
-
-    def check(s: FakeSample, n_tokens: int) -> None:
-        assert s.status is Status.COMPLETED and len(s.tokens) == n_tokens
-        want = layout(asyncio.run(engine.get(key_of(s))), n_tokens, num_layers=6)
-        got = s.rollout_routed_experts
-        assert got.dtype == want.dtype and np.array_equal(got, want)
-        assert got.shape == (n_tokens - 1, DENSE_FIRST.num_layers, K)
-
-    check(group[0], len(PROMPT) + 6)
-    check(group[1], len(PROMPT) + 3)
-    if framework == "miles":
-        # miles/utils/types.py:246-268 (called at fully_async_rollout.py:200-203)
-        retry = group[1]
-        retry.tokens, retry.status, retry.rollout_routed_experts = [], Status.ABORTED, None
-        asyncio.run(gen(retry))  # FakeEngine raises if the old key were reused (409)
-        assert engine.keys[-1] not in keys
-        check(retry, len(PROMPT) + 3)
-    else:
-        # evaluation requests are left untagged by the slime recipe
-        ev = FakeSample(index=0, tokens=[])
-        asyncio.run(gen(ev, evaluation=True))
-        assert engine.keys[-1] is None and ev.rollout_routed_experts is None

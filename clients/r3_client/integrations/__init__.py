@@ -1,0 +1,17 @@
+"""Glue between RL frameworks and the routing cache: tag requests, fill the trainer's field.
+
+One module per framework, each imported only when named; none imports its
+framework at import time (each duck-types the framework's objects, or imports
+them inside the function that needs them):
+
+* :mod:`r3_client.integrations.tags` -- framework-free: add the rollout tag to a
+  SGLang ``/generate`` or OpenAI-style payload, or as the ``X-SMG-Routing-Key``
+  header, and stop asking SGLang for inline routing.
+* :mod:`r3_client.integrations.slime` -- slime @ 624b824: the rollout key, a custom
+  generate function that tags each ``Sample`` and fills ``rollout_routed_experts``.
+* :mod:`r3_client.integrations.miles` -- miles @ 31f1ca9: the same, keyed per retry attempt.
+* :mod:`r3_client.integrations.areal` -- AReaL 1.0.4: tag ``RemoteSGLangEngine``'s
+  requests by rollout id, fill ``ModelResponse.routed_experts`` from the cache.
+
+The contracts they meet are pinned in ``docs/integrations.md``.
+"""

@@ -1,0 +1,116 @@
+"""miles (radixark/miles @ 31f1ca9): rollouts keyed per attempt, routing fetched into ``Sample``.
+
+Use :func:`wrap_generate` as miles' ``--custom-generate-function-path`` (a legacy
+``(args, sample, sampling_params, evaluation)`` function; miles sends
+``sample.routing_key`` as ``X-SMG-Routing-Key`` whenever it is set), or, in a generate
+function of your own, :func:`rollout_key` before the call and
+:func:`fill_routed_experts` after it.
+
+The key is ``f"{run}.{sample.index}.{attempt}"``.  miles' ``reset_for_retry`` clears a
+sample's tokens but keeps its ``index`` and ``routing_key``: regenerating from the
+prompt under the old key would not extend the stored rollout (the engine refuses it,
+409).  So the attempt, kept in ``sample.metadata["r3_attempt"]``, moves on whenever a
+generation starts from no tokens, and stays when a partial rollout resumes (tokens
+kept: the engine continues the stored rollout).  See docs/integrations.md.  Nothing
+here imports miles; its ``generate`` is imported on the first call that needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from r3_client._format import check_rollout_id
+from r3_client.integrations import _samples
+from r3_client.layouts import Missing, miles_layout
+
+if TYPE_CHECKING:
+    from r3_client._client import AsyncRoutingClient
+
+__all__ = ["ATTEMPT_KEY", "fill_routed_experts", "rollout_key", "wrap_generate"]
+
+#: Where the attempt counter lives in ``Sample.metadata``.
+ATTEMPT_KEY = "r3_attempt"
+
+
+def rollout_key(run: str, sample: Any) -> str:
+    """The key of the generation about to start: ``f"{run}.{sample.index}.{attempt}"``.
+
+    Call it once per generate call, before it: a sample with no tokens starts a new
+    attempt (counted in ``sample.metadata``), one with tokens (a partial rollout
+    resuming) keeps its attempt.
+    """
+    if sample.index is None:
+        raise ValueError("miles sample has no index: the data source numbers every sample")
+    meta = sample.metadata
+    if ATTEMPT_KEY not in meta or not sample.tokens:
+        meta[ATTEMPT_KEY] = int(meta.get(ATTEMPT_KEY, -1)) + 1
+    return check_rollout_id(f"{run}.{sample.index}.{meta[ATTEMPT_KEY]}")
+
+
+def _assign_key(run: str, sample: Any) -> str:
+    sample.routing_key = rollout_key(run, sample)
+    return str(sample.routing_key)
+
+
+def _check_args(args: Any) -> None:
+    """Nothing to refuse: miles sends a set routing_key under every router policy
+    (miles/rollout/generate_utils/generate_endpoint_utils.py:42-49)."""
+
+
+_MILES = _samples.Framework(
+    name="miles",
+    key_field="routing_key",
+    generate_path="miles.rollout.sglang_rollout:generate",
+    layout=miles_layout,
+    assign_key=_assign_key,
+    check_args=_check_args,
+)
+
+
+async def fill_routed_experts(
+    samples: Any | Sequence[Any],
+    client: AsyncRoutingClient,
+    *,
+    num_layers: int,
+    missing: Missing = "raise",
+) -> None:
+    """Set ``sample.rollout_routed_experts`` = :func:`~r3_client.layouts.miles_layout`
+    (int32) of the rollout stored under ``sample.routing_key``, for one sample or a
+    group (one ``get_many``); call it once a sample is ``COMPLETED`` or ``TRUNCATED``.
+
+    ``num_layers``: miles' ``--num-layers`` (decoder layers, no MTP).  Raises
+    :class:`~r3_client.RolloutNotFoundError` when a rollout is not stored and
+    :class:`~r3_client.ShapeError` when its rows are not ``len(tokens) - 1`` or some
+    were never shipped (``missing="fill"`` fills those instead).
+    """
+    await _samples.fill(_MILES, samples, client, num_layers=num_layers, missing=missing)
+
+
+def wrap_generate(
+    *,
+    run: str,
+    client: AsyncRoutingClient,
+    num_layers: int,
+    generate: _samples.GenerateFn | None = None,
+    share_prompt: bool | None = None,
+    missing: Missing = "raise",
+) -> _samples.GenerateFn:
+    """miles' ``generate`` (or ``generate``) as a legacy custom generate function
+    ``(args, sample, sampling_params, evaluation=False)`` that keys each generation
+    (``sample.routing_key = rollout_key(run, sample)``) and fills the sample's
+    ``rollout_routed_experts`` when it finishes.
+
+    Evaluation samples pass through untouched (miles keys them itself, a fresh uuid4).
+    miles' ``--use-rollout-routing-replay`` still adds ``return_routed_experts`` to its
+    payload; the engine answers tagged requests without inline routing.
+    """
+    return _samples.wrap_generate(
+        _MILES,
+        run=run,
+        client=client,
+        num_layers=num_layers,
+        generate=generate,
+        share_prompt=share_prompt,
+        missing=missing,
+    )

@@ -1,0 +1,116 @@
+"""slime (THUDM/slime @ 624b824): rollouts keyed per ``Sample``, routing fetched into it.
+
+Use :func:`wrap_generate` as slime's ``--custom-generate-function-path`` (with
+``--router-policy consistent_hashing``, under which slime sends ``sample.session_id``
+as ``X-SMG-Routing-Key``)::
+
+    # my_r3.py
+    generate_r3 = wrap_generate(run="grpo-0412-r2", client=AsyncRoutingClient(url),
+                                num_layers=args_num_layers)
+
+or, in a generate function of your own, :func:`rollout_key` before the call and
+:func:`fill_routed_experts` after it.  The key is ``f"{run}.{sample.index}"``: slime
+numbers every copy of a prompt (group siblings differ) and resubmits the same
+``Sample`` when a partial rollout resumes (the key is kept, the engine continues the
+stored rollout).  ``run`` must be unique per training run *and* per restart, since
+slime restores its index counter from the last checkpoint.  See docs/integrations.md.
+Nothing here imports slime; its ``generate`` is imported on the first call that needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from r3_client._format import check_rollout_id
+from r3_client.integrations import _samples
+from r3_client.layouts import Missing, slime_layout
+
+if TYPE_CHECKING:
+    from r3_client._client import AsyncRoutingClient
+
+__all__ = ["fill_routed_experts", "rollout_key", "wrap_generate"]
+
+
+def rollout_key(run: str, sample: Any, conversation: int | None = None) -> str:
+    """``f"{run}.{sample.index}"``, plus ``f".{conversation}"`` for a generate function
+    that runs several conversations for one ``Sample``."""
+    if sample.index is None:
+        raise ValueError("slime sample has no index: the data source numbers every sample")
+    key = f"{run}.{sample.index}" + ("" if conversation is None else f".{conversation}")
+    return check_rollout_id(key)
+
+
+def _assign_key(run: str, sample: Any) -> str:
+    sample.session_id = rollout_key(run, sample)
+    return str(sample.session_id)
+
+
+def _check_args(args: Any) -> None:
+    policy = getattr(args, "router_policy", None)
+    if policy != "consistent_hashing":
+        raise ValueError(
+            "slime sends sample.session_id as X-SMG-Routing-Key only with --router-policy "
+            f"consistent_hashing (slime/rollout/sglang_rollout.py:196-200), got {policy!r}: "
+            "without it the rollout key never reaches the engine and nothing is stored"
+        )
+
+
+_SLIME = _samples.Framework(
+    name="slime",
+    key_field="session_id",
+    generate_path="slime.rollout.sglang_rollout:generate",
+    layout=slime_layout,
+    assign_key=_assign_key,
+    check_args=_check_args,
+)
+
+
+async def fill_routed_experts(
+    samples: Any | Sequence[Any],
+    client: AsyncRoutingClient,
+    *,
+    num_layers: int,
+    missing: Missing = "raise",
+) -> None:
+    """Set ``sample.rollout_routed_experts`` = :func:`~r3_client.layouts.slime_layout` of
+    the rollout stored under ``sample.session_id``, for one sample or a group (one
+    ``get_many``); call it once a sample is ``COMPLETED`` or ``TRUNCATED``.
+
+    ``num_layers``: slime's ``--num-layers`` (decoder layers, no MTP).  Raises
+    :class:`~r3_client.RolloutNotFoundError` when a rollout is not stored and
+    :class:`~r3_client.ShapeError` when its rows are not ``len(tokens) - 1`` or some
+    were never shipped (``missing="fill"`` fills those instead).
+    """
+    await _samples.fill(_SLIME, samples, client, num_layers=num_layers, missing=missing)
+
+
+def wrap_generate(
+    *,
+    run: str,
+    client: AsyncRoutingClient,
+    num_layers: int,
+    generate: _samples.GenerateFn | None = None,
+    share_prompt: bool | None = None,
+    missing: Missing = "raise",
+) -> _samples.GenerateFn:
+    """slime's ``generate`` (or ``generate``) as a custom generate function
+    ``(args, sample, sampling_params, evaluation=False)`` that keys each sample's rollout
+    (``sample.session_id = rollout_key(run, sample)``) and fills its
+    ``rollout_routed_experts`` when it finishes.
+
+    Evaluation samples (renumbered from 0 by slime) pass through untagged.  Each call
+    refuses ``args.router_policy`` other than ``consistent_hashing`` (ValueError), under
+    which the key would not be sent.  slime's ``--use-rollout-routing-replay`` still
+    adds ``return_routed_experts`` to its payload; the engine answers tagged requests
+    without inline routing.
+    """
+    return _samples.wrap_generate(
+        _SLIME,
+        run=run,
+        client=client,
+        num_layers=num_layers,
+        generate=generate,
+        share_prompt=share_prompt,
+        missing=missing,
+    )
