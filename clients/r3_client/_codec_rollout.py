@@ -161,6 +161,11 @@ def decode_rollout(
         if end is None or not contexts:
             raise FrameError(f"{who}: the read returned no routing frames")
         return _gap_only(next(iter(contexts.values())), start, end, layers, max_bytes, who)
+    total = _decoded_total(heads, contexts)
+    if total > max_bytes:
+        # Refused before any frame is decoded: each frame may be under the limit while
+        # together they are not (many segments of a long rollout).
+        raise FrameError(f"{who}: its frames decode to {total} bytes, over {max_bytes}")
     decoded = []
     for view, hdr in heads:
         where = f"{who}, segment [{hdr.start}, {hdr.end})"
@@ -174,6 +179,21 @@ def decode_rollout(
             raise type(exc)(f"{where}: {exc}") from None
         decoded.append(frame)
     return _stitch(decoded, start, end, layers, max_bytes, who)
+
+
+def _decoded_total(
+    heads: list[tuple[memoryview, FrameHeader]], contexts: dict[str, Context]
+) -> int:
+    """Bytes the read's frames decode to, from their headers (a continuation frame's
+    geometry from its context; one whose context is missing counts 0 and fails later)."""
+    total = 0
+    for _, hdr in heads:
+        ctx = hdr.context if hdr.context is not None else contexts.get(hdr.base)
+        if ctx is None:
+            continue
+        layers = len(hdr.layer_ids) or len(ctx.layer_ids)
+        total += hdr.num_rows * layers * ctx.topk * index_dtype(ctx.num_experts).itemsize
+    return total
 
 
 def _read_frames(
