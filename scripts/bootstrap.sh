@@ -57,3 +57,17 @@ case ",$EXTRAS," in
     fi
     ;;
 esac
+
+# The `areal` test extra, the same way (tests/integrations/test_areal_contract.py).
+case ",$EXTRAS," in
+  *,all,* | *,areal,*)
+    areal_pkgs="$(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["areal"]))')"
+    areal_stamp=".venv/.areal-$(echo "$areal_pkgs" | sha256sum | cut -c1-16)"
+    if [ ! -f "$areal_stamp" ]; then
+      echo "bootstrap: installing the areal test extra (--no-deps): $areal_pkgs" >&2
+      .venv/bin/python -m pip install -q --no-deps $areal_pkgs
+      rm -f .venv/.areal-*
+      touch "$areal_stamp"
+    fi
+    ;;
+esac
