@@ -585,22 +585,42 @@ def _doc_snippet() -> str:
 
 
 def test_doc_recipe_fetches_lays_out_and_verl_replays_it(
-    verl: Verl, service_single: Service
+    verl: Verl, service_single: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The recipe, run as written: rollouts stored in a real cache service, fetched by id with
-    ``RoutingClient.get_many``, laid out into the DataProto, replayed by verl."""
+    """The recipe, run as written: rollouts stored in a real cache service under the ids the
+    rollout left in ``non_tensor_batch["r3_rollout_id"]``, fetched with one
+    ``RoutingClient.get_many`` when the trainer's rollout manager returns the batch, laid out
+    into the DataProto, replayed by verl.  (tests/integrations/test_verl_glue.py runs the
+    same block through verl's own rollout code.)"""
     routings = _routings(DENSE_FIRST, seed=100)
     ids = [rid() for _ in routings]
+    for name, value in (
+        ("R3_URL", service_single.http_url),
+        ("R3_KEY", KEY_A),
+        ("R3_NUM_LAYERS", str(NUM_LAYERS)),
+    ):
+        monkeypatch.setenv(name, value)
     with RoutingClient(service_single.http_url, api_key=KEY_A) as client:
         for rollout_id, r in zip(ids, routings, strict=True):
             seg = Segment(0, r.indices.shape[0], "tiny-moe", "v1")
             client.put(rollout_id, r.indices, num_experts=E, layer_ids=r.layer_ids, segment=seg)
-        namespace: dict[str, Any] = {}
-        exec(compile(_doc_snippet(), "docs/integrations.md", "exec"), namespace)
-        empty = np.zeros((len(PROMPTS), PROMPT_LEN + RESPONSE_LEN, NUM_LAYERS, K), np.int16)
-        batch = _batch(verl, empty)
-        batch.batch.pop("routed_experts")
-        batch = namespace["attach_routed_experts"](batch, ids, client, num_layers=NUM_LAYERS)
+    empty = np.zeros((len(PROMPTS), PROMPT_LEN + RESPONSE_LEN, NUM_LAYERS, K), np.int16)
+    rollout = _batch(verl, empty)
+    rollout.batch.pop("routed_experts")
+    rollout.non_tensor_batch["r3_rollout_id"] = np.array(ids, dtype=object)
+
+    class Manager:  # the trainer's AgentLoopManager, as far as the recipe can tell
+        def generate_sequences(self, prompts: Any) -> Any:
+            return rollout
+
+    namespace: dict[str, Any] = {}
+    exec(compile(_doc_snippet(), "docs/integrations.md", "exec"), namespace)
+    trainer = types.SimpleNamespace(async_rollout_manager=Manager())
+    try:
+        namespace["install_r3"](trainer)
+        batch = trainer.async_rollout_manager.generate_sequences(verl.DataProto())
+    finally:
+        namespace["r3"].close()
     routed = batch.batch["routed_experts"]
     assert routed.dtype == torch.int16
     assert routed.shape == (len(PROMPTS), PROMPT_LEN + RESPONSE_LEN, NUM_LAYERS, K)

@@ -12,6 +12,8 @@ them inside the function that needs them):
 * :mod:`r3_client.integrations.miles` -- miles @ 31f1ca9: the same, keyed per retry attempt.
 * :mod:`r3_client.integrations.areal` -- AReaL 1.0.4: tag ``RemoteSGLangEngine``'s
   requests by rollout id, fill ``ModelResponse.routed_experts`` from the cache.
+* :mod:`r3_client.integrations.verl` -- verl 0.9.1: a rollout id per agent-loop
+  trajectory on every request it makes, ``DataProto.batch["routed_experts"]`` from the cache.
 
 The contracts they meet are pinned in ``docs/integrations.md``.
 """
