@@ -101,3 +101,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     )
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(params=["http", "grpc"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """The client transport a test runs over: HTTP or gRPC."""
+    return str(request.param)

@@ -67,11 +67,6 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
     redis.stop()
 
 
-@pytest.fixture(params=["http", "grpc"])
-def transport(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def _check_all_answered(ids: list[str], got: list[tuple[str, Routing | R3Error]]) -> None:
     assert [r for r, _ in got] == ids, "every id exactly once, in request order"
     for _, res in got:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import LAYERS, TRAJ, frame_for, rid, same_sets
-from _service import KEY_A, KEY_B, Service, start_service
+from _service import KEY_A, KEY_B, Service, start_service, url_of
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import (
@@ -30,15 +30,6 @@ from r3_client import (
 from r3_client.testing import synthetic_routing
 
 FAST = Retry(attempts=1)
-
-
-def url_of(svc: Service, transport: str) -> str:
-    return svc.http_url if transport == "http" else f"grpc://{svc.grpc_target}"
-
-
-@pytest.fixture(params=["http", "grpc"])
-def transport(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 def test_sync_client_every_call(service_single: Service, transport: str) -> None:

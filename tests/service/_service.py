@@ -72,6 +72,11 @@ class Service:
                 self.proc.wait()
 
 
+def url_of(svc: Service, transport: str) -> str:
+    """The client URL of ``svc`` over ``transport`` (``"http"`` or ``"grpc"``)."""
+    return svc.http_url if transport == "http" else f"grpc://{svc.grpc_target}"
+
+
 def grpc_md(key: str | None = KEY_A) -> tuple[tuple[str, str], ...]:
     """gRPC metadata carrying the tenant's key."""
     return (("authorization", f"Bearer {key}"),) if key else ()

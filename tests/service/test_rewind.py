@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 from _helpers import TRAJ, frame_for, rid, same_sets
-from _service import KEY_A, Service
+from _service import KEY_A, Service, url_of
 
 from r3_client import (
     AsyncRoutingClient,
@@ -24,18 +24,9 @@ from r3_client import (
 )
 
 
-def _url(svc: Service, transport: str) -> str:
-    return svc.http_url if transport == "http" else f"grpc://{svc.grpc_target}"
-
-
-@pytest.fixture(params=["http", "grpc"])
-def transport(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def test_a_lost_turn_is_rewound_and_sent_again(service_single: Service, transport: str) -> None:
     r = rid()
-    with RoutingClient(_url(service_single, transport), api_key=KEY_A) as c:
+    with RoutingClient(url_of(service_single, transport), api_key=KEY_A) as c:
         c.put(r, frame_for(TRAJ[:71], 0))  # turn 1: the driver has these rows
         c.put(r, frame_for(TRAJ[71:200], 71, version="v2"))  # turn 2: answer lost
         # The retry of turn 2 samples other tokens: it conflicts with the stored rows.
@@ -54,7 +45,7 @@ def test_a_lost_turn_is_rewound_and_sent_again(service_single: Service, transpor
 
 def test_rewind_refusals(service_single: Service, transport: str) -> None:
     r = rid()
-    with RoutingClient(_url(service_single, transport), api_key=KEY_A) as c:
+    with RoutingClient(url_of(service_single, transport), api_key=KEY_A) as c:
         c.put(r, frame_for(TRAJ[:50], 0))
         c.put(r, frame_for(TRAJ[50:120], 50))
         with pytest.raises(SegmentConflictError, match=r"segment \[50, 120\) covers rows on both"):
