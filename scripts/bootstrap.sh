@@ -43,31 +43,23 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-# The `verl` test extra (pyproject.toml) for tests/integrations: installed --no-deps, as
-# its comment says; only with `all` (what `make test` installs) or when asked for by name.
-case ",$EXTRAS," in
-  *,all,* | *,verl,*)
-    verl_pkgs="$(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["verl"]))')"
-    verl_stamp=".venv/.verl-$(echo "$verl_pkgs" | sha256sum | cut -c1-16)"
-    if [ ! -f "$verl_stamp" ]; then
-      echo "bootstrap: installing the verl test extra (--no-deps): $verl_pkgs" >&2
-      .venv/bin/python -m pip install -q --no-deps $verl_pkgs
-      rm -f .venv/.verl-*
-      touch "$verl_stamp"
-    fi
-    ;;
-esac
-
-# The `areal` test extra, the same way (tests/integrations/test_areal_contract.py).
-case ",$EXTRAS," in
-  *,all,* | *,areal,*)
-    areal_pkgs="$(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["areal"]))')"
-    areal_stamp=".venv/.areal-$(echo "$areal_pkgs" | sha256sum | cut -c1-16)"
-    if [ ! -f "$areal_stamp" ]; then
-      echo "bootstrap: installing the areal test extra (--no-deps): $areal_pkgs" >&2
-      .venv/bin/python -m pip install -q --no-deps $areal_pkgs
-      rm -f .venv/.areal-*
-      touch "$areal_stamp"
-    fi
-    ;;
-esac
+# The test extras of tests/integrations (pyproject.toml `verl`, `areal`): installed
+# --no-deps, as their comments say; only with `all` (what `make test` installs) or when
+# asked for by name.  A stamp per extra, named by its package list, makes re-runs no-ops.
+install_test_extra() {
+  local name="$1" pkgs stamp
+  case ",$EXTRAS," in
+    *,all,* | *,"$name",*) ;;
+    *) return 0 ;;
+  esac
+  pkgs="$(.venv/bin/python -c 'import sys, tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))' "$name")"
+  stamp=".venv/.$name-$(echo "$pkgs" | sha256sum | cut -c1-16)"
+  if [ ! -f "$stamp" ]; then
+    echo "bootstrap: installing the $name test extra (--no-deps): $pkgs" >&2
+    .venv/bin/python -m pip install -q --no-deps $pkgs
+    rm -f ".venv/.$name-"*
+    touch "$stamp"
+  fi
+}
+install_test_extra verl
+install_test_extra areal

@@ -67,7 +67,6 @@ def build_tiny_model(
     """
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     tf: Any = transformers
 
@@ -80,7 +79,18 @@ def build_tiny_model(
     cfg.initializer_range = init_std
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB) -> Any:
+    """The tiny models' word-level tokenizer: token ``i`` is the word ``w{i}`` (ids 0-2 are
+    ``<unk>``, ``<s>``, ``</s>``), with :data:`CHAT_TEMPLATE`; a ``PreTrainedTokenizerFast``."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tf: Any = transformers  # its tokenizer classes are untyped
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = tf.PreTrainedTokenizerFast(
@@ -91,8 +101,7 @@ def build_tiny_model(
         pad_token="<unk>",
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
-    return out
+    return fast
 
 
 def words(token_ids: list[int]) -> str:

@@ -304,23 +304,9 @@ class Engine:
 
 def tokenizer() -> Any:
     """The word-level tokenizer of sglang_r3.harness's tiny models ("w{id}" per token)."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from sglang_r3.harness import tiny_tokenizer
 
-    from sglang_r3.harness import CHAT_TEMPLATE
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<unk>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return tiny_tokenizer(VOCAB)
 
 
 def config(**rollout: Any) -> Any:
