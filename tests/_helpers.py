@@ -5,9 +5,10 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import msgpack
 import numpy as np
 
-from r3_client import Segment, encode_frame, token_digest
+from r3_client import Segment, encode_frame, read_header, token_digest
 from r3_client.testing import synthetic_routing
 
 E, K, LAYERS = 64, 4, (1, 3, 5)
@@ -78,3 +79,16 @@ def hostile_ids(victim: str) -> list[str]:
 TRICKY_LEGAL_IDS = ["...", ".a", "a.", "-", "=", "+", "@", ":", "a+b", "a=b", "a:b@c+d=e-f_g.h"]
 #: Values that are not a rollout id string at all.
 NOT_STRINGS: list[Any] = [None, 7, 7.5, True, b"victim", {"id": "victim"}, ["victim"], [7]]
+
+
+def frame_parts(frame: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    """A v2 frame's header map and its chunk bodies, for tests that rebuild a frame with
+    crafted parts (``r3_client._codec_v2._assemble_frame`` puts them back together)."""
+    hdr = read_header(frame)
+    raw_header = frame[20 : 20 + (hdr.frame_length - 24 - hdr.body_length)]
+    at = hdr.frame_length - 4 - hdr.body_length
+    chunks = []
+    for length, _ in hdr.chunks:
+        chunks.append(frame[at : at + length])
+        at += length
+    return msgpack.unpackb(raw_header, raw=False), chunks

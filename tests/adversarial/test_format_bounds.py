@@ -15,12 +15,11 @@ import zlib
 from pathlib import Path
 
 import grpc
-import msgpack
 import numpy as np
 import pytest
 import redis
 import zstandard
-from _helpers import LAYERS, TRAJ, E, frame_for, rid
+from _helpers import LAYERS, TRAJ, E, frame_for, frame_parts, rid
 from _service import KEY_A, Service, grpc_md, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
@@ -82,14 +81,7 @@ def test_a_gap_within_the_limit_is_read_without_allocating_it(service_single: Se
 def _rebuild(frame: bytes, chunk_index: int, chunk: bytes) -> bytes:
     """``frame`` with one chunk replaced (index length and CRC fixed, outer CRC recomputed):
     a well-formed frame whose chunk claims whatever ``chunk`` claims."""
-    hdr = read_header(frame)
-    raw_header = frame[20 : 20 + (hdr.frame_length - 24 - hdr.body_length)]
-    header = msgpack.unpackb(raw_header, raw=False)
-    at = hdr.frame_length - 4 - hdr.body_length
-    chunks = []
-    for length, _ in hdr.chunks:
-        chunks.append(frame[at : at + length])
-        at += length
+    header, chunks = frame_parts(frame)
     chunks[chunk_index] = chunk
     header["chunks"] = [[len(c), zlib.crc32(c)] for c in chunks]
     return _assemble_frame(2, frame[5], header, chunks)

@@ -21,7 +21,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zstandard
-from _helpers import rid
+from _helpers import frame_parts, rid
 from _service import KEY_A, Service
 
 from r3_client import CodecError, Segment, decode_rollout, encode_frame, read_header, token_digest
@@ -54,17 +54,6 @@ def _lying_zstd(declared: int, inflated: int = INFLATED) -> bytes:
     return out
 
 
-def _parts(frame: bytes) -> tuple[dict[str, object], list[bytes]]:
-    hdr = read_header(frame)
-    raw_header = frame[20 : 20 + (hdr.frame_length - 24 - hdr.body_length)]
-    at = hdr.frame_length - 4 - hdr.body_length
-    chunks = []
-    for length, _ in hdr.chunks:
-        chunks.append(frame[at : at + length])
-        at += length
-    return msgpack.unpackb(raw_header, raw=False), chunks
-
-
 def _frame() -> bytes:
     idx = synthetic_routing(ROWS, len(LAYERS), E, K, skew=1.0, seed=11)
     seg = Segment(0, ROWS, "bomb-chunk", "v1", token_digest(range(ROWS + 1)))
@@ -78,7 +67,7 @@ def _frame() -> bytes:
 
 def chunk_bomb(frame: bytes) -> tuple[bytes, int]:
     """``frame`` with its one chunk replaced by a lying zstd frame; its declared size."""
-    header, chunks = _parts(frame)
+    header, chunks = frame_parts(frame)
     declared = zstandard.frame_content_size(chunks[0])
     chunks[0] = _lying_zstd(declared)
     header["chunks"] = [[len(c), zlib.crc32(c)] for c in chunks]
@@ -92,7 +81,7 @@ def table_bomb() -> tuple[bytes, int]:
     idx = synthetic_routing(rows, len(layers), e, K, seed=12)
     seg = Segment(0, rows, "bomb-table", "v1", token_digest(range(rows + 1)))
     frame = encode_frame(idx, num_experts=e, layer_ids=layers, segment=seg, codec="set-zstd")
-    header, chunks = _parts(frame)
+    header, chunks = frame_parts(frame)
     ctx = msgpack.unpackb(header["ctx"], raw=False)  # type: ignore[arg-type]
     assert "table" not in ctx  # too few rows for one of its own
     declared = len(layers) * e * 2
