@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -74,3 +76,13 @@ def restart_cache(cache: Service, tmp_path_factory: pytest.TempPathFactory) -> N
         grpc_port=int(cache.grpc_target.rsplit(":", 1)[1]),
     )
     cache.proc, cache.log = restarted.proc, restarted.log
+
+
+SHIMS_DIR = Path(__file__).parent / "cpu_shims"
+
+
+def shim_env(*shims: str, **extra: str) -> dict[str, str]:
+    """Environment additions for an engine that needs the test-only CPU shims ``shims``
+    (modules of ``r3_cpu_shims``), plus ``extra`` variables; for ``start_engine(env=...)``."""
+    path = os.pathsep.join(p for p in (str(SHIMS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "R3_CPU_SHIMS": ",".join(shims), **extra}
