@@ -29,4 +29,4 @@ def apply() -> None:
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     if not hasattr(TorchNativeAttnBackend, "get_cpu_graph_seq_len_fill_value"):
-        TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = _fill_value  # type: ignore[attr-defined]
+        TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = _fill_value
