@@ -83,6 +83,65 @@ def build_tiny_model(
     return out
 
 
+def build_tiny_mtp_draft(
+    target_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
+) -> Path:
+    """Write an MTP draft for a tiny Qwen3-MoE target (:func:`build_tiny_model`) to
+    ``out_dir`` (once), for ``--speculative-algorithm EAGLE|NEXTN
+    --speculative-draft-model-path out_dir``.
+
+    SGLang 0.5.23 loads any Qwen3-MoE draft as ``Qwen3MoeForCausalLMMTP``
+    (``configs/model_config.py``), whose weights are ``mtp.fc`` (``[hidden, 2 * hidden]``
+    over the concatenated normed token embedding and target hidden state),
+    ``mtp.pre_fc_norm_{embedding,hidden}``, one decoder layer ``mtp.layers.0.*`` and
+    ``mtp.norm``; embedding and LM head are shared from the target
+    (``models/qwen3_moe.py``).  The draft's layer is a copy of the target's last layer
+    (so it is a MoE layer: draft routing must stay out of the target's rows) and ``fc``
+    is ``[0 | I]`` plus small noise, so the draft mostly continues the target's last hidden
+    state and some of its guesses are accepted, some rejected.
+    """
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(target_dir), Path(out_dir)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("model_type") != "qwen3_moe":
+        raise ValueError(
+            f"{src}: an MTP draft is built for qwen3_moe, not {config.get('model_type')}"
+        )
+    target = load_file(str(src / "model.safetensors"))
+    hidden = int(config["hidden_size"])
+    generator = torch.Generator().manual_seed(0)
+    fc = torch.zeros(hidden, 2 * hidden)
+    fc[:, hidden:] = torch.eye(hidden)
+    fc += 0.02 * torch.randn(hidden, 2 * hidden, generator=generator)
+    weights = {
+        "mtp.fc.weight": fc.to(torch.bfloat16),
+        "mtp.pre_fc_norm_embedding.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        "mtp.pre_fc_norm_hidden.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        "mtp.norm.weight": target["model.norm.weight"].clone(),
+    }
+    last = f"model.layers.{int(config['num_hidden_layers']) - 1}."
+    for name, tensor in target.items():
+        if name.startswith(last):
+            weights["mtp.layers.0." + name[len(last) :]] = tensor.clone()
+    save_file(weights, str(out / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    if (src / "generation_config.json").exists():
+        shutil.copy(src / "generation_config.json", out / "generation_config.json")
+    config.update(num_hidden_layers=1, num_nextn_predict_layers=1)
+    (out / "config.json").write_text(json.dumps(config, indent=1))  # last: marks it complete
+    return out
+
+
 def tiny_tokenizer(vocab_size: int = VOCAB) -> Any:
     """The tiny models' word-level tokenizer: token ``i`` is the word ``w{i}`` (ids 0-2 are
     ``<unk>``, ``<s>``, ``</s>``), with :data:`CHAT_TEMPLATE`; a ``PreTrainedTokenizerFast``."""
