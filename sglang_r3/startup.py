@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import pkgutil
 from typing import Any
@@ -55,11 +56,91 @@ def unsupported_options(server_args: Any, config: EngineConfig) -> list[str]:
         problems.append(
             "--tokenizer-worker-num > 1 serves HTTP from processes SGLang loads no plugins in"
         )
-    if on("speculative_algorithm"):
-        problems.append("speculative decoding: upstream capture does not cover verify tokens")
+    speculation = speculation_problem(server_args)
+    if speculation:
+        problems.append(speculation)
     if on("enable_hisparse"):
         problems.append("--enable-hisparse restores KV without recomputing it")
     return problems
+
+
+# Speculative algorithms whose verify path keeps one routing row per accepted token when
+# the draft is a chain (topk 1): EAGLE-family workers (NEXTN resolves to EAGLE).
+CHAIN_SPECULATION = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+_USE_CHAIN = (
+    "use EAGLE, EAGLE3, NEXTN (MTP) or STANDALONE with --speculative-eagle-topk 1 "
+    "(a chain: --speculative-num-draft-tokens = --speculative-num-steps + 1)"
+)
+
+
+def resolved_server_args(server_args: Any) -> Any:
+    """``server_args`` as SGLang's argument resolution decides it (a read-only view).
+
+    SGLang 0.5.23 never writes resolved values back to the record: handlers declare them
+    in a stash (``arg_groups/overrides.py`` ``declare_resolution``) read through
+    ``resolved_view``; raw fields keep what the command line said (``NEXTN``, topk
+    ``None``).  Before SGLang resolves the record (our launcher checks it first), a copy
+    is resolved here; if that fails, the raw record is returned and SGLang reports its own
+    error when it resolves.
+    """
+    try:
+        from sglang.srt.arg_groups.model_override_base import resolved_view
+    except ImportError:  # not SGLang's record (unit tests pass a namespace)
+        return server_args
+    if not getattr(server_args, "_resolution_finished", False):
+        if not callable(getattr(server_args, "resolve_once", None)):
+            return server_args
+        try:
+            server_args = copy.deepcopy(server_args)
+            server_args.resolve_once()
+        except Exception as exc:  # SGLang raises its own error on its own resolution
+            log.debug("resolving a copy of server_args failed: %s", exc)
+            return server_args
+    return resolved_view(server_args)
+
+
+def speculation_problem(server_args: Any) -> str | None:
+    """Why routing rows would be wrong under the configured speculative decoding, or None.
+
+    What SGLang 0.5.23 does (docs/notes/sglang-0.5.23-fleet-configs.md, "Speculative
+    decoding"): verify is a target forward over every draft slot and is captured
+    (``model_executor/model_runner.py:1876-1886``); draft models opt out of capture
+    (``model_runner.py:722-723``, ``state_capturer/routed_experts.py:177-190``); rows of
+    accepted tokens are read through ``req_to_token`` at finish, rejected drafts' slots
+    are freed.  With a chain (``topk == 1``) the accepted tokens already sit at the front
+    of the verify window, so each has its own row.  A tree moves the accepted path's KV
+    to the front instead, and the rows stay behind.
+    """
+    if not getattr(server_args, "speculative_algorithm", None):
+        return None
+    view = resolved_server_args(server_args)
+    algorithm = str(view.speculative_algorithm).upper()
+    if algorithm == "NGRAM":
+        return (
+            "--speculative-algorithm NGRAM: its draft trees move accepted tokens' KV "
+            "(sglang/srt/speculative/ngram_worker.py:510 -> spec_utils.py:859-910, "
+            "move_accept_tokens_to_target_kvcache) without the routing rows recorded at "
+            "those KV slots, and under the overlap scheduler (the GPU default) its batch "
+            "result drops the target forward's routed_experts_output "
+            "(speculative/ngram_worker.py:567-577), so no row is written at all; " + _USE_CHAIN
+        )
+    if algorithm not in CHAIN_SPECULATION:
+        return (
+            f"--speculative-algorithm {algorithm}: routing capture under it is not "
+            f"verified by sglang_r3; {_USE_CHAIN}"
+        )
+    topk = view.speculative_eagle_topk
+    if topk is None or int(topk) != 1:
+        return (
+            f"speculative decoding with --speculative-eagle-topk {topk} (a draft tree) "
+            "moves the accepted path's KV to the front of the verify window "
+            "(sglang/srt/speculative/spec_utils.py:859-910, "
+            "move_accept_tokens_to_target_kvcache, called at "
+            "speculative/eagle_worker_common.py:508 when topk > 1, :772) but not the "
+            "routing rows recorded at those KV slots, so accepted tokens would be stored "
+            f"with rejected drafts' rows; {_USE_CHAIN}"
+        )
+    return None
 
 
 def _resolve(target: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import pytest
 from _service import Service
 
 from cache_service.redis_proc import free_port
+from sglang_r3.cpu import prepare_env
+from sglang_r3.harness import build_tiny_mtp_draft
 
 
 def launch(
@@ -115,3 +118,99 @@ def test_help_lists_our_options_in_their_own_group_with_sglangs() -> None:
     for flag in ("--model-path", "--device", "--enable-return-routed-experts", "--config"):
         assert flag in sglangs, flag
     assert "--routing-cache" not in sglangs
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+TREE = (
+    "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
+    "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "3",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mtp_draft(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_mtp_draft(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("mtp"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (TREE, "--speculative-eagle-topk 2 (a draft tree)"),
+        (("--speculative-algorithm", "NGRAM"), "speculative/ngram_worker.py:567-577"),
+    ],
+    ids=["eagle-tree", "ngram"],
+)
+def test_refuses_speculation_that_moves_kv_without_rows(
+    tiny_models: dict[str, Path],
+    engine_cache: Service,
+    mtp_draft: Path,
+    spec: tuple[str, ...],
+    reason: str,
+) -> None:
+    proc = launch(
+        tiny_models["qwen3_moe"],
+        "--return-routed-experts",
+        "--routing-cache",
+        engine_cache.http_url,
+        "--routing-api-key",
+        "key-tenant-a-0123456789abcdef",
+        "--attention-backend",
+        "torch_native",
+        *spec,
+        "--speculative-draft-model-path",
+        str(mtp_draft),
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert reason in proc.stderr
+    assert "spec_utils.py:859-910" in proc.stderr  # the KV move that leaves rows behind
+    assert "--speculative-eagle-topk 1" in proc.stderr  # what to do instead
+
+
+_DECIDE = """
+import json, sys
+from sglang.srt.server_args import prepare_server_args
+from sglang_r3.startup import speculation_problem
+base = ["--model-path", sys.argv[1], "--device", "cpu", "--attention-backend", "torch_native",
+        "--speculative-draft-model-path", sys.argv[2]]
+out = {}
+for name, spec in json.loads(sys.argv[3]).items():
+    server_args = prepare_server_args(base + spec)
+    before = speculation_problem(server_args)  # what the launcher sees: the raw record
+    server_args.resolve_once()  # what run_server, the HTTP hook and the scheduler see
+    out[name] = [before is None, speculation_problem(server_args) is None]
+print("DECIDED " + json.dumps(out))
+"""
+
+
+def test_speculation_is_judged_on_the_record_sglang_resolves(
+    tiny_models: dict[str, Path], mtp_draft: Path
+) -> None:
+    """SGLang 0.5.23 resolves server_args into a stash (raw fields keep ``NEXTN``, topk
+    None); the check decides on what resolution makes of them, before and after it runs."""
+    specs = {
+        # No topk: SGLang picks steps 3, topk 1, 4 draft tokens for this model: a chain.
+        "nextn-default": ["--speculative-algorithm", "NEXTN"],
+        "eagle3-chain": ["--speculative-algorithm", "EAGLE3", "--speculative-eagle-topk", "1",
+                         "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "3"],
+        "eagle-tree": list(TREE),
+        # NGRAM is refused whatever its breadth (its overlap path drops the rows).
+        "ngram-chain": ["--speculative-algorithm", "NGRAM",
+                        "--speculative-ngram-max-bfs-breadth", "1"],
+    }  # fmt: skip
+    env = prepare_env(dict(os.environ))
+    proc = subprocess.run(
+        [
+            sys.executable, "-c", _DECIDE, str(tiny_models["qwen3_moe"]), str(mtp_draft),
+            json.dumps(specs),
+        ],
+        capture_output=True, text=True, timeout=180, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("DECIDED "))
+    assert json.loads(line.removeprefix("DECIDED ")) == {
+        "nextn-default": [True, True],
+        "eagle3-chain": [True, True],
+        "eagle-tree": [False, False],
+        "ngram-chain": [False, False],
+    }
