@@ -19,15 +19,24 @@ Takes every ``python -m sglang.launch_server`` argument plus::
 ``--help`` shows SGLang's options and these, in their own group.
 
 ``--device cpu`` also prepares the CPU recipe (stub libcuda, CPU engine) and
-re-executes itself so the dynamic loader sees it.  Exit status 2 means the
-configuration was refused before SGLang started, with the reason on stderr.
+re-executes itself so the dynamic loader sees it.
+
+``--tokenizer-worker-num N > 1`` points SGLang's HTTP workers at
+:mod:`sglang_r3.worker_app` (through ``SGLANG_HTTP_SERVER_APP_PATH``), which loads
+the extension in each of them, and gives them one ``PROMETHEUS_MULTIPROC_DIR``
+(unless set) so that ``/r3/metrics`` sums them.
+
+Exit status 2 means the configuration was refused before SGLang started, with the
+reason on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -286,11 +295,17 @@ def _run(rest: list[str]) -> int:
 
     load_plugins()
     server_args = prepare_server_args(rest)
+    config = engine_config()
+    metrics_dir = None
+    if (getattr(server_args, "tokenizer_worker_num", 1) or 1) > 1:
+        problem = _use_worker_app(config.enabled)
+        if problem:
+            return _fail(problem)
+        metrics_dir = _metrics_dir()
     try:
         check_startup(HTTP_TARGETS, server_args)
     except StartupError as exc:
         return _fail(str(exc))
-    config = engine_config()
     if config.enabled:
         problem = _check_cache(config)
         if problem:
@@ -299,7 +314,42 @@ def _run(rest: list[str]) -> int:
         run_server(server_args)
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def _use_worker_app(enabled: bool) -> str | None:
+    """Point SGLang's HTTP workers at :mod:`sglang_r3.worker_app`; a refusal, or None.
+
+    Under ``--tokenizer-worker-num > 1`` SGLang's HTTP workers import the app named
+    by ``SGLANG_HTTP_SERVER_APP_PATH`` (read when the server starts, so setting it
+    here, after SGLang is imported, is in time) and load no plugins themselves.  A
+    value of the user's own would replace ours, so it is refused when routing is
+    shipped (and left alone when it is not).
+    """
+    from sglang_r3.startup import APP_PATH, APP_PATH_ENV
+
+    current = os.environ.get(APP_PATH_ENV)
+    if current in (None, "", APP_PATH):
+        os.environ[APP_PATH_ENV] = APP_PATH
+        return None
+    if not enabled:
+        return None
+    return (
+        f"--tokenizer-worker-num > 1 needs {APP_PATH_ENV}={APP_PATH} (the app that loads "
+        f"this extension in SGLang's HTTP workers), but it is set to {current!r}; unset it"
+    )
+
+
+def _metrics_dir() -> str | None:
+    """A fresh ``PROMETHEUS_MULTIPROC_DIR`` unless the user set one (then None), so that
+    every HTTP worker's ``/r3/metrics`` answers the counters summed over all workers."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    path = tempfile.mkdtemp(prefix="sglang_r3-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    return path
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import pkgutil
 from typing import Any
 
@@ -19,6 +20,12 @@ from sglang_r3.targets import (
 )
 
 log = logging.getLogger("sglang_r3")
+
+#: What SGLang's HTTP workers import as the app under ``--tokenizer-worker-num > 1``
+#: (:mod:`sglang_r3.worker_app`), named by the variable SGLang reads it from
+#: (``environ.py:343``, ``http_server.py:2790, 3052``).
+APP_PATH = "sglang_r3.worker_app:app"
+APP_PATH_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
 
 # ---------------------------------------------------------------- checks
 
@@ -52,9 +59,14 @@ def unsupported_options(server_args: Any, config: EngineConfig) -> list[str]:
             "--disaggregation-mode decode receives prompt KV from the prefill node, "
             "so prompt rows are never computed here"
         )
-    if (on("tokenizer_worker_num") or 1) > 1:
+    if (on("tokenizer_worker_num") or 1) > 1 and os.environ.get(APP_PATH_ENV) != APP_PATH:
         problems.append(
-            "--tokenizer-worker-num > 1 serves HTTP from processes SGLang loads no plugins in"
+            "--tokenizer-worker-num > 1 serves HTTP from worker processes that import "
+            f"${APP_PATH_ENV} (now {os.environ.get(APP_PATH_ENV)!r}) and load no SGLang "
+            "plugins themselves (sglang 0.5.23 http_server.py:242, 298-308, 3052-3077), so "
+            "their routing would not be stored; start the server with "
+            "`python -m sglang_r3.launch_server` (it sets the variable), or set "
+            f"{APP_PATH_ENV}={APP_PATH}"
         )
     speculation = speculation_problem(server_args)
     if speculation:
@@ -208,24 +220,51 @@ def check_startup(targets: list[str], server_args: Any | None) -> None:
 def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE ``http_server.launch_server``: verify, refuse, add the ``/r3`` routes."""
     check_startup(HTTP_TARGETS, server_args)
-    _add_routes()
+    add_routes()
     return None
 
 
-def _add_routes() -> None:
+class _SummedR3:
+    """The ``r3_*`` metrics summed over every process writing to
+    ``PROMETHEUS_MULTIPROC_DIR`` (SGLang's own metrics may live there too)."""
+
+    def collect(self) -> Any:
+        from prometheus_client import multiprocess
+
+        summed = multiprocess.MultiProcessCollector(None).collect()  # type: ignore[no-untyped-call]
+        return [m for m in summed if m.name.startswith("r3_")]
+
+
+def add_routes(*, aggregate_metrics: bool = False) -> None:
+    """Add ``/r3/metrics``, ``/r3/loop`` and ``/r3/info`` to SGLang's app (once).
+
+    ``aggregate_metrics``: answer ``/r3/metrics`` summed over every process writing
+    to ``PROMETHEUS_MULTIPROC_DIR`` (the tokenizer workers, :mod:`sglang_r3.worker_app`);
+    else this process's own counters.
+    """
     from fastapi import Response
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from sglang.srt.entrypoints import http_server
 
     app = http_server.app
     if any(getattr(r, "path", None) == "/r3/metrics" for r in app.router.routes):
         return
+    registry = metrics.REGISTRY
+    if aggregate_metrics:
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(_SummedR3())
 
     async def r3_metrics() -> Response:
-        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def r3_info() -> dict[str, Any]:
         config = engine_config()
+        outputs = {
+            s.labels["outcome"]: s.value
+            for m in metrics.OUTPUTS.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        }
         return {
             "enabled": config.enabled,
             "routing_cache": config.routing_cache,
@@ -234,6 +273,10 @@ def _add_routes() -> None:
             "share_prompt": config.share_prompt,
             "sglang": SGLANG_VERSION,
             "hooks": HTTP_TARGETS,
+            # The answering process (one of several under --tokenizer-worker-num > 1)
+            # and its own tagged outputs by outcome.
+            "pid": os.getpid(),
+            "outputs": outputs,
         }
 
     async def r3_loop() -> dict[str, Any]:

@@ -72,6 +72,8 @@ UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
         "served_model_name",
         "model_path",
     ),
+    # --tokenizer-worker-num > 1: the app SGLang's HTTP workers import (sglang_r3.worker_app).
+    "sglang.srt.environ.Envs": ("SGLANG_HTTP_SERVER_APP_PATH",),
 }
 
 
