@@ -20,6 +20,7 @@ from sglang_r3.errors import (
 )
 from sglang_r3.handover import to_base64
 from sglang_r3.layers import MoeShape, moe_shape
+from sglang_r3.pd import check_decode_retractions, decode_start, is_decode_server
 from sglang_r3.probe import LOOP_PROBE
 from sglang_r3.shipping import Continuation, Shipper
 from sglang_r3.tagging import OutputTag, output_tags, request_shape
@@ -275,15 +276,20 @@ def _checked_tags(config: EngineConfig, obj: Any) -> tuple[list[OutputTag], int,
 
 
 async def _look_up(
-    shipper: Shipper, config: EngineConfig, tags: list[OutputTag], assumed_new: list[bool]
+    shipper: Shipper,
+    config: EngineConfig,
+    tags: list[OutputTag],
+    assumed_new: list[bool],
+    gaps: bool = False,
 ) -> list[Continuation | None]:
-    """What the cache holds of each tagged rollout (None: new), looked up concurrently."""
+    """What the cache holds of each tagged rollout (None: new), looked up concurrently
+    (``gaps``: as a PD decode server sees it, :mod:`sglang_r3.pd`)."""
 
     async def lookup(tag: OutputTag, new: bool) -> Continuation | None:
         if new:
             return None
         try:
-            return await shipper.continuation(tag.rollout_id)
+            return await shipper.continuation(tag.rollout_id, gaps=gaps)
         except CacheUnavailableError:
             # Under the inline policy a rollout the cache cannot be asked about is
             # generated from row 0, so the inline fallback carries every row.
@@ -301,11 +307,16 @@ async def _tagged_generate(
     config = engine_config()
     tags, batch, n, single = _checked_tags(config, obj)
     shipper = _shipper(tm)
+    # PD decode: rows from the prompt length on, whatever is stored (sglang_r3.pd).
+    # It always looks up (the prefix check), since "assumed new" would store from 0.
+    decode = is_decode_server(tm)
     # --routing-lookup seen: a rollout this process has not seen is assumed new, with
     # no lookup before generation (its first write cannot overlap stored rows;
     # Shipper.ship resolves that case after generation).
-    assumed_new = [config.lookup == "seen" and not shipper.seen(t.rollout_id) for t in tags]
-    conts = await _look_up(shipper, config, tags, assumed_new)
+    assumed_new = [
+        not decode and config.lookup == "seen" and not shipper.seen(t.rollout_id) for t in tags
+    ]
+    conts = await _look_up(shipper, config, tags, assumed_new, gaps=decode)
     if n > 1:
         taken = [t.rollout_id for t, c in zip(tags, conts, strict=True) if c is not None]
         if taken:
@@ -314,10 +325,10 @@ async def _tagged_generate(
     obj.return_routed_experts = True
     obj.return_prompt_token_ids = True
     planned: list[str] = []
-    if any(c is not None for c in conts):  # (fixing the rids only when a plan needs them)
+    if decode or any(c is not None for c in conts):  # (fixing the rids only when needed)
         for rid, tag, cont in zip(_send_rids(obj, batch, single), tags, conts, strict=True):
-            if cont is not None:  # the send hooks check its prefix and set its start
-                _SEND_PLANS[rid] = (tag, cont)
+            if decode or cont is not None:  # the send hooks check its prefix, set its start
+                _SEND_PLANS[rid] = (tag, cont, decode)
                 planned.append(rid)
     starts = [c.end if c is not None else 0 for c in conts]
     incremental = bool(getattr(obj, "stream", False)) and bool(
@@ -338,6 +349,9 @@ async def _tagged_generate(
         routing = meta.pop("routed_experts", None)
         prompt_ids = out.get("prompt_token_ids") or []
         output_ids = streamed_ids.get(k, []) if incremental else out.get("output_ids") or []
+        if decode:  # the send hook asked for rows from the prompt's end
+            starts[k] = len(prompt_ids)
+            check_decode_retractions(tag, meta)
         ref = await shipper.ship(
             tag,
             starts[k],
@@ -377,14 +391,19 @@ async def _tagged_generate(
 # Request ids are unique within the process's one TokenizerManager; the generate hook
 # removes its entries when the request ends.  (Kept here, not as an attribute set on
 # SGLang's own object.)
-_SEND_PLANS: dict[str, tuple[OutputTag, Continuation]] = {}
+# (tag, what is stored, on a PD decode server).
+_SEND_PLANS: dict[str, tuple[OutputTag, Continuation | None, bool]] = {}
 
 
 def _apply_plan(tm: Any, tokenized: Any) -> None:
     plan = _SEND_PLANS.get(getattr(tokenized, "rid", None) or "")
     if plan is None:
         return
-    tag, cont = plan
+    tag, cont, decode = plan
+    if decode:
+        tokenized.routed_experts_start_len = decode_start(tag, cont, tokenized.input_ids)
+        return
+    assert cont is not None  # planned only when stored
     Shipper.check_prefix(tag, cont, tokenized.input_ids)
     tokenized.routed_experts_start_len = cont.end
 

@@ -149,11 +149,15 @@ class Shipper:
         # order of events that it does not hold the event loop.
         self._test_delay = float(os.environ.get("SGLANG_R3_TEST_SHIP_DELAY_S", "0") or 0)
 
-    async def continuation(self, rollout_id: str) -> Continuation | None:
+    async def continuation(self, rollout_id: str, *, gaps: bool = False) -> Continuation | None:
         """The stored trajectory of ``rollout_id`` (None: new rollout).
 
         A stored rollout must be one contiguous run ``[0, end)`` from this model's
         geometry; anything else is a 409, since appending to it would misalign rows.
+        ``gaps``: rows may be missing below the end (a PD decode server, whose
+        segments land before or after the prefill server's): ``end`` is then the
+        highest stored row and ``digest`` that of the segment ending there, which
+        covers every token before it.
         """
         self._remember(rollout_id)
         try:
@@ -182,7 +186,9 @@ class Shipper:
             if s.segment.start != covered:
                 break
             covered = s.segment.end
-        if not segs or covered != info.num_rows:
+        if gaps and segs:
+            segs = sorted(segs, key=lambda s: s.segment.end)
+        elif not segs or covered != info.num_rows:
             metrics.CONFLICTS.inc()
             raise R3RequestError(
                 409, f"r3: rollout {rollout_id!r} has gaps in its stored rows; cannot continue it"

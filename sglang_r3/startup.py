@@ -54,11 +54,11 @@ def unsupported_options(server_args: Any, config: EngineConfig) -> list[str]:
             "--enable-lmcache / --enable-flexkv restore KV without recomputing it; "
             "routing rows of restored tokens would be stale"
         )
-    if on("disaggregation_mode") == "decode":
-        problems.append(
-            "--disaggregation-mode decode receives prompt KV from the prefill node, "
-            "so prompt rows are never computed here"
-        )
+    # --disaggregation-mode decode is supported: its prompt KV comes from the prefill
+    # node, so its prompt rows are never computed here, and a tagged request there
+    # ships only rows [P, P+N-1) (sglang_r3.pd); the prefill server ships [stored, P).
+    # A decode-side radix cache changes only where prompt KV comes from, never those
+    # rows.  Retractions there restore KV without a forward: refused per request.
     if (on("tokenizer_worker_num") or 1) > 1 and os.environ.get(APP_PATH_ENV) != APP_PATH:
         problems.append(
             "--tokenizer-worker-num > 1 serves HTTP from worker processes that import "
