@@ -13,6 +13,7 @@ policy keeps a rollout on one engine by.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -29,7 +30,10 @@ from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
+from sglang_r3.errors import R3RequestError
+from sglang_r3.fleet import DEAD_ENGINE_WINDOW_S, classify_failure
 from sglang_r3.harness import EngineServer, start_engine, start_router, words
+from sglang_r3.http_hooks import _openai_error
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -298,3 +302,105 @@ def test_r3_refusals_and_a_cache_outage_leave_engines_in_rotation(
     after = rid("after")
     _ok(_post(fleet.router.url, "/generate", _request("/generate", "ids", "", PROMPT), after))
     assert cache_client.stat(after).num_rows > len(PROMPT)
+
+
+def _rows_shipped(engine: EngineServer) -> float:
+    return _metric(engine, "r3_engine_rows_total")
+
+
+def test_a_killed_engines_keys_move_to_a_live_engine(
+    qwen_engine: EngineServer,
+    engine_cache: Service,
+    tiny_models: dict[str, Path],
+    cache_client: RoutingClient,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``kill -9`` of an engine behind the router: until the router's health checks
+    take it out, its keys are answered 500 ``call_upstream_*`` by the router (which
+    :func:`sglang_r3.fleet.classify_failure` tells from an r3 500); then the rollout's
+    next turn continues on the live engine."""
+    logs = tmp_path_factory.mktemp("dies")
+    victim = start_engine(
+        tiny_models["qwen3_moe"],
+        port=free_port(),
+        log=logs / "victim.log",
+        routing_cache=engine_cache.http_url,
+        api_key=KEY_A,
+    )
+    router = None
+    try:
+        router = start_router(
+            [qwen_engine.url, victim.url],
+            port=free_port(),
+            metrics_port=free_port(),
+            log=logs / "router.log",
+        )
+        # A rollout whose key the router sends to the victim (a new key goes to a
+        # random engine; the manual policy then keeps it there).
+        for _ in range(20):
+            rollout = rid("dies")
+            before = _rows_shipped(victim)
+            first = _post(
+                router.url, "/generate", _request("/generate", "ids", "", PROMPT), rollout
+            )
+            _ok(first)
+            if _rows_shipped(victim) > before:
+                break
+        else:
+            pytest.fail("20 new keys all went to the live engine")
+        end = first.json()["meta_info"]["r3"]["end"]
+        context = PROMPT + first.json()["output_ids"] + [60, 61]
+        body = _request("/generate", "ids", "", context)
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        failures: list[tuple[float, int, str]] = []
+        while True:
+            r = _post(router.url, "/generate", body, rollout)
+            if r.status_code == 200:
+                break
+            failures.append((time.monotonic() - t0, r.status_code, r.text))
+            assert time.monotonic() - t0 < 120, failures[-3:]
+            time.sleep(0.2)
+        window = time.monotonic() - t0
+        print(f"dead engine's key refused for {window:.1f} s ({len(failures)} answers)")
+        # The router's own 500s, told apart from an r3 500 (rows failed validation).
+        assert failures, "the router answered the dead engine's key at once"
+        for _, status, text in failures:
+            assert (status, classify_failure(status, text)) == (500, "engine_unreachable"), text
+        # Not a timing claim: a bound from the settings, with a generous margin.
+        assert window < DEAD_ENGINE_WINDOW_S + 10, (window, failures[-1])
+        workers = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]
+        healthy = [w["url"] for w in workers if w.get("is_healthy")]
+        assert healthy == [qwen_engine.url], workers
+        # The turn continued on the live engine, from the stored trajectory.
+        ref = r.json()["meta_info"]["r3"]
+        assert ref["stored"] is True and ref["start"] == end, ref
+    finally:
+        if router is not None:
+            router.stop()
+        victim.stop()
+
+
+ROUTER_500 = (
+    '{"error":{"type":"Internal Server Error","code":"call_upstream_request_error",'
+    '"message":"error sending request for url (http://127.0.0.1:1/generate). '
+    'URL: http://127.0.0.1:1/generate"}}'
+)
+
+
+def test_classify_failure_tells_the_routers_500_from_an_r3_500() -> None:
+    """The router's body is the one the killed-engine test receives; the r3 bodies
+    are built by the code that answers them (SGLang's /generate error response,
+    its stream error event, and the extension's OpenAI error object)."""
+    from sglang.srt.entrypoints.http_server import _create_error_response
+
+    err = R3RequestError(500, "r3: engine routing failed validation, not stored: x")
+    generate = _create_error_response(err).body
+    stream_event = {"error": {"message": str(err), "code": 500, "retryable": False}}
+    openai = json.dumps(_openai_error(err))
+    assert classify_failure(500, ROUTER_500) == "engine_unreachable"
+    for body in (generate, stream_event, openai):
+        assert classify_failure(500, body) == "r3", body
+    upstream = _create_error_response(ValueError("Input length exceeds the limit")).body
+    for body in (upstream, "Internal Server Error", b"", "[]"):
+        assert classify_failure(500, body) == "other", body
