@@ -31,6 +31,11 @@ Where the work happens (all in SGLang's HTTP process unless noted):
 - ``DetokenizerManager.handle_batch_token_id_out`` (AROUND, detokenizer process):
   marked rows become compact :class:`sglang_r3.rows.EngineRows` instead of base64.
 - ``DetokenizerManager.__init__`` (AROUND, detokenizer process): verification there.
+- HiCache (scheduler process, :mod:`sglang_r3.hicache`): ``UnifiedRadixCache.init_hicache``
+  gives the host tier a routing-row buffer; ``HybridCacheController.write`` / ``load``
+  move rows with the KV backed up to / loaded from it; ``BaseTopkCapturer.on_forward_end``
+  and ``TopkCaptureOutput.finalize`` order those moves after the rows of the forward in
+  flight (overlap scheduling).
 """
 
 from __future__ import annotations
@@ -43,6 +48,13 @@ from sglang_r3.generate_hooks import (
     around_send_batch_request,
     around_send_one_request,
 )
+from sglang_r3.hicache import (
+    around_capture_finalize,
+    around_capture_forward_end,
+    around_controller_load,
+    around_controller_write,
+    around_init_hicache,
+)
 from sglang_r3.http_hooks import (
     around_openai_handle_request,
     around_serve_generate_request,
@@ -51,10 +63,15 @@ from sglang_r3.startup import (
     before_launch_server,
 )
 from sglang_r3.targets import (
+    T_CAPTURE_END,
+    T_CAPTURE_FINALIZE,
     T_COLLECT,
     T_DETOKENIZE,
     T_DETOKENIZER,
     T_GENERATE,
+    T_HICACHE_INIT,
+    T_HICACHE_LOAD,
+    T_HICACHE_WRITE,
     T_LAUNCH,
     T_OPENAI,
     T_SCHEDULER,
@@ -88,6 +105,11 @@ HOOKS: list[tuple[str, Callable[..., Any], str]] = [
     (T_COLLECT, around_collect_routed_experts, "AROUND"),
     (T_DETOKENIZER, around_detokenizer_init, "AROUND"),
     (T_DETOKENIZE, around_detokenize, "AROUND"),
+    (T_HICACHE_INIT, around_init_hicache, "AROUND"),
+    (T_HICACHE_WRITE, around_controller_write, "AROUND"),
+    (T_HICACHE_LOAD, around_controller_load, "AROUND"),
+    (T_CAPTURE_END, around_capture_forward_end, "AROUND"),
+    (T_CAPTURE_FINALIZE, around_capture_finalize, "AROUND"),
 ]
 
 

@@ -13,6 +13,7 @@ from sglang_r3.config import EngineConfig
 from sglang_r3.generate_hooks import (
     engine_config,
 )
+from sglang_r3.hicache import unsupported_hicache_options
 from sglang_r3.probe import LOOP_PROBE
 from sglang_r3.targets import (
     HTTP_TARGETS,
@@ -44,11 +45,9 @@ def unsupported_options(server_args: Any, config: EngineConfig) -> list[str]:
             "--enable-return-routed-experts is off, so the engine records nothing "
             "(the sglang_r3 launcher adds it)"
         )
-    if on("enable_hierarchical_cache") or on("hicache_storage_backend"):
-        problems.append(
-            "HiCache (--enable-hierarchical-cache / --hicache-storage-backend) loads KV "
-            "without a forward pass, so routing rows of those tokens would be stale (sglang#26975)"
-        )
+    # HiCache's host tier loads KV without a forward pass (sglang#26975); sglang_r3.hicache
+    # moves the routing rows with it where that is verified, and refuses the rest.
+    problems += unsupported_hicache_options(server_args)
     if on("enable_lmcache") or on("enable_flexkv"):
         problems.append(
             "--enable-lmcache / --enable-flexkv restore KV without recomputing it; "

@@ -27,6 +27,13 @@ T_COLLECT = (
 _DETOK = "sglang.srt.managers.detokenizer_manager.DetokenizerManager"
 T_DETOKENIZE = f"{_DETOK}.handle_batch_token_id_out"
 T_DETOKENIZER = f"{_DETOK}.__init__"
+# HiCache: routing rows follow KV between the device and the host tier (sglang_r3.hicache).
+T_HICACHE_INIT = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_hicache"
+_HCC = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
+T_HICACHE_WRITE = f"{_HCC}.write"
+T_HICACHE_LOAD = f"{_HCC}.load"
+T_CAPTURE_END = "sglang.srt.state_capturer.base.BaseTopkCapturer.on_forward_end"
+T_CAPTURE_FINALIZE = "sglang.srt.state_capturer.base.TopkCaptureOutput.finalize"
 
 # Attributes of upstream objects the hooks read or write (canary-tested).
 UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
@@ -62,6 +69,13 @@ UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
         "enable_return_routed_experts",
         "enable_hierarchical_cache",
         "hicache_storage_backend",
+        "hicache_host_memory_mode",
+        "hicache_io_backend",
+        "hicache_mem_layout",
+        "hicache_write_policy",
+        "enable_unified_memory",
+        "dcp_size",
+        "radix_cache_backend",
         "enable_lmcache",
         "enable_flexkv",
         "disaggregation_mode",
@@ -78,5 +92,13 @@ UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 HTTP_TARGETS = [T_GENERATE, T_SEND_ONE, T_SEND_BATCH, T_OPENAI, T_SERVE_GENERATE, T_LAUNCH]
-SCHEDULER_TARGETS = [T_SCHEDULER, T_COLLECT]
+SCHEDULER_TARGETS = [
+    T_SCHEDULER,
+    T_COLLECT,
+    T_HICACHE_INIT,
+    T_HICACHE_WRITE,
+    T_HICACHE_LOAD,
+    T_CAPTURE_END,
+    T_CAPTURE_FINALIZE,
+]
 DETOKENIZER_TARGETS = [T_DETOKENIZER, T_DETOKENIZE]

@@ -52,6 +52,22 @@ SIGNATURES = {
         "self",
         "recv_obj",
     ],
+    # HiCache (sglang_r3.hicache)
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_hicache": [
+        "self",
+        "server_args",
+        "params",
+    ],
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController.write": [
+        "self",
+        "device_indices",
+    ],
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController.load": [
+        "self",
+        "host_indices",
+    ],
+    "sglang.srt.state_capturer.base.BaseTopkCapturer.on_forward_end": ["self", "forward_batch"],
+    "sglang.srt.state_capturer.base.TopkCaptureOutput.finalize": ["self"],
 }
 
 

@@ -42,7 +42,29 @@ def test_return_routed_experts_needs_a_cache(tiny_models: dict[str, Path]) -> No
     assert "--return-routed-experts needs --routing-cache" in proc.stderr
 
 
-def test_refuses_hicache(tiny_models: dict[str, Path], engine_cache: Service) -> None:
+HICACHE_VERIFIED = (
+    "--enable-hierarchical-cache",
+    "--hicache-io-backend",
+    "direct",
+    "--hicache-mem-layout",
+    "layer_first",
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        # SGLang's defaults (kernel io, page_first): rows would move the same way, but
+        # sglang_r3 has verified only direct io into a layer-first host pool.
+        (("--enable-hierarchical-cache",), "verified that only with --hicache-io-backend direct"),
+        # L3: KV restored by content hash from storage, with no rows there.
+        ((*HICACHE_VERIFIED, "--hicache-storage-backend", "file"), "HiCache L3"),
+    ],
+    ids=["hicache-kernel-io", "hicache-l3-storage"],
+)
+def test_refuses_hicache_where_rows_cannot_follow(
+    tiny_models: dict[str, Path], engine_cache: Service, args: tuple[str, ...], reason: str
+) -> None:
     proc = launch(
         tiny_models["qwen3_moe"],
         "--return-routed-experts",
@@ -50,10 +72,10 @@ def test_refuses_hicache(tiny_models: dict[str, Path], engine_cache: Service) ->
         engine_cache.http_url,
         "--routing-api-key",
         "key-tenant-a-0123456789abcdef",
-        "--enable-hierarchical-cache",
+        *args,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "HiCache" in proc.stderr and "sglang#26975" in proc.stderr
+    assert reason in proc.stderr and "sglang#26975" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_refuses_wrong_api_key(tiny_models: dict[str, Path], engine_cache: Service) -> None:
