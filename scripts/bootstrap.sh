@@ -15,6 +15,15 @@ pkgs=""
 command -v redis-server >/dev/null 2>&1 || pkgs="$pkgs redis-server"
 command -v redis-cli >/dev/null 2>&1 || pkgs="$pkgs redis-tools"
 command -v gcc >/dev/null 2>&1 || pkgs="$pkgs gcc libc6-dev"
+# The pd test extra's Mooncake wheel links against these (RDMA verbs), even over TCP.
+case ",$EXTRAS," in
+  *,all,* | *,pd,*)
+    for lib in libibverbs1:libibverbs.so.1 libnl-3-200:libnl-3.so.200 libnl-route-3-200:libnl-route-3.so.200; do
+      # (grep without -q reads all of ldconfig's output: no SIGPIPE under pipefail)
+      /sbin/ldconfig -p | grep -F "${lib#*:} " >/dev/null || pkgs="$pkgs ${lib%%:*}"
+    done
+    ;;
+esac
 if [ -n "$pkgs" ]; then
   echo "bootstrap: installing$pkgs from Debian" >&2
   SUDO=""
@@ -43,9 +52,10 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-# The test extras of tests/integrations (pyproject.toml `verl`, `areal`): installed
-# --no-deps, as their comments say; only with `all` (what `make test` installs) or when
-# asked for by name.  A stamp per extra, named by its package list, makes re-runs no-ops.
+# The test extras of tests/integrations and tests/engine/test_pd.py (pyproject.toml
+# `verl`, `areal`, `pd`): installed --no-deps, as their comments say; only with `all`
+# (what `make test` installs) or when asked for by name.  A stamp per extra, named by
+# its package list, makes re-runs no-ops.
 install_test_extra() {
   local name="$1" pkgs stamp
   case ",$EXTRAS," in
@@ -63,3 +73,4 @@ install_test_extra() {
 }
 install_test_extra verl
 install_test_extra areal
+install_test_extra pd
