@@ -7,6 +7,11 @@ loads its KV back from the host (``cached_tokens_details["host"]``) into new dev
 slots, whose upstream rows belong to the fillers (sglang#26975).  Stored rows are
 compared, as sets per (token, layer), with the rows the session's ``qwen_engine`` (no
 HiCache, same model) computes for the same tokens, and the greedy tokens must agree.
+
+The overlap-scheduling order of row moves (a move issued while a forward is in flight
+waits for that forward's ``finalize()``) is checked without an engine, on SGLang's own
+``BaseTopkCapturer``/``TopkCaptureOutput``: the race it guards against (a slot freed and
+reused within one overlapped step) is not reproducible on demand in a real engine.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,6 +29,7 @@ from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
+from sglang_r3 import hicache
 from sglang_r3.harness import EngineServer, start_engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -149,3 +156,97 @@ def test_new_rollout_on_host_tier_prefix_stores_reference_rows(
     assert out2["output_ids"] == tokens
     stale = _stale(cache_client.get(rollout).indices, ref)
     assert not stale, f"{len(stale)} stale positions: {stale[:12]}"
+
+
+# ---------------------------------------------------------------- ordering (no engine)
+
+
+@pytest.fixture
+def capturer(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """SGLang's own BaseTopkCapturer on CPU (16 device slots, 3 layers, top-2) as the
+    process's routed-experts capturer, and a fresh row mover."""
+    import torch
+    from sglang.srt.state_capturer.base import BaseTopkCapturer
+
+    from sglang_r3.cpu import install_allocator
+
+    install_allocator()
+    cap = BaseTopkCapturer(
+        num_tokens=16, max_batch_size=4, num_layers=LAYERS, topk_size=2, device="cpu", name="t"
+    )
+    monkeypatch.setattr(hicache, "_capturer", lambda: cap)
+    monkeypatch.setattr(hicache, "_MOVER", hicache._RowMover())
+    cap.forward = lambda slot, expert, overlap: _forward(cap, torch, slot, expert, overlap)
+    return cap
+
+
+def _forward(cap: Any, torch: Any, slot: int, expert: int, overlap: bool) -> Any:
+    """One forward writing expert ``expert`` (every layer) at device slot ``slot``;
+    under ``overlap`` its rows land at ``finalize()``, as in SGLang's overlap scheduler."""
+    from sglang.srt.state_capturer.base import BaseTopkCapturer
+
+    for layer in range(LAYERS):
+        cap.capture(layer, torch.tensor([[expert, expert + 1]], dtype=torch.int32))
+    batch = SimpleNamespace(out_cache_loc=torch.tensor([slot]), out_cache_loc_virtual=None)
+    return hicache.around_capture_forward_end(
+        BaseTopkCapturer.on_forward_end,
+        cap,
+        forward_batch=batch,
+        can_run_graph=False,
+        cuda_graph_batch=None,
+        no_copy_to_cpu=overlap,
+    )
+
+
+def _finalize(out: Any) -> None:
+    from sglang.srt.state_capturer.base import TopkCaptureOutput
+
+    hicache.around_capture_finalize(TopkCaptureOutput.finalize, out)
+
+
+def _move(cap: Any, to_host: bool, rows: Any, host: int, device: int) -> None:
+    import torch
+
+    hicache._MOVER.issue(
+        hicache._Move(
+            hicache._MOVER.launched, to_host, rows, torch.tensor([host]), torch.tensor([device])
+        )
+    )
+
+
+def test_load_back_waits_for_the_forward_in_flight(capturer: Any) -> None:
+    """Overlap: a freed slot handed to a load-back while the forward in flight still
+    writes it.  SGLang orders the KV copy after that forward; the rows must follow it,
+    or the loaded token keeps the in-flight token's row."""
+    import torch
+
+    rows = torch.zeros((8, LAYERS, 2), dtype=torch.int32)
+    rows[2] = 6  # the host tier holds the prefix token's row at host slot 2
+    out = capturer.forward(slot=5, expert=1, overlap=True)  # in flight, writes slot 5
+    _move(capturer, False, rows, host=2, device=5)  # load-back into slot 5
+    _finalize(out)
+    assert capturer.host_cache.buffer[5].tolist() == [[6, 6]] * LAYERS
+
+
+def test_back_up_waits_for_the_forward_in_flight(capturer: Any) -> None:
+    """Overlap: a finished request's last token is cached (and backed up) while the
+    forward computing it is in flight: its row must be the one that forward writes."""
+    import torch
+
+    rows = torch.zeros((8, LAYERS, 2), dtype=torch.int32)
+    out = capturer.forward(slot=7, expert=3, overlap=True)
+    _move(capturer, True, rows, host=4, device=7)
+    assert not rows[4].any()  # not yet: the row is still on its way
+    _finalize(out)
+    assert rows[4].tolist() == [[3, 4]] * LAYERS
+
+
+def test_moves_apply_at_once_without_a_forward_in_flight(capturer: Any) -> None:
+    import torch
+
+    rows = torch.zeros((8, LAYERS, 2), dtype=torch.int32)
+    assert capturer.forward(slot=1, expert=2, overlap=False) is None  # rows written inline
+    _move(capturer, True, rows, host=0, device=1)
+    assert rows[0].tolist() == [[2, 3]] * LAYERS
+    _move(capturer, False, rows, host=0, device=9)
+    assert capturer.host_cache.buffer[9].tolist() == [[2, 3]] * LAYERS
