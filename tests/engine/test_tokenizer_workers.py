@@ -213,6 +213,29 @@ def test_untagged_request_gets_upstreams_base64_rows_on_each_worker(
         assert inline_rows(out, QWEN_LAYERS).shape == (20 + 6 - 1, QWEN_LAYERS, 2)
 
 
+def test_header_tagged_chat_on_each_worker_is_stored(
+    workers: tuple[Worker, Worker], cache_client: RoutingClient
+) -> None:
+    """The OpenAI hook and header tagging (what a request behind sglang-router
+    carries) in each worker."""
+    model = workers[0].client.get("/v1/models").json()["data"][0]["id"]
+    for worker in workers:
+        rollout = rid("chat")
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "w11 w12 w13 w14"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        r = worker.client.post(
+            "/v1/chat/completions", json=body, headers={"X-SMG-Routing-Key": rollout}
+        )
+        assert _local(r) == worker.local and r.status_code == 200, r.text[:600]
+        (ref,) = r.json()["sglext"]["r3"]
+        assert ref["stored"] is True and ref["rollout_id"] == rollout, ref
+        assert cache_client.stat(rollout).num_rows == ref["end"]
+
+
 # ---------------------------------------------------------------- without an engine
 
 
