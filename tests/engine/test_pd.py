@@ -40,6 +40,9 @@ from sglang_r3.harness import EngineServer, start_engine
 pytestmark = pytest.mark.timeout(600)
 
 QWEN_LAYERS = 3
+#: Run the pair with a decode-side radix cache (later turns' prompt KV partly from the
+#: decode server's own cache, not transferred); off in CI (another pair start, ~1.5 min).
+DECODE_RADIX = os.environ.get("R3_TEST_PD_DECODE_RADIX") == "1"
 
 
 def _missing() -> str | None:
@@ -99,6 +102,8 @@ def pd_pair(
         # left over a 10 GiB reserve, which a busy 24 GiB machine may not have.
         "decode": (*common, "--disaggregation-decode-retraction-backup", "cpu_tensor"),
     }
+    if DECODE_RADIX:
+        roles["decode"] = (*roles["decode"], "--disaggregation-decode-enable-radix-cache")
 
     def start(role: str) -> EngineServer:
         return start_engine(
@@ -177,6 +182,8 @@ def test_pd_rollout_over_two_turns_equals_the_reference(
     p2, e2 = len(prompt2), len(prompt2) + 6 - 1
     assert (pout["meta_info"]["r3"]["start"], pout["meta_info"]["r3"]["end"]) == (e1, p2)
     assert (dout["meta_info"]["r3"]["start"], dout["meta_info"]["r3"]["end"]) == (p2, e2)
+    if DECODE_RADIX:  # turn 1's KV (transferred prompt, computed output) was a hit
+        assert dout["meta_info"]["cached_tokens"] >= e1, dout["meta_info"]
     ref_ids2, ref_rows2 = reference(qwen_engine, prompt2, 6)
     assert dout["output_ids"] == ref_ids2
     got = cache_client.get(rollout)
