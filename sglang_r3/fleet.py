@@ -71,9 +71,16 @@ ROUTER_ARGS: tuple[str, ...] = (
     "3600",
 )
 
+
+def _router_arg(name: str) -> int:
+    return int(ROUTER_ARGS[ROUTER_ARGS.index(name) + 1])
+
+
 #: How long after an engine dies the router may still send its keys to it (and answer
-#: ``call_upstream_*`` errors), per :data:`ROUTER_ARGS`: interval x threshold.
-DEAD_ENGINE_WINDOW_S = 1 * 2
+#: ``call_upstream_*`` errors), per :data:`ROUTER_ARGS`: interval x threshold (s).
+DEAD_ENGINE_WINDOW_S = _router_arg("--health-check-interval-secs") * _router_arg(
+    "--health-failure-threshold"
+)
 
 FailureKind = Literal["engine_unreachable", "r3", "other"]
 
