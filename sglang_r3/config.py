@@ -27,6 +27,7 @@ ENV_LOOKUP = "SGLANG_R3_LOOKUP"
 ENV_TAG_HEADER = "SGLANG_R3_TAG_HEADER"
 ENV_REQUIRE_TAG = "SGLANG_R3_REQUIRE_TAG"
 ENV_SHARE_PROMPT = "SGLANG_R3_SHARE_PROMPT"
+ENV_DP_AFFINITY = "SGLANG_R3_DP_AFFINITY"
 
 #: The header sglang-router's manual policy routes by (and forwards to the engine):
 #: the rollout id, so one value both pins a rollout to its engine and tags it.
@@ -38,6 +39,8 @@ RetractionPolicy = Literal["mark", "fail"]
 LookupPolicy = Literal["always", "seen"]
 SharePromptPolicy = Literal["auto", "always", "never"]
 SHARE_PROMPT_CHOICES: tuple[str, ...] = ("auto", "always", "never")
+DpAffinityPolicy = Literal["rollout", "off"]
+DP_AFFINITY_CHOICES: tuple[str, ...] = ("rollout", "off")
 
 
 class ConfigError(ValueError):
@@ -71,6 +74,11 @@ class EngineConfig:
     tokens, version and rows, when the request's tag does not say (header-tagged
     requests never can): ``auto`` for requests with ``n > 1``, ``always`` also for
     GRPO samples sent one request each (verl, slime, miles, AReaL), ``never``.
+    ``dp_affinity``: with ``--dp-size > 1``, ``rollout`` sends a tagged request that
+    names no DP rank of its own to the rank its rollout id hashes to, so a rollout's
+    turns find their prefix KV (and its rows) in that rank's radix cache; ``off``
+    leaves every request to SGLang's load balancing (round robin by default), which
+    recomputes a later turn's prefix on whichever rank it lands on.
     """
 
     routing_cache: str = ""
@@ -85,6 +93,7 @@ class EngineConfig:
     tag_header: str = DEFAULT_TAG_HEADER
     require_tag: bool = False
     share_prompt: SharePromptPolicy = "auto"
+    dp_affinity: DpAffinityPolicy = "rollout"
 
     @property
     def enabled(self) -> bool:
@@ -124,6 +133,9 @@ class EngineConfig:
         share = env.get(ENV_SHARE_PROMPT, "auto").strip().lower() or "auto"
         if share not in SHARE_PROMPT_CHOICES:
             raise ConfigError(f"{ENV_SHARE_PROMPT}={share!r}: use auto, always or never")
+        affinity = env.get(ENV_DP_AFFINITY, "rollout").strip().lower() or "rollout"
+        if affinity not in DP_AFFINITY_CHOICES:
+            raise ConfigError(f"{ENV_DP_AFFINITY}={affinity!r}: use rollout or off")
         if attempts < 1 or timeout <= 0 or max_outputs < 1:
             raise ConfigError("put attempts, timeout and max outputs must be positive")
         return cls(
@@ -139,6 +151,7 @@ class EngineConfig:
             tag_header=tag_header,
             require_tag=require in ("1", "true"),
             share_prompt=share,  # type: ignore[arg-type]
+            dp_affinity=affinity,  # type: ignore[arg-type]
         )
 
     def to_env(self) -> dict[str, str]:
@@ -154,6 +167,7 @@ class EngineConfig:
             ENV_TAG_HEADER: self.tag_header,
             ENV_REQUIRE_TAG: "1" if self.require_tag else "0",
             ENV_SHARE_PROMPT: self.share_prompt,
+            ENV_DP_AFFINITY: self.dp_affinity,
         }
         if self.api_key:
             out[ENV_API_KEY] = self.api_key

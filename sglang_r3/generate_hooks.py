@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -330,6 +331,7 @@ async def _tagged_generate(
             if decode or cont is not None:  # the send hooks check its prefix, set its start
                 _SEND_PLANS[rid] = (tag, cont, decode)
                 planned.append(rid)
+    pinned = _pin_dp_ranks(config, tm, obj, tags, batch, n, single)
     starts = [c.end if c is not None else 0 for c in conts]
     incremental = bool(getattr(obj, "stream", False)) and bool(
         getattr(tm, "incremental_streaming_output", False)
@@ -385,7 +387,59 @@ async def _tagged_generate(
     finally:
         for rid in planned:
             _SEND_PLANS.pop(rid, None)
+        for rid in pinned:
+            _DP_RANKS.pop(rid, None)
 
+
+def dp_rank_of(rollout_id: str, num_ranks: int) -> int:
+    """The DP rank a rollout's requests go to under ``--routing-dp-affinity rollout``.
+
+    A stable hash of the id (BLAKE2b, not Python's per-process salted ``hash``), so
+    every tokenizer process and every restart sends a rollout to the same rank.
+    """
+    digest = hashlib.blake2b(rollout_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % num_ranks
+
+
+def _pin_dp_ranks(
+    config: EngineConfig, tm: Any, obj: Any, tags: list[OutputTag], batch: int, n: int, single: bool
+) -> list[str]:
+    """Pin a tagged request to its rollout's DP rank (``routed_dp_rank``); the request
+    ids whose rank the send hooks set (a batch of prompts), to forget when it ends.
+
+    Each DP rank has its own KV pool, radix cache and routing rows, and SGLang's
+    DataParallelController balances requests over the ranks (round robin by default,
+    ``data_parallel_controller.py:880-899``), so a rollout's next turn usually lands
+    on a rank that never saw its prefix and computes it again.  A request that names
+    a rank goes there instead (``maybe_external_dp_rank_routing``, ``:865-878``), with
+    or without DP attention.  Nothing is pinned when the request names its own rank
+    (``routed_dp_rank``, the ``x-override-routed-dp-rank`` header, or the deprecated
+    ``data_parallel_rank`` a DP-aware sgl-model-gateway sets) or carries a PD
+    bootstrap room (a disaggregated pair routes by the room; a pin would conflict,
+    ``disaggregation/common/conn.py:2160-2180``).  A request with ``n > 1`` goes whole
+    to its first output's rank: SGLang sends its samples after a prefix warm-up under
+    request ids it makes itself, so they cannot be pinned one by one.
+    """
+    num_ranks = getattr(tm, "elastic_worker_count", 1)
+    if config.dp_affinity != "rollout" or not isinstance(num_ranks, int) or num_ranks <= 1:
+        return []
+    if obj.routed_dp_rank is not None or getattr(obj, "data_parallel_rank", None) is not None:
+        return []
+    if getattr(obj, "bootstrap_room", None) is not None:
+        return []
+    if single or n > 1:
+        # GenerateReqInput copies routed_dp_rank into every item it splits off.
+        obj.routed_dp_rank = dp_rank_of(tags[0].rollout_id, num_ranks)
+        return []
+    rids = _send_rids(obj, batch, single)
+    for rid, tag in zip(rids, tags, strict=True):
+        _DP_RANKS[rid] = dp_rank_of(tag.rollout_id, num_ranks)
+    return rids
+
+
+# Pinned DP ranks of the prompts of tagged batches, from the generate hook to the send
+# hooks, by request id (removed when the request ends, like _SEND_PLANS).
+_DP_RANKS: dict[str, int] = {}
 
 # Continued rollouts' plans, from the generate hook to the send hooks, by request id.
 # Request ids are unique within the process's one TokenizerManager; the generate hook
@@ -396,6 +450,9 @@ _SEND_PLANS: dict[str, tuple[OutputTag, Continuation | None, bool]] = {}
 
 
 def _apply_plan(tm: Any, tokenized: Any) -> None:
+    rank = _DP_RANKS.get(getattr(tokenized, "rid", None) or "")
+    if rank is not None:
+        tokenized.routed_dp_rank = rank
     plan = _SEND_PLANS.get(getattr(tokenized, "rid", None) or "")
     if plan is None:
         return
@@ -409,7 +466,8 @@ def _apply_plan(tm: Any, tokenized: Any) -> None:
 
 
 async def around_send_one_request(original: Callable[..., Any], self: Any, tokenized: Any) -> Any:
-    """AROUND ``_send_one_request``: check a continued rollout's prefix, set its start."""
+    """AROUND ``_send_one_request``: check a continued rollout's prefix, set its start
+    (and, in a tagged batch, its DP rank)."""
     _apply_plan(self, tokenized)
     return await original(self, tokenized)
 

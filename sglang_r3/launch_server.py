@@ -15,6 +15,10 @@ Takes every ``python -m sglang.launch_server`` argument plus::
     --routing-share-prompt {auto,always,never}
                                      store a first turn's prompt rows as their own,
                                      deduplicated segment (default auto: n > 1 only)
+    --routing-dp-affinity {rollout,off}
+                                     with --dp-size > 1, send a rollout's requests to
+                                     the DP rank its id hashes to (default rollout:
+                                     later turns hit their prefix KV there)
 
 ``--help`` shows SGLang's options and these, in their own group.
 
@@ -42,6 +46,8 @@ from typing import Any
 
 from sglang_r3.config import (
     DEFAULT_TAG_HEADER,
+    DP_AFFINITY_CHOICES,
+    ENV_DP_AFFINITY,
     ENV_REQUIRE_TAG,
     ENV_SHARE_PROMPT,
     ENV_TAG_HEADER,
@@ -129,6 +135,16 @@ def _add_r3_args(p: argparse.ArgumentParser) -> Any:
         "keeps once for every rollout with the same prompt and rows, when the request's "
         "tag does not say: auto (default: requests with n > 1), always (also GRPO "
         "samples sent one request each, e.g. behind sglang-router), never",
+    )
+    g.add_argument(
+        "--routing-dp-affinity",
+        choices=DP_AFFINITY_CHOICES,
+        default=os.environ.get(ENV_DP_AFFINITY, "rollout"),
+        help="with --dp-size > 1: send a tagged request that names no DP rank "
+        "(routed_dp_rank) to the rank its rollout id hashes to, so a rollout's later "
+        "turns hit their prefix KV there (default: rollout), or leave every request to "
+        "SGLang's load balancing (off: a later turn may land on another rank and "
+        "recompute its prefix)",
     )
     g.add_argument(
         "--routing-put-attempts",
@@ -259,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tag_header=ours.routing_tag_header.strip().lower(),
                 require_tag=ours.routing_require_tag,
                 share_prompt=ours.routing_share_prompt,
+                dp_affinity=ours.routing_dp_affinity,
             )
             EngineConfig.from_env(config.to_env())  # the same checks children will run
         except ConfigError as exc:

@@ -46,12 +46,18 @@ UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
         "return_routed_experts",
         "routed_experts_start_len",
         "return_prompt_token_ids",
+        # --routing-dp-affinity: a request naming its DP rank (or a PD bootstrap room)
+        # is left alone; otherwise the rollout's rank is set (generate_hooks).
+        "routed_dp_rank",
+        "data_parallel_rank",
+        "bootstrap_room",
     ),
     "sglang.srt.managers.io_struct.TokenizedGenerateReqInput": (
         "rid",
         "input_ids",
         "routed_experts_start_len",
         "return_routed_experts",
+        "routed_dp_rank",  # a tagged batch's prompts are pinned one by one
     ),
     "sglang.srt.managers.io_struct.BatchTokenIDOutput": ("rids", "routed_experts"),
     "sglang.srt.managers.io_struct.BatchStrOutput": ("rids", "routed_experts"),
