@@ -135,6 +135,9 @@ class _RowMover:
 
 
 _MOVER = _RowMover()
+# True once a host tier got a row buffer in this process: the capture hooks run on every
+# forward and do nothing else until then.
+_ACTIVE = False
 
 
 def _capturer() -> Any:
@@ -192,6 +195,12 @@ def around_init_hicache(original: Callable[..., Any], self: Any, *args: Any, **k
     if controller is None or cap is None:
         return result
     problems = _stack_problems(controller)
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    if problems and not getattr(server_args, "enable_hierarchical_cache", False):
+        # A host pool SGLang builds for something else (PD decode's retraction backup):
+        # not ours to refuse; rows are then simply not moved.
+        log.debug("sglang_r3: no HiCache row moves: %s", problems)
+        return result
     if problems:
         from sglang_r3.generate_hooks import engine_config
         from sglang_r3.startup import StartupError
@@ -209,6 +218,8 @@ def around_init_hicache(original: Callable[..., Any], self: Any, *args: Any, **k
     slots = int(controller.mem_pool_host.logical_size)
     rows = torch.zeros((slots, *buf.shape[1:]), dtype=buf.dtype)
     setattr(controller, _ROWS_ATTR, rows)
+    global _ACTIVE
+    _ACTIVE = True
     log.info(
         "sglang_r3: HiCache host-tier routing rows %s %s, %.1f MiB",
         tuple(rows.shape),
@@ -252,7 +263,7 @@ def around_capture_forward_end(
     """AROUND ``BaseTopkCapturer.on_forward_end``: number each routed-experts capture
     output that will be finalized later (overlap scheduling)."""
     out = original(self, *args, **kwargs)
-    if out is not None and self is _capturer():
+    if _ACTIVE and out is not None and self is _capturer():
         _MOVER.launched += 1
         setattr(out, _SEQ_ATTR, _MOVER.launched)
     return out

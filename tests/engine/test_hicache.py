@@ -176,6 +176,7 @@ def capturer(monkeypatch: pytest.MonkeyPatch) -> Any:
     )
     monkeypatch.setattr(hicache, "_capturer", lambda: cap)
     monkeypatch.setattr(hicache, "_MOVER", hicache._RowMover())
+    monkeypatch.setattr(hicache, "_ACTIVE", True)  # as after init_hicache gave rows
     cap.forward = lambda slot, expert, overlap: _forward(cap, torch, slot, expert, overlap)
     return cap
 
