@@ -13,7 +13,9 @@ Where the work happens (all in SGLang's HTTP process unless noted):
   under ``--routing-require-tag``, SGLang's warm-up and health probes excepted).
 - ``TokenizerManager._send_one_request`` / ``_send_batch_request`` (AROUND): the
   tokenized prompt is known here, so a continued rollout's prefix is checked
-  against the stored trajectory and ``routed_experts_start_len`` set per request.
+  against the stored trajectory and ``routed_experts_start_len`` set per request
+  (and, with ``--dp-size > 1``, each prompt of a tagged batch pinned to its
+  rollout's DP rank; a single request is pinned in ``generate_request``).
 - ``OpenAIServingBase.handle_request`` (AROUND): tags a request from the routing-key
   header (``X-SMG-Routing-Key``) when its body has no tag; puts the references into the
   OpenAI response (``sglext.r3``), streaming or not, and gives an r3 error its own
