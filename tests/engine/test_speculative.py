@@ -10,20 +10,25 @@ row must never be stored.  SGLang 0.5.23 cannot run speculation on this CPU by i
 the test-only shims ``spec_ops``, ``torch_native_verify``, ``draft_torch_native`` and
 ``cuda_sync_noop`` (``tests/engine/cpu_shims``) stand in for its GPU-only pieces.
 
-Rows are compared as sets per (token, layer).  Where the speculative engine's greedy
-tokens equal the reference engine's (``qwen_engine``, no speculation), its stored rows
-are compared with the reference's; where they diverge (batched verify can break an
-exact bf16 logit tie the other way), with a ``transformers`` forward of the engine's own
-tokens.  A difference is a *near-tie* when that forward puts the router's 2nd and 3rd
-logits less than :data:`NEAR_TIE` apart (the two experts are interchangeable up to bf16
-rounding); any other difference is *real*, and there must be none.
+Rows are compared as sets per (token, layer) with the non-speculative reference engine's
+rows of the same tokens: its own greedy run where the tokens agree, its recomputation of
+the speculative engine's tokens (one prefill, KV recomputed) where they diverge (batched
+verify can break an exact bf16 logit tie the other way).  A ``transformers`` forward of
+the tokens judges each difference: a *near-tie* when the router's 2nd and 3rd logits are
+less than :data:`NEAR_TIE` apart (the two experts are interchangeable up to bf16
+rounding), *after a tie* in a deeper layer of a token that already differed at a
+near-tie (its input differs from there on), *real* otherwise; there must be no real one.
 
+STANDALONE (a separate draft model) is tested the same way behind
+``R3_TEST_SPEC_STANDALONE=1`` (two more engines).
 Tree speculation (``topk > 1``) and NGRAM are refused at start-up (test_launcher.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,16 +42,16 @@ from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
-from sglang_r3.harness import EngineServer, build_tiny_mtp_draft, start_engine
+from sglang_r3.harness import EngineServer, build_tiny_model, build_tiny_mtp_draft, start_engine
 
 pytestmark = pytest.mark.timeout(600)
 
 LAYERS, TOPK = 3, 2
 NEW_TOKENS = 24
 NEAR_TIE = 0.01
+STANDALONE_ENV = "R3_TEST_SPEC_STANDALONE"
 SHIMS = ("spec_ops", "torch_native_verify", "draft_torch_native", "cuda_sync_noop")
-SPEC_ARGS = (
-    "--speculative-algorithm", "NEXTN",
+CHAIN_ARGS = (
     "--speculative-num-steps", "1",
     "--speculative-eagle-topk", "1",
     "--speculative-num-draft-tokens", "2",
@@ -73,7 +78,13 @@ def spec_engine(
         log=root / "sglang.log",
         routing_cache=engine_cache.http_url,
         api_key=KEY_A,
-        extra_args=(*SPEC_ARGS, "--speculative-draft-model-path", str(draft)),
+        extra_args=(
+            "--speculative-algorithm",
+            "NEXTN",
+            *CHAIN_ARGS,
+            "--speculative-draft-model-path",
+            str(draft),
+        ),
         env={**os.environ, **shim_env(*SHIMS)},
     )
     yield server
@@ -95,17 +106,112 @@ def _router_logits(model: Path, tokens: list[int]) -> npt.NDArray[np.float32]:
 
 def _classify(
     got: npt.NDArray[Any], want: npt.NDArray[Any], logits: npt.NDArray[np.float32]
-) -> tuple[int, int]:
-    """(near-ties, real differences) among the (token, layer) routers where ``got`` and
-    ``want`` differ as sets, judged by the 2nd-3rd router logit gap in ``logits``."""
-    differ = (as_sets(got) != as_sets(want)).any(-1)
+) -> tuple[int, int, int]:
+    """(near-ties, after a near-tie, real) among the (token, layer) routers where ``got``
+    and ``want`` differ as sets.  A near-tie: the 2nd-3rd router logit gap in ``logits``
+    is under :data:`NEAR_TIE`.  After a near-tie: a deeper layer of a token whose routing
+    already differed at a near-tie (its input differs from there on)."""
+    differ = (as_sets(got) != as_sets(want)).any(-1)  # [tokens, layers]
     ranked = -np.sort(-logits, axis=-1)
-    gap = ranked[..., TOPK - 1] - ranked[..., TOPK]
-    return int((differ & (gap < NEAR_TIE)).sum()), int((differ & (gap >= NEAR_TIE)).sum())
+    tie = ranked[..., TOPK - 1] - ranked[..., TOPK] < NEAR_TIE
+    tie_above = np.cumsum(differ & tie, axis=1) - (differ & tie) > 0
+    near = differ & tie
+    after = differ & ~tie & tie_above
+    real = differ & ~tie & ~tie_above
+    return int(near.sum()), int(after.sum()), int(real.sum())
 
 
-def _hf_rows(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.int64]:
-    return np.argsort(-logits, axis=-1, kind="stable")[..., :TOPK]
+def _reference(url: str, prompt_ids: list[list[int]]) -> list[dict[str, Any]]:
+    """The non-speculative engine's greedy outputs with inline rows, one at a time."""
+    out = []
+    for prompt in prompt_ids:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": sp(None, NEW_TOKENS),
+            "return_routed_experts": True,
+        }
+        status, answer = generate(url, body)
+        assert status == 200, answer
+        out.append(answer)
+    return out
+
+
+def _recomputed(url: str, tokens: list[int]) -> npt.NDArray[np.int32]:
+    """The non-speculative engine's rows over ``tokens`` (one prefill: KV recomputed)."""
+    body = {
+        "input_ids": tokens,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_routed_experts": True,
+    }
+    status, answer = generate(url, body)
+    assert status == 200, answer
+    return inline_rows(answer, LAYERS, TOPK)[: len(tokens) - 1]
+
+
+def _speculate(url: str, prompt_ids: list[list[int]]) -> list[tuple[str, dict[str, Any]]]:
+    """All prompts at once (batched verify), each a tagged rollout; (rollout, output)."""
+    rollouts = [rid("spec") for _ in prompt_ids]
+
+    def run(i: int) -> dict[str, Any]:
+        body = {"input_ids": prompt_ids[i], "sampling_params": sp(rollouts[i], NEW_TOKENS)}
+        status, out = generate(url, body)
+        assert status == 200, out
+        return out  # type: ignore[no-any-return]
+
+    with ThreadPoolExecutor(len(prompt_ids)) as pool:
+        return list(zip(rollouts, pool.map(run, range(len(prompt_ids))), strict=True))
+
+
+def _check_rows(
+    model: Path,
+    reference_url: str,
+    prompt_ids: list[list[int]],
+    client: RoutingClient,
+    spec_url: str,
+) -> dict[str, Any]:
+    """Run the prompts on both engines; assert one stored row per accepted token; count
+    the routers that differ from the reference engine's rows of the same tokens (its
+    greedy run where the tokens agree, its recomputation of the speculative engine's own
+    tokens where they diverge), judged by a ``transformers`` forward; the figures."""
+    reference = _reference(reference_url, prompt_ids)
+    results = _speculate(spec_url, prompt_ids)
+    counts = dict(routers=0, same_tokens=0, near_ties=0, after_tie=0, real=0)
+    correct = proposed = verify_steps = shipped_bytes = shipped_rows = 0
+    for prompt, ref, (rollout, out) in zip(prompt_ids, reference, results, strict=True):
+        meta = out["meta_info"]
+        tokens = prompt + out["output_ids"]
+        rows = len(tokens) - 1  # P + N - 1: every accepted token but the last
+        assert meta["completion_tokens"] == len(out["output_ids"]) == NEW_TOKENS
+        assert (meta["r3"]["start"], meta["r3"]["end"]) == (0, rows) and meta["r3"]["stored"]
+        stored = client.get(rollout)
+        # One row per accepted token: none for the rejected drafts that verify computed.
+        assert stored.indices.shape == (rows, LAYERS, TOPK)
+        assert client.stat(rollout).num_rows == rows
+
+        if out["output_ids"] == ref["output_ids"]:
+            want = inline_rows(ref, LAYERS, TOPK)
+            counts["same_tokens"] += 1
+        else:  # greedy broke an exact tie the other way under batched verify
+            want = _recomputed(reference_url, tokens)
+        assert want.shape == stored.indices.shape
+        near, after, real = _classify(stored.indices, want, _router_logits(model, tokens))
+        counts["routers"] += rows * LAYERS
+        counts["near_ties"] += near
+        counts["after_tie"] += after
+        counts["real"] += real
+
+        correct += meta["spec_num_correct_drafts"]
+        proposed += meta["spec_num_proposed_drafts"]
+        verify_steps += meta["spec_verify_ct"]
+        shipped_bytes += meta["r3"]["nbytes"]
+        shipped_rows += rows
+    print(
+        f"\n{counts}; drafts accepted {correct}/{proposed} ({correct / proposed:.2f}), "
+        f"{NEW_TOKENS * len(results) / verify_steps:.2f} tokens per verify; "
+        f"{shipped_bytes / shipped_rows:.1f} bytes shipped per token "
+        f"({shipped_bytes} B for {shipped_rows} rows)"
+    )
+    return {**counts, "accepted": correct, "proposed": proposed}
 
 
 def test_chain_speculation_stores_one_exact_row_per_accepted_token(
@@ -114,69 +220,73 @@ def test_chain_speculation_stores_one_exact_row_per_accepted_token(
     cache_client: RoutingClient,
     tiny_models: dict[str, Path],
 ) -> None:
-    # Reference: no speculation, one request at a time.
-    reference = []
-    for prompt in PROMPTS:
-        body = {
-            "input_ids": prompt,
-            "sampling_params": sp(None, NEW_TOKENS),
-            "return_routed_experts": True,
-        }
-        status, out = generate(qwen_engine.url, body)
-        assert status == 200, out
-        reference.append(out)
-    # Speculative engine: all prompts at once (batched verify), each a tagged rollout.
-    rollouts = [rid("spec") for _ in PROMPTS]
-
-    def run(i: int) -> tuple[int, Any]:
-        body = {"input_ids": PROMPTS[i], "sampling_params": sp(rollouts[i], NEW_TOKENS)}
-        return generate(spec_engine.url, body)
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(run, range(len(PROMPTS))))
-
-    counts = dict(routers=0, same_tokens=0, near_ties=0, real=0)
-    correct = proposed = verify_steps = completion = shipped_bytes = shipped_rows = 0
-    for prompt, rollout, (status, out), ref in zip(
-        PROMPTS, rollouts, results, reference, strict=True
-    ):
-        assert status == 200, out
-        meta = out["meta_info"]
-        tokens = prompt + out["output_ids"]
-        rows = len(tokens) - 1  # P + N - 1: every accepted token but the last
-        assert meta["completion_tokens"] == len(out["output_ids"]) == NEW_TOKENS
-        assert (meta["r3"]["start"], meta["r3"]["end"]) == (0, rows) and meta["r3"]["stored"]
-        stored = cache_client.get(rollout)
-        # One row per accepted token: none for the rejected drafts that verify computed.
-        assert stored.indices.shape == (rows, LAYERS, TOPK)
-        assert cache_client.stat(rollout).num_rows == rows
-
-        logits = _router_logits(tiny_models["qwen3_moe"], tokens)
-        if out["output_ids"] == ref["output_ids"]:
-            want: npt.NDArray[Any] = inline_rows(ref, LAYERS, TOPK)
-            counts["same_tokens"] += 1
-        else:  # an exact tie broken the other way: judge by the engine's own tokens
-            want = _hf_rows(logits)
-        assert want.shape == stored.indices.shape
-        ties, real = _classify(stored.indices, want, logits)
-        counts["routers"] += rows * LAYERS
-        counts["near_ties"] += ties
-        counts["real"] += real
-
-        correct += meta["spec_num_correct_drafts"]
-        proposed += meta["spec_num_proposed_drafts"]
-        verify_steps += meta["spec_verify_ct"]
-        completion += meta["completion_tokens"]
-        shipped_bytes += meta["r3"]["nbytes"]
-        shipped_rows += rows
-
-    print(
-        f"\nchain speculation: {counts}; drafts accepted {correct}/{proposed} "
-        f"({correct / proposed:.2f}), {completion / verify_steps:.2f} tokens per verify; "
-        f"{shipped_bytes / shipped_rows:.1f} bytes shipped per token "
-        f"({shipped_bytes} B for {shipped_rows} rows)"
+    got = _check_rows(
+        tiny_models["qwen3_moe"], qwen_engine.url, PROMPTS, cache_client, spec_engine.url
     )
-    assert counts["real"] == 0, counts
-    assert counts["same_tokens"] >= len(PROMPTS) // 2, counts  # the reference is used
+    assert got["real"] == 0, got
+    assert got["same_tokens"] >= len(PROMPTS) // 2, got  # the reference engine is used
     # Both kinds of draft happened, so the row counts above tested both.
-    assert 0 < correct < proposed, (correct, proposed)
+    assert 0 < got["accepted"] < got["proposed"], got
+
+
+@pytest.mark.skipif(
+    not os.environ.get(STANDALONE_ENV),
+    reason=f"a second speculative engine (~1 min); set {STANDALONE_ENV}=1 to run it",
+)
+def test_standalone_moe_draft_stores_one_exact_row_per_accepted_token(
+    engine_cache: Service,
+    cache_client: RoutingClient,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """STANDALONE: a separate draft model, here a MoE one (Mixtral: SGLang rewrites a
+    Qwen3-MoE draft to its MTP class), the target with its last layer dropped, so the
+    draft routes through experts too and must stay out of the target's rows.  No
+    reference engine: every row is judged against a ``transformers`` forward."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("standalone")
+    target = build_tiny_model("mixtral", root / "mixtral")
+    draft = root / "draft"
+    draft.mkdir()
+    weights = load_file(str(target / "model.safetensors"))
+    last = f"model.layers.{LAYERS - 1}."
+    save_file(
+        {k: v for k, v in weights.items() if not k.startswith(last)},
+        str(draft / "model.safetensors"),
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (target / name).exists():
+            shutil.copy(target / name, draft / name)
+    config = json.loads((target / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "num_hidden_layers": LAYERS - 1}))
+    server = start_engine(
+        target,
+        port=free_port(),
+        log=root / "sglang.log",
+        routing_cache=engine_cache.http_url,
+        api_key=KEY_A,
+        extra_args=(
+            "--speculative-algorithm",
+            "STANDALONE",
+            *CHAIN_ARGS,
+            "--speculative-draft-model-path",
+            str(draft),
+        ),
+        env={**os.environ, **shim_env(*SHIMS)},
+    )
+    try:
+        reference = start_engine(
+            target,
+            port=free_port(),
+            log=root / "reference.log",
+            routing_cache=engine_cache.http_url,
+            api_key=KEY_A,
+        )
+        try:
+            got = _check_rows(target, reference.url, PROMPTS, cache_client, server.url)
+        finally:
+            reference.stop()
+    finally:
+        server.stop()
+    assert got["real"] == 0, got
+    assert got["accepted"] > 0, got
