@@ -10,6 +10,12 @@ layer-first paths call it at ``mha.py:513, 677, 1106, 1177`` with per-layer sour
 destination tensors and token (slot) indices; this copies ``dst[dst_indices] =
 src[src_indices]`` layer by layer, which is what the kernel does.  Rows (routing) are
 not touched here: moving them with the KV is the product's job (``sglang_r3.hicache``).
+
+It also sets ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` (``pool_host/base.py:28``, subtracted
+from the free host memory at ``:104-107`` before any host pool is allowed) from 10 GiB
+to 0: on a small CI machine running several engines, less than 10 GiB is often free, and
+SGLang then refuses even a host tier of a few kilobytes ("Requesting 0.00 GB but only
+have -1.76 GB free").  The check that the pool fits in free memory is kept.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ def transfer_kv_direct(
 
 
 def apply() -> None:
-    """Bind ``transfer_kv_direct`` in ``pool_host/mha.py`` (unbound on CPU)."""
-    from sglang.srt.mem_cache.pool_host import mha
+    """Bind ``transfer_kv_direct`` in ``pool_host/mha.py`` (unbound on CPU); no host
+    memory reserve."""
+    from sglang.srt.mem_cache.pool_host import base, mha
 
     mha.transfer_kv_direct = transfer_kv_direct  # type: ignore[attr-defined]
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 0
