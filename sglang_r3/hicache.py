@@ -205,8 +205,11 @@ def around_init_hicache(original: Callable[..., Any], self: Any, *args: Any, **k
         from sglang_r3.generate_hooks import engine_config
         from sglang_r3.startup import StartupError
 
-        message = "sglang_r3 cannot move routing rows with HiCache here:\n  - " + "\n  - ".join(
-            problems
+        message = (
+            "sglang_r3 cannot move routing rows with HiCache here (sglang#26975):\n  - "
+            + "\n  - ".join(problems)
+            + "\nrun without --enable-hierarchical-cache (evicted prefixes are then "
+            "recomputed, rows included)"
         )
         if engine_config().enabled:
             raise StartupError(message)
