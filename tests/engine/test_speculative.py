@@ -19,8 +19,9 @@ less than :data:`NEAR_TIE` apart (the two experts are interchangeable up to bf16
 rounding), *after a tie* in a deeper layer of a token that already differed at a
 near-tie (its input differs from there on), *real* otherwise; there must be no real one.
 
-STANDALONE (a separate draft model) is tested the same way behind
-``R3_TEST_SPEC_STANDALONE=1`` (two more engines).
+STANDALONE (a separate MoE draft model) and EAGLE3 (a dummy-weight draft head: every
+draft rejected) are tested the same way behind ``R3_TEST_SPEC_EXTRA=1`` (more engines
+than CI's time allows).
 Tree speculation (``topk > 1``) and NGRAM are refused at start-up (test_launcher.py).
 """
 
@@ -49,7 +50,7 @@ pytestmark = pytest.mark.timeout(600)
 LAYERS, TOPK = 3, 2
 NEW_TOKENS = 24
 NEAR_TIE = 0.01
-STANDALONE_ENV = "R3_TEST_SPEC_STANDALONE"
+EXTRA_ENV = "R3_TEST_SPEC_EXTRA"
 SHIMS = ("spec_ops", "torch_native_verify", "draft_torch_native", "cuda_sync_noop")
 CHAIN_ARGS = (
     "--speculative-num-steps", "1",
@@ -230,8 +231,8 @@ def test_chain_speculation_stores_one_exact_row_per_accepted_token(
 
 
 @pytest.mark.skipif(
-    not os.environ.get(STANDALONE_ENV),
-    reason=f"a second speculative engine (~1 min); set {STANDALONE_ENV}=1 to run it",
+    not os.environ.get(EXTRA_ENV),
+    reason=f"two more engines (~1.5 min); set {EXTRA_ENV}=1 to run it",
 )
 def test_standalone_moe_draft_stores_one_exact_row_per_accepted_token(
     engine_cache: Service,
@@ -290,3 +291,57 @@ def test_standalone_moe_draft_stores_one_exact_row_per_accepted_token(
         server.stop()
     assert got["real"] == 0, got
     assert got["accepted"] > 0, got
+
+
+@pytest.mark.skipif(
+    not os.environ.get(EXTRA_ENV),
+    reason=f"one more engine (~1 min); set {EXTRA_ENV}=1 to run it",
+)
+def test_eagle3_rejected_drafts_store_no_rows(
+    engine_cache: Service,
+    qwen_engine: EngineServer,
+    cache_client: RoutingClient,
+    tiny_models: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """EAGLE3: the target also captures auxiliary hidden states for the draft head.  The
+    head here has random (``dummy``) weights, so every draft is rejected: the rows are
+    the target's only, one per token, none for the drafts verify computed."""
+    import transformers
+
+    tf: Any = transformers
+    root = tmp_path_factory.mktemp("eagle3")
+    head = tf.LlamaConfig(
+        vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ).to_dict()  # fmt: skip
+    head.update(
+        architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=1024, target_hidden_size=128
+    )
+    (root / "config.json").write_text(json.dumps(head))
+    server = start_engine(
+        tiny_models["qwen3_moe"],
+        port=free_port(),
+        log=root / "sglang.log",
+        routing_cache=engine_cache.http_url,
+        api_key=KEY_A,
+        extra_args=(
+            "--speculative-algorithm",
+            "EAGLE3",
+            *CHAIN_ARGS,
+            "--speculative-draft-model-path",
+            str(root),
+            "--speculative-draft-load-format",
+            "dummy",
+        ),
+        env={**os.environ, **shim_env(*SHIMS)},
+    )
+    try:
+        got = _check_rows(
+            tiny_models["qwen3_moe"], qwen_engine.url, PROMPTS, cache_client, server.url
+        )
+    finally:
+        server.stop()
+    assert got["real"] == 0, got
+    assert got["accepted"] == 0 < got["proposed"], got
