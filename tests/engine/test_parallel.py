@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -328,6 +329,7 @@ def test_dp2_pins_rollouts_to_their_rank_and_turn_two_hits_its_prefix(
     """dp 2, --routing-dp-affinity rollout: each rollout's turns land on the rank its
     id hashes to (meta_info.dp_rank), both ranks get rollouts, every later turn is a
     radix hit over the whole previous turn, and rows equal the reference's."""
+    assert httpx.get(f"{dp2_engine.url}/r3/info", timeout=10).json()["dp_affinity"] == "rollout"
     ranks = set()
     for k, rollout in enumerate(_spread_ids("aff", 6)):
         prompt = _prompt(10 + k)
@@ -477,6 +479,8 @@ def test_dp2_without_affinity_later_turns_miss(
     other rank whenever the requests in between moved the counter by an odd number,
     so its prefix is recomputed (rows still right).  Two-turn rollouts run one after
     the other: turn 2 always follows its own turn 1 directly, so every turn 2 misses."""
+    info = httpx.get(f"{dp2_round_robin_engine.url}/r3/info", timeout=10).json()
+    assert info["dp_affinity"] == "off"
     misses = 0
     model = tiny_models["qwen3_moe"]
     for k in range(6):
