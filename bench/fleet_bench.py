@@ -43,23 +43,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
-import numpy as np
 
 from sglang_r3.harness import (
     CacheServer,
@@ -76,10 +71,10 @@ sys.path[:0] = [
     str(ROOT / "tests" / "service"),
 ]
 from _engine import shim_env  # noqa: E402
+from engine_bench import prompts, sigterm_as_interrupt  # noqa: E402
 
 from cache_service.redis_proc import free_port  # noqa: E402
 
-TOKEN_LO, TOKEN_HI = 3, 1024  # the tiny tokenizer's word ids
 # One OpenMP bind per rank: without it SGLang asserts ranks <= NUMA nodes (1 here).
 BIND = (("SGLANG_CPU_OMP_THREADS_BIND", "0|1"),)
 
@@ -168,11 +163,6 @@ class Result:
 # ---------------------------------------------------------------------------------------------
 # requests
 # ---------------------------------------------------------------------------------------------
-def prompts(seed: int, n: int, length: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return rng.integers(TOKEN_LO, TOKEN_HI, size=(n, length)).tolist()  # type: ignore[no-any-return]
-
-
 def body(side: str, input_ids: list[int], new: int) -> dict[str, Any]:
     sp: dict[str, Any] = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
     if side == "on":
@@ -328,18 +318,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.config:
         p.error("name a --config (repeatable) or --all")
     return args
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def main(argv: list[str] | None = None) -> int:
