@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _service import Service
+from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from sglang_r3.cpu import prepare_env
@@ -34,6 +34,11 @@ def launch(
     return subprocess.run(
         argv, capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})}
     )
+
+
+def plugin(cache: Service, key: str = KEY_A) -> tuple[str, ...]:
+    """The launcher's options that turn the plugin on, shipping to ``cache`` with ``key``."""
+    return ("--return-routed-experts", "--routing-cache", cache.http_url, "--routing-api-key", key)
 
 
 def test_return_routed_experts_needs_a_cache(tiny_models: dict[str, Path]) -> None:
@@ -65,28 +70,13 @@ HICACHE_VERIFIED = (
 def test_refuses_hicache_where_rows_cannot_follow(
     tiny_models: dict[str, Path], engine_cache: Service, args: tuple[str, ...], reason: str
 ) -> None:
-    proc = launch(
-        tiny_models["qwen3_moe"],
-        "--return-routed-experts",
-        "--routing-cache",
-        engine_cache.http_url,
-        "--routing-api-key",
-        "key-tenant-a-0123456789abcdef",
-        *args,
-    )
+    proc = launch(tiny_models["qwen3_moe"], *plugin(engine_cache), *args)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert reason in proc.stderr and "sglang#26975" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_refuses_wrong_api_key(tiny_models: dict[str, Path], engine_cache: Service) -> None:
-    proc = launch(
-        tiny_models["qwen3_moe"],
-        "--return-routed-experts",
-        "--routing-cache",
-        engine_cache.http_url,
-        "--routing-api-key",
-        "not-a-key",
-    )
+    proc = launch(tiny_models["qwen3_moe"], *plugin(engine_cache, "not-a-key"))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "refused the API key" in proc.stderr
 
@@ -97,11 +87,7 @@ def test_hook_that_did_not_apply_stops_the_launch(
 ) -> None:
     proc = launch(
         tiny_models["qwen3_moe"],
-        "--return-routed-experts",
-        "--routing-cache",
-        engine_cache.http_url,
-        "--routing-api-key",
-        "key-tenant-a-0123456789abcdef",
+        *plugin(engine_cache),
         env={"SGLANG_R3_TEST_BOGUS_HOOK": target},
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -172,11 +158,7 @@ def test_refuses_speculation_that_moves_kv_without_rows(
 ) -> None:
     proc = launch(
         tiny_models["qwen3_moe"],
-        "--return-routed-experts",
-        "--routing-cache",
-        engine_cache.http_url,
-        "--routing-api-key",
-        "key-tenant-a-0123456789abcdef",
+        *plugin(engine_cache),
         "--attention-backend",
         "torch_native",
         *spec,
@@ -246,11 +228,7 @@ def test_refuses_tokenizer_workers_with_a_foreign_app(
     refuses a value of the user's that would run the workers without the plugin."""
     proc = launch(
         tiny_models["qwen3_moe"],
-        "--return-routed-experts",
-        "--routing-cache",
-        engine_cache.http_url,
-        "--routing-api-key",
-        "key-tenant-a-0123456789abcdef",
+        *plugin(engine_cache),
         "--tokenizer-worker-num",
         "2",
         env={"SGLANG_HTTP_SERVER_APP_PATH": "sglang.srt.entrypoints.http_server:app"},
