@@ -7,8 +7,8 @@ exactly.  Under tensor parallelism each layer's output is a bf16 all-reduce of p
 sums, which rounds differently from tp=1, so a router whose 2nd and 3rd experts are
 near-tied may pick the other one: a difference is accepted as a *near-tie* only where a
 ``transformers`` forward of the same tokens puts those two logits less than
-:data:`NEAR_TIE` apart (the median gap is ~0.07); any other difference fails the test,
-and the counts are printed.  Engines run one at a time (module fixtures), each stopped
+``_rows_judge.NEAR_TIE`` apart (the median gap is ~0.07); any other difference fails the
+test, and the counts are printed.  Engines run one at a time (module fixtures), each stopped
 before the next starts.
 
 - ``--tp-size 2`` (test-only shim ``no_pynccl``: SGLang asks only out-of-tree platforms
@@ -34,7 +34,8 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
-from _engine import as_sets, generate, inline_rows, rid, shim_env, sp
+from _engine import as_sets, generate, rid, shim_env, sp
+from _rows_judge import judge_rows, reference_rows
 from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
@@ -47,7 +48,6 @@ pytestmark = pytest.mark.timeout(900)
 
 LAYERS, TOPK = 3, 2
 NEW = 6
-NEAR_TIE = 0.01
 TOOL = [7, 8, 9]  # the "tool output" appended after each answer
 HEAVY = os.environ.get("R3_TEST_HEAVY_PARALLEL") == "1"
 heavy = pytest.mark.skipif(
@@ -72,15 +72,19 @@ def _spread_ids(prefix: str, count: int) -> list[str]:
             return ids
 
 
-def _engine(
-    model: Path,
+def _serve(
+    models: dict[str, Path],
     cache: Service,
-    logs: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
     args: tuple[str, ...],
     shims: tuple[str, ...] = (),
-) -> EngineServer:
-    return start_engine(
-        model,
+) -> Iterator[EngineServer]:
+    """A module fixture's engine: the tiny Qwen3-MoE with ``args`` and the CPU ``shims``,
+    logging under a fresh ``name`` directory, stopped when the fixture ends."""
+    logs = tmp_path_factory.mktemp(name)
+    server = start_engine(
+        models["qwen3_moe"],
         port=free_port(),
         log=logs / "sglang.log",
         routing_cache=cache.http_url,
@@ -89,6 +93,8 @@ def _engine(
         env={**os.environ, **shim_env(*shims, **BIND)},
         timeout_s=400,
     )
+    yield server
+    server.stop()
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -116,49 +122,18 @@ def final_tokens(outs: list[dict[str, Any]]) -> list[int]:
     return list(outs[-1]["input_ids"]) + list(outs[-1]["output_ids"])
 
 
-def reference_rows(ref_url: str, tokens: list[int]) -> np.ndarray[Any, Any]:
-    """The reference engine's rows for ``tokens`` (one untagged request over them)."""
-    status, out = generate(
-        ref_url,
-        {
-            "input_ids": tokens,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            "return_routed_experts": True,
-        },
-    )
-    assert status == 200, out
-    return inline_rows(out, LAYERS)[: len(tokens) - 1]
-
-
-def router_gaps(model: Path, tokens: list[int]) -> npt.NDArray[np.float32]:
-    """``[len(tokens) - 1, layers]``: the gap between each router's 2nd and 3rd expert
-    logits in a ``transformers`` forward of ``tokens`` (bf16, as the engine)."""
-    import torch
-    import transformers
-
-    tf: Any = transformers
-    hf = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        out = hf(torch.tensor([tokens[:-1]]), output_router_logits=True)
-    logits = torch.stack([x.float() for x in out.router_logits], 1).numpy()
-    ranked = -np.sort(-logits.reshape(len(tokens) - 1, LAYERS, -1), axis=-1)
-    return ranked[..., TOPK - 1] - ranked[..., TOPK]  # type: ignore[no-any-return]
-
-
 def assert_rows_match(
     got: npt.NDArray[Any], want: npt.NDArray[Any], tokens: list[int], model: Path | None
 ) -> int:
     """``got`` equals ``want`` as sets per (token, layer); with ``model`` (tensor
     parallel engines), differences at near-tied routers are allowed.  Their count."""
-    differ = (as_sets(got) != as_sets(want)).any(-1)
-    if model is None or not differ.any():
+    if model is None:
         np.testing.assert_array_equal(as_sets(got), as_sets(want))
         return 0
-    gaps = router_gaps(model, tokens)
-    real = [(int(t), int(layer), float(gaps[t, layer])) for t, layer in np.argwhere(differ)]
-    real = [r for r in real if r[2] >= NEAR_TIE]
+    judged = judge_rows(got, want, model, tokens, LAYERS, TOPK, after_tie_ok=False)
+    real = judged.real
     assert not real, f"rows differ at routers that are not near-ties (token, layer, gap): {real}"
-    return int(differ.sum())
+    return judged.near_ties
 
 
 NEAR_TIES: dict[str, list[int]] = {}  # configuration -> [near-ties, routers compared]
@@ -200,7 +175,9 @@ def check_conversation(
     tokens = final_tokens(got)
     stored = client.get(rollout)
     assert stored.indices.shape == (len(tokens) - 1, LAYERS, 2)
-    ties = assert_rows_match(stored.indices, reference_rows(ref_url, tokens), tokens, model)
+    ties = assert_rows_match(
+        stored.indices, reference_rows(ref_url, tokens, LAYERS, TOPK), tokens, model
+    )
     tally = NEAR_TIES.setdefault(name, [0, 0])
     tally[0] += ties
     tally[1] += stored.indices.shape[0] * LAYERS
@@ -278,12 +255,9 @@ def tp2_engine(
     engine_cache: Service,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[EngineServer]:
-    logs = tmp_path_factory.mktemp("tp2")
-    server = _engine(
-        tiny_models["qwen3_moe"], engine_cache, logs, ("--tp-size", "2"), ("no_pynccl",)
+    yield from _serve(
+        tiny_models, engine_cache, tmp_path_factory, "tp2", ("--tp-size", "2"), ("no_pynccl",)
     )
-    yield server
-    server.stop()
 
 
 def test_tp2_stores_the_reference_rows(
@@ -317,10 +291,7 @@ def dp2_engine(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[EngineServer]:
     tp2_engine.stop()  # one engine of this module at a time (2 cores)
-    logs = tmp_path_factory.mktemp("dp2")
-    server = _engine(tiny_models["qwen3_moe"], engine_cache, logs, ("--dp-size", "2"))
-    yield server
-    server.stop()
+    yield from _serve(tiny_models, engine_cache, tmp_path_factory, "dp2", ("--dp-size", "2"))
 
 
 def test_dp2_pins_rollouts_to_their_rank_and_turn_two_hits_its_prefix(
@@ -373,7 +344,9 @@ def test_dp2_request_naming_its_rank_is_not_repinned(
     # The prefix was prefilled in one pass there, decoded token by token on the
     # reference: near-tied routers may round the other way.
     stored = cache_client.get(rollout).indices
-    assert_rows_match(stored, reference_rows(reference, final), final, tiny_models["qwen3_moe"])
+    assert_rows_match(
+        stored, reference_rows(reference, final, LAYERS, TOPK), final, tiny_models["qwen3_moe"]
+    )
 
 
 def test_dp2_batch_of_rollouts_each_on_its_rank(
@@ -394,7 +367,7 @@ def test_dp2_batch_of_rollouts_each_on_its_rank(
     assert [o["meta_info"]["dp_rank"] for o in outs] == [dp_rank_of(i, 2) for i in ids]
     assert {o["meta_info"]["dp_rank"] for o in outs} == {0, 1}
     for p, i, o in zip(prompts, ids, outs, strict=True):
-        ref = reference_rows(reference, p + o["output_ids"])
+        ref = reference_rows(reference, p + o["output_ids"], LAYERS, TOPK)
         np.testing.assert_array_equal(as_sets(cache_client.get(i).indices), as_sets(ref))
 
 
@@ -409,16 +382,14 @@ def dp_attention_engine(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[EngineServer]:
     dp2_engine.stop()
-    logs = tmp_path_factory.mktemp("dpattn")
-    server = _engine(
-        tiny_models["qwen3_moe"],
+    yield from _serve(
+        tiny_models,
         engine_cache,
-        logs,
+        tmp_path_factory,
+        "dpattn",
         ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"),
         ("no_pynccl", "torch_native_cpu_fill"),
     )
-    yield server
-    server.stop()
 
 
 @heavy
@@ -457,15 +428,13 @@ def dp2_round_robin_engine(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[EngineServer]:
     dp_attention_engine.stop()
-    logs = tmp_path_factory.mktemp("dp2off")
-    server = _engine(
-        tiny_models["qwen3_moe"],
+    yield from _serve(
+        tiny_models,
         engine_cache,
-        logs,
+        tmp_path_factory,
+        "dp2off",
         ("--dp-size", "2", "--routing-dp-affinity", "off"),
     )
-    yield server
-    server.stop()
 
 
 @heavy

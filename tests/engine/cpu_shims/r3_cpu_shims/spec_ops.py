@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,18 @@ import torch
 from torch import Tensor
 
 _LIB: Any = None
+
+
+def _request_spans(
+    req_pool_indices: Tensor, start_offset: Tensor, end_offset: Tensor
+) -> Iterator[tuple[int, slice, slice]]:
+    """Per request: its ``req_to_token`` row, its ``start:end`` there, and the next
+    ``end - start`` places of the packed ``out_cache_loc`` (requests in order)."""
+    off = 0
+    for i in range(req_pool_indices.numel()):
+        s, e = int(start_offset[i]), int(end_offset[i])
+        yield int(req_pool_indices[i]), slice(s, e), slice(off, off + e - s)
+        off += e - s
 
 
 def assign_req_to_token_pool(
@@ -44,12 +56,8 @@ def assign_req_to_token_pool(
     pool_len: int,
 ) -> None:
     """``req_to_token[r, start:end] = out_cache_loc[next end-start]`` for each request."""
-    off = 0
-    for i in range(req_pool_indices.numel()):
-        s, e = int(start_offset[i]), int(end_offset[i])
-        row = int(req_pool_indices[i])
-        req_to_token[row, s:e] = out_cache_loc[off : off + e - s].to(req_to_token.dtype)
-        off += e - s
+    for row, span, packed in _request_spans(req_pool_indices, start_offset, end_offset):
+        req_to_token[row, span] = out_cache_loc[packed].to(req_to_token.dtype)
 
 
 def assign_extend_cache_locs(
@@ -61,12 +69,8 @@ def assign_extend_cache_locs(
     pool_len: int,
 ) -> None:
     """The inverse gather: ``out_cache_loc[next end-start] = req_to_token[r, start:end]``."""
-    off = 0
-    for i in range(req_pool_indices.numel()):
-        s, e = int(start_offset[i]), int(end_offset[i])
-        row = int(req_pool_indices[i])
-        out_cache_loc[off : off + e - s] = req_to_token[row, s:e].to(out_cache_loc.dtype)
-        off += e - s
+    for row, span, packed in _request_spans(req_pool_indices, start_offset, end_offset):
+        out_cache_loc[packed] = req_to_token[row, span].to(out_cache_loc.dtype)
 
 
 def assign_draft_cache_locs_contiguous(
