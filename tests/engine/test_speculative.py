@@ -14,10 +14,11 @@ Rows are compared as sets per (token, layer) with the non-speculative reference 
 rows of the same tokens: its own greedy run where the tokens agree, its recomputation of
 the speculative engine's tokens (one prefill, KV recomputed) where they diverge (batched
 verify can break an exact bf16 logit tie the other way).  A ``transformers`` forward of
-the tokens judges each difference: a *near-tie* when the router's 2nd and 3rd logits are
-less than :data:`NEAR_TIE` apart (the two experts are interchangeable up to bf16
-rounding), *after a tie* in a deeper layer of a token that already differed at a
-near-tie (its input differs from there on), *real* otherwise; there must be no real one.
+the tokens judges each difference (``_rows_judge``): a *near-tie* when the router's 2nd
+and 3rd logits are less than ``NEAR_TIE`` (0.01) apart (the two experts are
+interchangeable up to bf16 rounding), *after a tie* in a deeper layer of a token that
+already differed at a near-tie (its input differs from there on), *real* otherwise;
+there must be no real one.
 
 STANDALONE (a separate MoE draft model) and EAGLE3 (a dummy-weight draft head: every
 draft rejected) are tested the same way behind ``R3_TEST_SPEC_EXTRA=1`` (more engines
@@ -35,10 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import pytest
-from _engine import as_sets, generate, inline_rows, rid, shim_env, sp
+from _engine import generate, inline_rows, rid, shim_env, sp
+from _rows_judge import judge_rows, reference_rows
 from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
@@ -49,7 +49,6 @@ pytestmark = pytest.mark.timeout(600)
 
 LAYERS, TOPK = 3, 2
 NEW_TOKENS = 24
-NEAR_TIE = 0.01
 EXTRA_ENV = "R3_TEST_SPEC_EXTRA"
 SHIMS = ("spec_ops", "torch_native_verify", "draft_torch_native", "cuda_sync_noop")
 CHAIN_ARGS = (
@@ -64,6 +63,29 @@ PROMPTS = [
 ]
 
 
+def _start_speculative(
+    target: Path, log: Path, cache: Service, algorithm: str, draft: Path, *extra: str
+) -> EngineServer:
+    """``target`` with the plugin on, speculating by ``algorithm`` as a chain
+    (:data:`CHAIN_ARGS`) with the draft at ``draft``, on the CPU shims."""
+    return start_engine(
+        target,
+        port=free_port(),
+        log=log,
+        routing_cache=cache.http_url,
+        api_key=KEY_A,
+        extra_args=(
+            "--speculative-algorithm",
+            algorithm,
+            *CHAIN_ARGS,
+            "--speculative-draft-model-path",
+            str(draft),
+            *extra,
+        ),
+        env={**os.environ, **shim_env(*SHIMS)},
+    )
+
+
 @pytest.fixture(scope="module")
 def spec_engine(
     tiny_models: dict[str, Path],
@@ -73,53 +95,11 @@ def spec_engine(
     """The tiny Qwen3-MoE with its MTP draft, chain speculation, the plugin on."""
     root = tmp_path_factory.mktemp("spec")
     draft = build_tiny_mtp_draft(tiny_models["qwen3_moe"], root / "mtp")
-    server = start_engine(
-        tiny_models["qwen3_moe"],
-        port=free_port(),
-        log=root / "sglang.log",
-        routing_cache=engine_cache.http_url,
-        api_key=KEY_A,
-        extra_args=(
-            "--speculative-algorithm",
-            "NEXTN",
-            *CHAIN_ARGS,
-            "--speculative-draft-model-path",
-            str(draft),
-        ),
-        env={**os.environ, **shim_env(*SHIMS)},
+    server = _start_speculative(
+        tiny_models["qwen3_moe"], root / "sglang.log", engine_cache, "NEXTN", draft
     )
     yield server
     server.stop()
-
-
-def _router_logits(model: Path, tokens: list[int]) -> npt.NDArray[np.float32]:
-    """``[len(tokens) - 1, layers, experts]`` router logits of a ``transformers`` forward."""
-    import torch
-    import transformers
-
-    tf: Any = transformers
-    hf = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        out = hf(torch.tensor([tokens[:-1]]), output_router_logits=True)
-    logits = torch.stack([x.float() for x in out.router_logits], 1)
-    return logits.numpy().reshape(len(tokens) - 1, LAYERS, -1)
-
-
-def _classify(
-    got: npt.NDArray[Any], want: npt.NDArray[Any], logits: npt.NDArray[np.float32]
-) -> tuple[int, int, int]:
-    """(near-ties, after a near-tie, real) among the (token, layer) routers where ``got``
-    and ``want`` differ as sets.  A near-tie: the 2nd-3rd router logit gap in ``logits``
-    is under :data:`NEAR_TIE`.  After a near-tie: a deeper layer of a token whose routing
-    already differed at a near-tie (its input differs from there on)."""
-    differ = (as_sets(got) != as_sets(want)).any(-1)  # [tokens, layers]
-    ranked = -np.sort(-logits, axis=-1)
-    tie = ranked[..., TOPK - 1] - ranked[..., TOPK] < NEAR_TIE
-    tie_above = np.cumsum(differ & tie, axis=1) - (differ & tie) > 0
-    near = differ & tie
-    after = differ & ~tie & tie_above
-    real = differ & ~tie & ~tie_above
-    return int(near.sum()), int(after.sum()), int(real.sum())
 
 
 def _reference(url: str, prompt_ids: list[list[int]]) -> list[dict[str, Any]]:
@@ -135,18 +115,6 @@ def _reference(url: str, prompt_ids: list[list[int]]) -> list[dict[str, Any]]:
         assert status == 200, answer
         out.append(answer)
     return out
-
-
-def _recomputed(url: str, tokens: list[int]) -> npt.NDArray[np.int32]:
-    """The non-speculative engine's rows over ``tokens`` (one prefill: KV recomputed)."""
-    body = {
-        "input_ids": tokens,
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-        "return_routed_experts": True,
-    }
-    status, answer = generate(url, body)
-    assert status == 200, answer
-    return inline_rows(answer, LAYERS, TOPK)[: len(tokens) - 1]
 
 
 def _speculate(url: str, prompt_ids: list[list[int]]) -> list[tuple[str, dict[str, Any]]]:
@@ -193,13 +161,13 @@ def _check_rows(
             want = inline_rows(ref, LAYERS, TOPK)
             counts["same_tokens"] += 1
         else:  # greedy broke an exact tie the other way under batched verify
-            want = _recomputed(reference_url, tokens)
+            want = reference_rows(reference_url, tokens, LAYERS, TOPK)
         assert want.shape == stored.indices.shape
-        near, after, real = _classify(stored.indices, want, _router_logits(model, tokens))
+        judged = judge_rows(stored.indices, want, model, tokens, LAYERS, TOPK, after_tie_ok=True)
         counts["routers"] += rows * LAYERS
-        counts["near_ties"] += near
-        counts["after_tie"] += after
-        counts["real"] += real
+        counts["near_ties"] += judged.near_ties
+        counts["after_tie"] += judged.after_tie
+        counts["real"] += len(judged.real)
 
         correct += meta["spec_num_correct_drafts"]
         proposed += meta["spec_num_proposed_drafts"]
@@ -241,8 +209,8 @@ def test_standalone_moe_draft_stores_one_exact_row_per_accepted_token(
 ) -> None:
     """STANDALONE: a separate draft model, here a MoE one (Mixtral: SGLang rewrites a
     Qwen3-MoE draft to its MTP class), the target with its last layer dropped, so the
-    draft routes through experts too and must stay out of the target's rows.  No
-    reference engine: every row is judged against a ``transformers`` forward."""
+    draft routes through experts too and must stay out of the target's rows.  The
+    reference is a non-speculative engine of the same Mixtral target."""
     from safetensors.torch import load_file, save_file
 
     root = tmp_path_factory.mktemp("standalone")
@@ -260,21 +228,7 @@ def test_standalone_moe_draft_stores_one_exact_row_per_accepted_token(
             shutil.copy(target / name, draft / name)
     config = json.loads((target / "config.json").read_text())
     (draft / "config.json").write_text(json.dumps({**config, "num_hidden_layers": LAYERS - 1}))
-    server = start_engine(
-        target,
-        port=free_port(),
-        log=root / "sglang.log",
-        routing_cache=engine_cache.http_url,
-        api_key=KEY_A,
-        extra_args=(
-            "--speculative-algorithm",
-            "STANDALONE",
-            *CHAIN_ARGS,
-            "--speculative-draft-model-path",
-            str(draft),
-        ),
-        env={**os.environ, **shim_env(*SHIMS)},
-    )
+    server = _start_speculative(target, root / "sglang.log", engine_cache, "STANDALONE", draft)
     try:
         reference = start_engine(
             target,
@@ -320,22 +274,14 @@ def test_eagle3_rejected_drafts_store_no_rows(
         architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=1024, target_hidden_size=128
     )
     (root / "config.json").write_text(json.dumps(head))
-    server = start_engine(
+    server = _start_speculative(
         tiny_models["qwen3_moe"],
-        port=free_port(),
-        log=root / "sglang.log",
-        routing_cache=engine_cache.http_url,
-        api_key=KEY_A,
-        extra_args=(
-            "--speculative-algorithm",
-            "EAGLE3",
-            *CHAIN_ARGS,
-            "--speculative-draft-model-path",
-            str(root),
-            "--speculative-draft-load-format",
-            "dummy",
-        ),
-        env={**os.environ, **shim_env(*SHIMS)},
+        root / "sglang.log",
+        engine_cache,
+        "EAGLE3",
+        root,
+        "--speculative-draft-load-format",
+        "dummy",
     )
     try:
         got = _check_rows(
