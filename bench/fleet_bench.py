@@ -27,7 +27,11 @@ plugin pins each rollout to a rank by hash, ``--routing-dp-affinity rollout``),
 ``dp2-affinity-off`` (the same, "on" left to SGLang's round robin), ``dp-attention``
 (tp 2, dp 2), ``tokenizer-workers-2``, ``eagle-chain`` (NEXTN with the
 tiny MTP draft, ``topk 1``), ``hicache`` (host tier, direct I/O; the pool is large
-enough that nothing is evicted, so this measures HiCache's write-back path, not loads).
+enough that nothing is evicted, so this measures HiCache's write-back path, not loads),
+``pd`` (PD disaggregation: each side is a prefill + a decode server, Mooncake over TCP,
+shim ``pd_host_indices``; each request is POSTed to both at once with one bootstrap
+room, as sglang-router does, "on" storing rows ``[0, P)`` from the prefill server and
+``[P, P+N-1)`` from the decode server; tokens/s are the decode server's answers).
 A configuration that fails to start is reported with the reason and skipped.
 
     python bench/fleet_bench.py --all
@@ -50,6 +54,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +93,7 @@ class Config:
     env: tuple[tuple[str, str], ...] = ()
     draft: bool = False  # needs the tiny MTP draft (--speculative-draft-model-path)
     on_args: tuple[str, ...] = ()  # sglang_r3.launch_server's own options, "on" only
+    pd: bool = False  # a prefill + decode pair per side (PD disaggregation)
 
 
 SPEC_ARGS = (
@@ -122,7 +128,28 @@ CONFIGS: dict[str, Config] = {
         draft=True,
     ),
     "hicache": Config(HICACHE_ARGS, ("hicache_cpu_io",)),
+    "pd": Config(
+        ("--disaggregation-transfer-backend", "mooncake"),
+        ("pd_host_indices",),
+        (
+            ("MOONCAKE_PROTOCOL", "tcp"),
+            # An early send of a radix-cached prefix's KV records a torch.cuda.Event
+            # under overlap scheduling, which dies on CPU; the final send carries the KV.
+            ("SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", "0"),
+        ),
+        pd=True,
+    ),
 }
+# PD roles' own arguments; the prefill server's bootstrap port is added per pair.  A
+# host pool for decode retraction backups (the default) is sized from the RAM left
+# over a 10 GiB reserve, which a busy 24 GiB machine may not have.
+PD_ROLE_ARGS = {
+    "prefill": ("--disaggregation-mode", "prefill"),
+    "decode": (
+        "--disaggregation-mode", "decode",
+        "--disaggregation-decode-retraction-backup", "cpu_tensor",
+    ),
+}  # fmt: skip
 
 
 class BenchError(RuntimeError):
@@ -171,6 +198,8 @@ def body(side: str, input_ids: list[int], new: int) -> dict[str, Any]:
 
 
 def check(side: str, out: dict[str, Any], new: int) -> None:
+    """``out`` has ``new`` tokens (a PD prefill server's answer: ``new`` is 1) and, "on"
+    only, a stored r3 reference."""
     meta = out.get("meta_info", {})
     if len(out.get("output_ids", ())) != new:
         raise BenchError(f"{side}: expected {new} new tokens, got {meta.get('completion_tokens')}")
@@ -181,30 +210,44 @@ def check(side: str, out: dict[str, Any], new: int) -> None:
         raise BenchError(f"off: response carries an r3 reference: {ref!r}")
 
 
-async def run_batch(url: str, bodies: list[dict[str, Any]], concurrency: int) -> tuple[float, Any]:
-    """POST every body to /generate, ``concurrency`` in flight; (seconds, responses)."""
-    results: list[dict[str, Any]] = [{} for _ in bodies]
+async def run_batch(
+    urls: list[str], bodies: list[dict[str, Any]], concurrency: int
+) -> tuple[float, list[list[dict[str, Any]]]]:
+    """POST every body to each of ``urls``' /generate at once (a PD pair: prefill,
+    decode), ``concurrency`` bodies in flight; (seconds, responses per body, per url)."""
+    results: list[list[dict[str, Any]]] = [[] for _ in bodies]
     todo = iter(enumerate(bodies))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
 
         async def worker() -> None:
             for i, b in todo:
-                r = await client.post("/generate", json=b)
-                if r.status_code != 200:
-                    raise BenchError(f"/generate answered {r.status_code}: {r.text[:500]}")
-                results[i] = r.json()
+                rs = await asyncio.gather(*(client.post(f"{u}/generate", json=b) for u in urls))
+                for r in rs:
+                    if r.status_code != 200:
+                        raise BenchError(f"/generate answered {r.status_code}: {r.text[:500]}")
+                results[i] = [r.json() for r in rs]
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return time.perf_counter() - t0, results
 
 
-def batch(args: argparse.Namespace, server: EngineServer, side: str, seed: int, n: int) -> float:
-    """One batch of ``n`` requests against ``server``; output tokens/s."""
+def batch(args: argparse.Namespace, engines: Engines, side: str, seed: int, n: int) -> float:
+    """One batch of ``n`` requests against ``engines``; output tokens/s (of the last
+    server: a PD pair's decode server)."""
     bodies = [body(side, p, args.new) for p in prompts(seed, n, args.prompt)]
-    secs, outs = asyncio.run(run_batch(server.url, bodies, args.concurrency))
-    for out in outs:
+    if engines.bootstrap_port is not None:  # one bootstrap room per request, as the router
+        for b in bodies:
+            b.update(
+                bootstrap_host="127.0.0.1",
+                bootstrap_port=engines.bootstrap_port,
+                bootstrap_room=uuid.uuid4().int >> 66,
+            )
+    secs, outs = asyncio.run(run_batch(engines.urls(), bodies, args.concurrency))
+    for *firsts, out in outs:
+        for first in firsts:  # the prefill server answers with the first token
+            check(side, first, 1)
         check(side, out, args.new)
     return n * args.new / secs
 
@@ -212,6 +255,21 @@ def batch(args: argparse.Namespace, server: EngineServer, side: str, seed: int, 
 # ---------------------------------------------------------------------------------------------
 # engines
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class Engines:
+    """One side's servers: one engine, or a PD pair (prefill, decode) and its bootstrap port."""
+
+    servers: list[EngineServer]
+    bootstrap_port: int | None = None
+
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
 def start(
     args: argparse.Namespace,
     model: Path,
@@ -220,8 +278,10 @@ def start(
     side: str,
     cache: CacheServer,
     log: Path,
+    role_args: tuple[str, ...] = (),
 ) -> EngineServer:
     extra = cfg.args + (("--speculative-draft-model-path", str(draft)) if cfg.draft else ())
+    extra += role_args
     if side == "on":
         extra += cfg.on_args
     env = {**os.environ, **shim_env(*cfg.shims, **dict(cfg.env))}
@@ -240,13 +300,47 @@ def start(
     )
 
 
+def start_side(
+    args: argparse.Namespace,
+    model: Path,
+    draft: Path | None,
+    cfg: Config,
+    side: str,
+    cache: CacheServer,
+    log: Path,
+) -> Engines:
+    """One side's engine, or (``cfg.pd``) its prefill + decode pair, started together."""
+    if not cfg.pd:
+        return Engines([start(args, model, draft, cfg, side, cache, log)])
+    bootstrap = free_port()
+    roles = {
+        "prefill": (*PD_ROLE_ARGS["prefill"], "--disaggregation-bootstrap-port", str(bootstrap)),
+        "decode": PD_ROLE_ARGS["decode"],
+    }
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            role: pool.submit(
+                start, args, model, draft, cfg, side, cache, log.with_suffix(f".{role}.log"), a
+            )
+            for role, a in roles.items()
+        }
+    pair = Engines([f.result() for f in futures.values() if f.exception() is None], bootstrap)
+    try:
+        for f in futures.values():
+            f.result()  # raises the first start-up failure
+    except BaseException:
+        pair.stop()
+        raise
+    return pair
+
+
 def run_config(
     args: argparse.Namespace, name: str, model: Path, tmp: Path, cache: CacheServer
 ) -> Result:
     cfg = CONFIGS[name]
     res = Result(name, cfg.args)
     draft = None
-    servers: dict[str, EngineServer] = {}
+    servers: dict[str, Engines] = {}
     try:
         if cfg.draft:
             from sglang_r3.harness import build_tiny_mtp_draft
@@ -254,7 +348,9 @@ def run_config(
             draft = build_tiny_mtp_draft(model, tmp / "mtp")
         for side in ("on", "off"):
             t0 = time.perf_counter()
-            servers[side] = start(args, model, draft, cfg, side, cache, tmp / f"{name}-{side}.log")
+            servers[side] = start_side(
+                args, model, draft, cfg, side, cache, tmp / f"{name}-{side}.log"
+            )
             res.start_s[side] = round(time.perf_counter() - t0, 1)
             print(f"  {name}: {side} engine up in {res.start_s[side]:.0f} s", flush=True)
         for side in ("off", "on"):
