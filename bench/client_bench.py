@@ -46,7 +46,7 @@ import torch
 
 from r3_client import AsyncRoutingClient, Segment, encode_frame
 from r3_client.layouts import verl_layout
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "service")]

@@ -33,7 +33,7 @@ import numpy as np
 import zstandard
 
 from r3_client import decode_frame, encode_frame, read_header
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 SHAPES = [("Qwen3-30B-A3B", 48, 128, 8), ("DeepSeek-V3", 58, 256, 8), ("Kimi-K2", 60, 384, 8)]
 DATA = {"uniform": {"skew": 0.0, "rho": 0.0}, "skewed": {"skew": 1.0, "rho": 0.9}}

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from cache_service.redis_proc import RedisProcess, free_port
 from cache_service.store import SegmentStore, StoreSettings
 from r3_client import Segment, encode_frame, token_digest
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 L, E, K = 48, 128, 8
 DATA = {"uniform": {"skew": 0.0, "rho": 0.0}, "skewed": {"skew": 1.0, "rho": 0.9}}

@@ -56,7 +56,7 @@ import httpx
 from cache_service.redis_proc import RedisProcess, free_port, server_version, waitaof_server_binary
 from cache_service.store import SegmentStore, StoreSettings
 from r3_client import Segment, encode_frame
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT / "tests", ROOT / "tests" / "service"):

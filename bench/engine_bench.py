@@ -1,7 +1,7 @@
 """Engine benchmark: generation throughput with routing capture, and bytes moved per agent turn.
 
 Real SGLang 0.5.23 on CPU (``--device cpu``, torch-native attention, bf16) with a tiny
-random Qwen3-MoE checkpoint (``sglang_r3.harness.build_tiny_model``), next to the real
+random Qwen3-MoE checkpoint (``sglang_r3.tools.local_stack.build_tiny_model``), next to the real
 cache service (``python -m cache_service serve``, auth on, with its embedded
 ``redis-server``).  Every process the script starts is stopped by PID (SGLang by process
 group) at the end, also on error or Ctrl-C.
@@ -102,8 +102,8 @@ from r3_client import (
     read_header,
     split_frames,
 )
-from r3_client.testing import synthetic_routing
-from sglang_r3.harness import EngineServer, build_tiny_model, start_engine
+from r3_client.synthetic import synthetic_routing
+from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, start_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "service")]

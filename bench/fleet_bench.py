@@ -5,7 +5,7 @@ docs/notes/sglang-0.5.23-fleet-configs.md), two engines of the same tiny random
 Qwen3-MoE with the same SGLang arguments run side by side:
 
 * **on**: ``python -m sglang_r3.launch_server --return-routed-experts --routing-cache
-  <local cache>`` (:func:`sglang_r3.harness.start_cache`, embedded Redis), every request
+  <local cache>`` (:func:`sglang_r3.tools.local_stack.start_cache`, embedded Redis), every request
   tagged with its own rollout id (rows encoded and written to the cache; the response
   carries a reference, checked ``stored``);
 * **off**: ``python -m sglang.launch_server``, the same arguments, untagged requests,
@@ -61,7 +61,7 @@ from typing import Any
 
 import httpx
 
-from sglang_r3.harness import (
+from sglang_r3.tools.local_stack import (
     CacheServer,
     EngineServer,
     build_tiny_model,
@@ -343,7 +343,7 @@ def run_config(
     servers: dict[str, Engines] = {}
     try:
         if cfg.draft:
-            from sglang_r3.harness import build_tiny_mtp_draft
+            from sglang_r3.tools.local_stack import build_tiny_mtp_draft
 
             draft = build_tiny_mtp_draft(model, tmp / "mtp")
         for side in ("on", "off"):

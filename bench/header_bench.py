@@ -19,7 +19,7 @@ import time
 from cache_service import store_reads
 from cache_service.headers import HeaderCache
 from r3_client import Segment, encode_frame
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 LAYERS, E, K = (1, 3, 5), 64, 4
 

@@ -8,7 +8,7 @@ Two trainers, each at one shape:
   sequence's last token), optionally with gradient checkpointing;
 - **megatron**: a Megatron-Core ``GPTModel`` (local layer spec, real ``TopKRouter``
   with ``moe_enable_routing_replay``, full recompute), driven by
-  ``r3_client.megatron.RouterReplayDriver`` with ``megatron_layout``-style host
+  ``r3_client.replay.megatron.RouterReplayDriver`` with ``megatron_layout``-style host
   ``int64`` arrays.
 
 Each repeat times one native step and one replay step, alternating which goes first;
@@ -46,8 +46,8 @@ sys.path[:0] = [str(ROOT / "tests" / "replay")]
 
 from r3_client import Routing  # noqa: E402
 from r3_client.layouts import MegatronReplayBatch, hf_layout  # noqa: E402
-from r3_client.megatron import RouterReplayDriver  # noqa: E402
 from r3_client.replay import apply_routing_replay, record_routing, replay_routing  # noqa: E402
+from r3_client.replay.megatron import RouterReplayDriver  # noqa: E402
 
 SHAPE_KEYS = ("layers", "hidden", "experts", "topk", "batch", "seq", "dtype")
 CPU_DEFAULTS = dict(zip(SHAPE_KEYS, (4, 256, 32, 4, 2, 256, "float32"), strict=True))

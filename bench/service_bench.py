@@ -76,7 +76,7 @@ from r3_client import Segment, encode_frame
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
 from r3_client._stream import StreamDecoder
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT / "tests", ROOT / "tests" / "service"):

@@ -8,7 +8,7 @@ extension's own functions (``sglang_r3.shipping``) and SGLang's own encoder
 
 * **detokenizer process**: upstream base64-encodes the int32 ``[rows, L, K]`` tensor
   (``DetokenizerManager._b64_encode_per_request``); r3 narrows it to the smallest
-  unsigned dtype that holds it (``sglang_r3.rows.compact_rows``);
+  unsigned dtype that holds it (``sglang_r3.row_transport.compact_rows``);
 * **IPC to the HTTP process**: the detokenizer's output is pickled and unpickled
   (SGLang's default ``SGLANG_USE_PICKLE_IPC``); the unpickling runs on the
   tokenizer manager's event loop;
@@ -21,7 +21,7 @@ A heartbeat task on the same event loop (sleeping 1 ms) measures the loop's stal
 the longest time it could not run while a rollout was handled.  CPU seconds are
 this process's (``time.process_time``, all threads) and the cache service's (with
 its Redis).  With ``--baseline-only-b64`` (implied when the installed extension
-predates ``sglang_r3.rows``), r3 is fed upstream's base64 as before.
+predates ``sglang_r3.row_transport``), r3 is fed upstream's base64 as before.
 
     python bench/ship_path.py [--rows 16384] [--layers 48] [--experts 128] [--topk 8]
         [--reps 8] [--json bench/out/ship_path.json]
@@ -47,7 +47,7 @@ import orjson
 import pybase64
 import torch
 
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 from sglang_r3 import shipping
 from sglang_r3.config import EngineConfig
 from sglang_r3.layers import MoeShape
@@ -59,7 +59,7 @@ from _service import KEY_A, start_service  # noqa: E402
 from engine_bench import tree_cpu  # noqa: E402
 
 try:  # the extension's engine-side row handling (absent before the hot-path rework)
-    from sglang_r3 import rows as engine_rows
+    from sglang_r3 import row_transport as engine_rows
 except ImportError:  # pragma: no cover - measuring the old code
     engine_rows = None  # type: ignore[assignment]
 

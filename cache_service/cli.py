@@ -62,7 +62,7 @@ def add_serve_parser(sub: Any) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     """Build settings from env + flags and serve until interrupted."""
-    from cache_service.server import serve
+    from cache_service.serve import serve
     from cache_service.settings import ServiceSettings
     from r3_client import R3Error
 

@@ -2,7 +2,7 @@
 
 ``rollouts`` (segments in, frames and stats out, delete, touch), ``batch`` (many
 rollouts in one stream, direct-read plans) and ``operations`` (health, readiness,
-metrics).  :func:`cache_service.http_api.create_app` mounts them behind the
+metrics).  :func:`cache_service.http_app.create_app` mounts them behind the
 request guard and the observing middleware.
 """
 
@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from cache_service.errors import error_message, status_for
 from cache_service.http_guard import NAMESPACE_STATE
-from cache_service.service import MAX_TTL_S, RoutingService
+from cache_service.routing_service import MAX_TTL_S, RoutingService
 from r3_client import (
     InvalidRequestError,
     PutResult,
@@ -26,7 +26,7 @@ from r3_client import (
     RolloutInfo,
     RolloutNotFoundError,
 )
-from r3_client._records import to_plain
+from r3_client._answer_forms import to_plain
 from r3_client._stream import (
     FRAME_MEDIA_TYPE,
     STREAM_MEDIA_TYPE,
@@ -57,7 +57,7 @@ class ErrorResponse(BaseModel):
 
 # PUT and stat answers are r3_client's dataclasses (PutResult, RolloutInfo): FastAPI
 # derives their JSON and OpenAPI schema from them, as the gRPC messages are derived
-# (r3_client/_records.py), so each answer is defined once.
+# (r3_client/_answer_forms.py), so each answer is defined once.
 
 
 class TouchRequest(BaseModel):

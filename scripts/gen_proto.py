@@ -1,4 +1,4 @@
-"""Write the generated records block of r3_cache.proto (see r3_client/_records.py).
+"""Write the generated records block of r3_cache.proto (see r3_client/_answer_forms.py).
 
 ``python scripts/gen_proto.py`` rewrites the block; ``--check`` exits 1 if it is stale.
 """
@@ -9,8 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from r3_client._models import PROTO_MESSAGES
-from r3_client._records import proto_messages
+from r3_client._answers import PROTO_MESSAGES
+from r3_client._answer_forms import proto_messages
 
 PROTO = Path(__file__).resolve().parents[1] / "clients" / "r3_client" / "_proto" / "r3_cache.proto"
 BLOCK = re.compile(

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-clients/r3_client/_proto}"
-# The record messages come from the dataclasses (r3_client/_records.py): rewritten in
+# The record messages come from the dataclasses (r3_client/_answer_forms.py): rewritten in
 # place, or with an output directory given (tests/client/test_proto.py) only checked.
 if [ $# -eq 0 ]; then
   "${PYTHON:-.venv/bin/python}" scripts/gen_proto.py

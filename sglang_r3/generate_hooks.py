@@ -19,8 +19,8 @@ from sglang_r3.errors import (
     bad_request,
     samples_conflict,
 )
-from sglang_r3.handover import to_base64
 from sglang_r3.layers import MoeShape, moe_shape
+from sglang_r3.output_rows import to_base64
 from sglang_r3.pd import check_decode_retractions, decode_start, is_decode_server
 from sglang_r3.probe import LOOP_PROBE
 from sglang_r3.shipping import Continuation, Shipper

@@ -29,9 +29,9 @@ Where the work happens (all in SGLang's HTTP process unless noted):
 - ``Scheduler.__init__`` (AROUND, scheduler process): the same verification and
   refusal there, and the CPU allocator check.
 - ``SchedulerBatchResultProcessor._maybe_collect_routed_experts`` (AROUND, scheduler
-  process): marks a tagged request's rows (:class:`sglang_r3.rows.TaggedRows`); O(1).
+  process): marks a tagged request's rows (:class:`sglang_r3.row_transport.TaggedRows`); O(1).
 - ``DetokenizerManager.handle_batch_token_id_out`` (AROUND, detokenizer process):
-  marked rows become compact :class:`sglang_r3.rows.EngineRows` instead of base64.
+  marked rows become compact :class:`sglang_r3.row_transport.EngineRows` instead of base64.
 - ``DetokenizerManager.__init__`` (AROUND, detokenizer process): verification there.
 - HiCache (scheduler process, :mod:`sglang_r3.hicache`): ``UnifiedRadixCache.init_hicache``
   gives the host tier a routing-row buffer; ``HybridCacheController.write`` / ``load``

@@ -43,7 +43,8 @@ from r3_client import (
 from sglang_r3 import metrics
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import CacheUnavailableError, R3RequestError, samples_conflict
-from sglang_r3.handover import (
+from sglang_r3.layers import MoeShape
+from sglang_r3.output_rows import (
     FORMS,
     Routing,
     check_engine_rows,
@@ -51,7 +52,6 @@ from sglang_r3.handover import (
     count_rows,
     engine_rows_of,
 )
-from sglang_r3.layers import MoeShape
 from sglang_r3.tagging import OutputTag
 
 log = logging.getLogger("sglang_r3")

@@ -9,7 +9,7 @@ from typing import Any
 from sglang_r3.generate_hooks import (
     engine_config,
 )
-from sglang_r3.rows import TaggedRows, compact_rows
+from sglang_r3.row_transport import TaggedRows, compact_rows
 from sglang_r3.startup import (
     check_startup,
 )

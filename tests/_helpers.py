@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 
 from r3_client import Segment, encode_frame, read_header, token_digest
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 E, K, LAYERS = 64, 4, (1, 3, 5)
 TRAJ = synthetic_routing(300, len(LAYERS), E, K, skew=1.0, rho=0.7, seed=7)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from r3_client._answers import PutResult, RolloutInfo, SegmentInfo
 from r3_client._codec import (
     CODECS,
     FORMAT_VERSION,
@@ -58,7 +59,7 @@ from r3_client._exceptions import (
     TruncatedFrameError,
     UnsupportedFrameError,
 )
-from r3_client._format import (
+from r3_client._routing import (
     MAX_EXPERTS,
     MAX_TOPK,
     Routing,
@@ -70,7 +71,6 @@ from r3_client._format import (
     token_digest,
     validate_indices,
 )
-from r3_client._models import PutResult, RolloutInfo, SegmentInfo
 
 if TYPE_CHECKING:
     from r3_client._client import AsyncRoutingClient, RoutingClient

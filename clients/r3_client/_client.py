@@ -22,6 +22,7 @@ from contextlib import aclosing, closing
 import numpy.typing as npt
 from tqdm import tqdm
 
+from r3_client._answers import PutResult, RolloutInfo
 from r3_client._client_core import (
     _THREAD_DECODE_BYTES,
     RETRYABLE,
@@ -37,8 +38,7 @@ from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     R3Error,
 )
-from r3_client._format import Routing, Segment, check_rollout_id
-from r3_client._models import PutResult, RolloutInfo
+from r3_client._routing import Routing, Segment, check_rollout_id
 from r3_client._transports import (
     AsyncTransport,
     Transport,

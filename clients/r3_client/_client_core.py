@@ -27,7 +27,7 @@ from r3_client._exceptions import (
     StoreUnavailableError,
     error_for_code,
 )
-from r3_client._format import Routing, Segment, check_rollout_id
+from r3_client._routing import Routing, Segment, check_rollout_id
 from r3_client._stream import StreamItem
 from r3_client._transports import (
     AsyncGrpcTransport,

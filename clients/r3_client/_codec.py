@@ -70,14 +70,6 @@ from r3_client._exceptions import (
     TruncatedFrameError,
     UnsupportedFrameError,
 )
-from r3_client._format import (
-    Routing,
-    Segment,
-    canonical_rows,
-    check_layer_ids,
-    check_params,
-    index_dtype,
-)
 from r3_client._frame import (
     _CODEC_NAMES,
     _CRC,
@@ -98,6 +90,14 @@ from r3_client._frame import (
     _unique_map,
     _unpack_map,
     provenance_field,
+)
+from r3_client._routing import (
+    Routing,
+    Segment,
+    canonical_rows,
+    check_layer_ids,
+    check_params,
+    index_dtype,
 )
 from r3_client._setrank import ranker
 

@@ -10,7 +10,7 @@ import numpy.typing as npt
 from r3_client._exceptions import (
     CodecError,
 )
-from r3_client._format import (
+from r3_client._routing import (
     index_dtype,
 )
 from r3_client._setrank import ranker

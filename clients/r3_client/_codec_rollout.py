@@ -22,12 +22,6 @@ from r3_client._exceptions import (
     TruncatedFrameError,
     UnsupportedFrameError,
 )
-from r3_client._format import (
-    Routing,
-    Segment,
-    index_dtype,
-    layer_positions,
-)
 from r3_client._frame import (
     _CRC,
     _PREFIX,
@@ -36,6 +30,12 @@ from r3_client._frame import (
     MAX_HEADER,
     Frame,
     FrameHeader,
+)
+from r3_client._routing import (
+    Routing,
+    Segment,
+    index_dtype,
+    layer_positions,
 )
 
 

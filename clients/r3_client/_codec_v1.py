@@ -21,15 +21,15 @@ from r3_client._exceptions import (
     CodecError,
     FormatError,
 )
-from r3_client._format import (
-    canonical_rows,
-    index_dtype,
-)
 from r3_client._frame import (
     _TRIAL_ROWS,
     _check_decoded_size,
 )
 from r3_client._inflate import inflate_exact
+from r3_client._routing import (
+    canonical_rows,
+    index_dtype,
+)
 from r3_client._setrank import pack_bits, ranker, unpack_bits
 
 

@@ -31,11 +31,6 @@ from r3_client._exceptions import (
     FrameError,
     ShapeError,
 )
-from r3_client._format import (
-    Segment,
-    check_layer_ids,
-    check_params,
-)
 from r3_client._frame import (
     _CRC,
     _MIN_GROUPED,
@@ -53,6 +48,11 @@ from r3_client._frame import (
     provenance_field,
 )
 from r3_client._inflate import inflate_exact
+from r3_client._routing import (
+    Segment,
+    check_layer_ids,
+    check_params,
+)
 from r3_client._setrank import ranker
 from r3_client._sortnet import sort_rows
 

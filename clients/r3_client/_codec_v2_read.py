@@ -29,11 +29,6 @@ from r3_client._exceptions import (
     FormatError,
     FrameError,
 )
-from r3_client._format import (
-    Segment,
-    check_layer_ids,
-    index_dtype,
-)
 from r3_client._frame import (
     _CODEC_NAMES,
     _CRC,
@@ -45,6 +40,11 @@ from r3_client._frame import (
     _provenance_field,
 )
 from r3_client._inflate import inflate_exact
+from r3_client._routing import (
+    Segment,
+    check_layer_ids,
+    index_dtype,
+)
 from r3_client._setrank import ranker
 
 _V2_KEYS = {"start", "end", "params", "ctx", "base", "layers", "blocks", "groups", "chunks"}

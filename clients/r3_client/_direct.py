@@ -34,7 +34,7 @@ from r3_client._exceptions import (
     StoreError,
     StoreUnavailableError,
 )
-from r3_client._format import Routing, check_rollout_id
+from r3_client._routing import Routing, check_rollout_id
 
 __all__ = ["DirectReader"]
 

@@ -15,7 +15,7 @@ from r3_client._exceptions import (
     FrameError,
     ShapeError,
 )
-from r3_client._format import (
+from r3_client._routing import (
     Routing,
     Segment,
     index_dtype,

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
-from r3_client._format import check_layer_ids
+from r3_client._routing import check_layer_ids
 
 __all__ = ["Missing", "absolute_layers", "uncovered"]
 

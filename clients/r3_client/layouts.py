@@ -37,8 +37,8 @@ import numpy as np
 import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
-from r3_client._format import Routing, check_layer_ids
 from r3_client._layout_rows import Missing, absolute_layers, uncovered
+from r3_client._routing import Routing, check_layer_ids
 
 __all__ = [
     "MegatronReplayBatch",

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
-from r3_client._format import Routing
+from r3_client._routing import Routing
 from r3_client._sortnet import sort_rows
 
 __all__ = [

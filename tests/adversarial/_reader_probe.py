@@ -50,7 +50,7 @@ def _read(spec: dict[str, Any]) -> object:
 def _warm_up(spec: dict[str, Any]) -> None:
     """Imports, connections and threads, so the peak measured is the read's own."""
     from r3_client import decode_rollout, encode_frame
-    from r3_client.testing import synthetic_routing
+    from r3_client.synthetic import synthetic_routing
 
     idx = synthetic_routing(64, 4, 64, 4, seed=0)
     decode_rollout(encode_frame(idx, num_experts=64, layer_ids=range(4), codec="set-zstd"))

@@ -17,7 +17,7 @@ from _service import Service
 from cache_service.headers import HeaderCache
 from r3_client import Segment, encode_frame, read_header, token_digest
 from r3_client._frame import BLOCK_ROWS
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 
 def _frame(rows: int, block_rows: int | None, seed: int = 1) -> bytes:

@@ -29,7 +29,7 @@ from _helpers import TRICKY_LEGAL_IDS, hostile_ids
 from _service import KEY_A, Service
 
 from r3_client import RolloutNotFoundError, RoutingClient
-from sglang_r3.harness import EngineServer
+from sglang_r3.tools.local_stack import EngineServer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -35,7 +35,7 @@ from r3_client import (
 )
 from r3_client._codec_v2 import _assemble_frame
 from r3_client._proto import r3_cache_pb2 as pb
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 ROW = synthetic_routing(1, len(LAYERS), E, 4, seed=3)
 GAP_LIMIT = 1 << 17  # the service default, R3_CACHE_MAX_GAP_ROWS

@@ -27,7 +27,7 @@ from _service import KEY_A, Service
 from r3_client import CodecError, Segment, decode_rollout, encode_frame, read_header, token_digest
 from r3_client._codec_v2 import _assemble_frame
 from r3_client._frame import MAX_TABLE_ENTRIES
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 PROBE = Path(__file__).with_name("_reader_probe.py")
 MIB = 1 << 20

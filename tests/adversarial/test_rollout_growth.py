@@ -25,7 +25,7 @@ from r3_client import (
     Segment,
     encode_frame,
 )
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 GAP = 1 << 17  # R3_CACHE_MAX_GAP_ROWS's default
 ROW = synthetic_routing(1, len(LAYERS), E, 4, seed=3)

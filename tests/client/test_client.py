@@ -27,7 +27,7 @@ from r3_client import (
     Timeout,
     token_digest,
 )
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 FAST = Retry(attempts=1)
 

@@ -29,7 +29,7 @@ from r3_client import (
     token_digest,
 )
 from r3_client._setrank import pack_bits, ranker, unpack_bits
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 CODECS = ["raw", "set", "set-zstd", "auto"]
 

@@ -27,8 +27,8 @@ def test_every_error_lives_in_the_tree_module_and_is_drawn_and_exported() -> Non
 
 
 def test_replay_errors_are_in_the_tree() -> None:
-    from r3_client.megatron import MegatronReplayError
     from r3_client.replay import ReplayError
+    from r3_client.replay.megatron import MegatronReplayError
 
     assert issubclass(MegatronReplayError, ReplayError)
     assert issubclass(ReplayError, R3Error) and issubclass(ReplayError, ValueError)

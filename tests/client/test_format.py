@@ -18,7 +18,7 @@ from r3_client import (
     validate_indices,
 )
 from r3_client._sortnet import sort_rows
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 
 def test_valid_routing_passes_and_sorts() -> None:

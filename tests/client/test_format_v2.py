@@ -25,7 +25,7 @@ from r3_client import (
     slice_frame,
     split_frames,
 )
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 
 def _sets(a: np.ndarray) -> np.ndarray:

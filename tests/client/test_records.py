@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from r3_client import ProtocolError, PutResult, RolloutInfo, Segment, SegmentInfo
+from r3_client._answer_forms import from_message, from_plain, proto_messages, to_message, to_plain
 from r3_client._proto import r3_cache_pb2 as pb
-from r3_client._records import from_message, from_plain, proto_messages, to_message, to_plain
 
 INFO = RolloutInfo(
     rollout_id="r-1",

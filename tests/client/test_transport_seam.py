@@ -25,7 +25,7 @@ from r3_client import (
     encode_frame,
 )
 from r3_client._stream import StreamItem
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 NO_WAIT = Retry(attempts=3, backoff=0.0)
 E, K, L = 16, 2, (0, 1)

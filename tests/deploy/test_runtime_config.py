@@ -29,7 +29,7 @@ from _k8s import Obj, container_env, containers, find, pod_spec, render
 from cache_service.redis_proc import free_port
 from cache_service.settings import ServiceSettings
 from sglang_r3 import launch_server
-from sglang_r3.harness import CPU_ARGS
+from sglang_r3.tools.local_stack import CPU_ARGS
 
 PASSWORD = "test-password-0123456789"
 
@@ -261,7 +261,7 @@ def test_read_plan_on_the_rendered_redis(
     import redis
 
     from cache_service.metrics import Metrics
-    from cache_service.service import RoutingService
+    from cache_service.routing_service import RoutingService
     from cache_service.store import SegmentStore
 
     conf = tmp_path / "redis.conf"

@@ -23,7 +23,7 @@ from _service import KEY_A, Service, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import RoutingClient
-from sglang_r3.harness import EngineServer, build_tiny_model, start_engine
+from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, start_engine
 
 T = TypeVar("T")
 _SHARED: dict[str, list[Any]] = {}  # name -> [resource, users]

@@ -117,7 +117,7 @@ def test_capture_internals() -> None:
 
 
 def test_routing_handover_internals() -> None:
-    """Where the compact hand-over (sglang_r3.rows) plugs in, as read in 0.5.23."""
+    """Where the compact hand-over (sglang_r3.row_transport) plugs in, as read in 0.5.23."""
     from sglang.srt.managers import detokenizer_manager, tokenizer_manager
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler_components import batch_result_processor, output_streamer

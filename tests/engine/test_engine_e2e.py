@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from r3_client import RolloutNotFoundError, RoutingClient
-from sglang_r3.harness import EngineServer
+from sglang_r3.tools.local_stack import EngineServer
 
 pytestmark = pytest.mark.timeout(600)
 

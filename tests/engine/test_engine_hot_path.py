@@ -15,7 +15,7 @@ from _engine_fixtures import _engine, _shared
 from _service import Service
 
 from r3_client import RoutingClient
-from sglang_r3.harness import EngineServer
+from sglang_r3.tools.local_stack import EngineServer
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -28,7 +28,7 @@ from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
-from sglang_r3.harness import FAMILIES, EngineServer, start_engine
+from sglang_r3.tools.local_stack import FAMILIES, EngineServer, start_engine
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -38,9 +38,17 @@ MOE_LAYERS = {"qwen3_moe": 3, "glm4_moe": 2, "olmoe": 3, "mixtral": 3}  # of 3 (
 
 
 def build_model(out: Path, family: str) -> None:
-    """``python -m sglang_r3.harness build-model OUT --family FAMILY``, as documented."""
+    """``python -m sglang_r3.tools.local_stack build-model OUT --family FAMILY``, as documented."""
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_r3.harness", "build-model", str(out), "--family", family],
+        [
+            sys.executable,
+            "-m",
+            "sglang_r3.tools.local_stack",
+            "build-model",
+            str(out),
+            "--family",
+            family,
+        ],
         capture_output=True,
         text=True,
         timeout=300,

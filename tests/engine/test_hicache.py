@@ -30,7 +30,7 @@ from _service import KEY_A, Service
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3 import hicache
-from sglang_r3.harness import EngineServer, start_engine
+from sglang_r3.tools.local_stack import EngineServer, start_engine
 
 pytestmark = pytest.mark.timeout(600)
 

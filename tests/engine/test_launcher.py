@@ -13,7 +13,7 @@ from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from sglang_r3.cpu import prepare_env
-from sglang_r3.harness import build_tiny_mtp_draft
+from sglang_r3.tools.local_stack import build_tiny_mtp_draft
 
 
 def launch(

@@ -20,7 +20,7 @@ from _engine import rid
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
-from sglang_r3.harness import EngineServer, start_router
+from sglang_r3.tools.local_stack import EngineServer, start_router
 
 pytestmark = pytest.mark.timeout(600)
 

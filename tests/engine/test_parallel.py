@@ -42,7 +42,7 @@ from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.config import ConfigError, EngineConfig
 from sglang_r3.generate_hooks import dp_rank_of
-from sglang_r3.harness import EngineServer, start_engine
+from sglang_r3.tools.local_stack import EngineServer, start_engine
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -17,12 +17,12 @@ import pytest
 from _service import KEY_A, Service
 
 from r3_client import AsyncRoutingClient, RoutingClient
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import R3RequestError
 from sglang_r3.layers import moe_shape
 from sglang_r3.pd import check_decode_retractions, decode_start, is_decode_server
-from sglang_r3.rows import EngineRows
+from sglang_r3.row_transport import EngineRows
 from sglang_r3.shipping import Continuation, Shipper
 from sglang_r3.tagging import OutputTag
 

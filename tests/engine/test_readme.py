@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from _service import KEY_A, Service
 
-from sglang_r3.harness import EngineServer
+from sglang_r3.tools.local_stack import EngineServer
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 

@@ -15,8 +15,8 @@ import transformers
 
 from r3_client import RoutingClient
 from r3_client.replay import apply_routing_replay
-from sglang_r3.harness import EngineServer
-from sglang_r3.report import generate_rollouts, measure
+from sglang_r3.tools.local_stack import EngineServer
+from sglang_r3.tools.mismatch_report import generate_rollouts, measure
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -65,7 +65,7 @@ def test_mismatch_report_command(
     out = tmp_path / "report"
     proc = subprocess.run(
         [
-            sys.executable, "-m", "sglang_r3.report",
+            sys.executable, "-m", "sglang_r3.tools.mismatch_report",
             "--engine-url", qwen_engine.url, "--cache-url", engine_cache.http_url,
             "--api-key", KEY_A, "--model-path", str(tiny_models["qwen3_moe"]),
             "--rollouts", "3", "--prompt-len", "10", "--new-tokens", "8", "--out", str(out),

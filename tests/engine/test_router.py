@@ -32,8 +32,8 @@ from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.errors import R3RequestError
 from sglang_r3.fleet import DEAD_ENGINE_WINDOW_S, classify_failure
-from sglang_r3.harness import EngineServer, start_engine, start_router, words
 from sglang_r3.http_hooks import _openai_error
+from sglang_r3.tools.local_stack import EngineServer, start_engine, start_router, words
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -19,12 +19,12 @@ import torch
 from _service import KEY_A, METRICS_KEY, Service
 
 from r3_client import AsyncRoutingClient
-from r3_client.testing import synthetic_routing
-from sglang_r3 import handover, shipping
+from r3_client.synthetic import synthetic_routing
+from sglang_r3 import output_rows, shipping
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import R3RequestError
 from sglang_r3.layers import moe_shape
-from sglang_r3.rows import EngineRows, TaggedRows, compact_rows
+from sglang_r3.row_transport import EngineRows, TaggedRows, compact_rows
 from sglang_r3.shipping import Shipper
 from sglang_r3.tagging import OutputTag
 
@@ -103,7 +103,7 @@ def test_tagged_rows_still_read_as_upstream_tensor() -> None:
 def _record_threads(monkeypatch: pytest.MonkeyPatch, names: list[str]) -> list[tuple[str, int]]:
     calls: list[tuple[str, int]] = []
     for name in names:
-        for module in (shipping, handover):  # wherever the name is looked up
+        for module in (shipping, output_rows):  # wherever the name is looked up
             if not hasattr(module, name):
                 continue
             fn: Callable[..., Any] = getattr(module, name)
@@ -144,7 +144,7 @@ async def test_no_row_work_on_the_event_loop(
     names = {n for n, _ in calls}
     assert {"engine_rows_of", "check_engine_rows", "token_digest", "encode_frame"} <= names
     assert all(t != loop_thread for _, t in calls), calls
-    inline = await asyncio.to_thread(handover.to_base64, routing, SHAPE, 10)
+    inline = await asyncio.to_thread(output_rows.to_base64, routing, SHAPE, 10)
     assert inline == base64.b64encode(rows[10:].tobytes()).decode()
     async with AsyncRoutingClient(engine_cache.http_url, api_key=KEY_A) as client:
         stored = await client.get(rollout)

@@ -2,7 +2,7 @@
 token, equal to a non-speculative engine's rows for the same tokens.
 
 The speculative engine runs the tiny Qwen3-MoE with the MTP draft
-:func:`sglang_r3.harness.build_tiny_mtp_draft` builds (a MoE layer of its own, which
+:func:`sglang_r3.tools.local_stack.build_tiny_mtp_draft` builds (a MoE layer of its own, which
 SGLang must keep out of the target's rows), ``--speculative-algorithm NEXTN`` (SGLang
 resolves it to EAGLE), one step, ``topk 1``, two draft tokens per verify: every verify
 forward computes routing for the last accepted token and one draft; a rejected draft's
@@ -43,7 +43,12 @@ from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
-from sglang_r3.harness import EngineServer, build_tiny_model, build_tiny_mtp_draft, start_engine
+from sglang_r3.tools.local_stack import (
+    EngineServer,
+    build_tiny_model,
+    build_tiny_mtp_draft,
+    start_engine,
+)
 
 pytestmark = pytest.mark.timeout(600)
 

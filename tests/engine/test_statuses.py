@@ -18,7 +18,7 @@ from _engine import MAX_SEGMENT_ROWS, restart_cache, rid, sp
 from _service import Service
 
 from r3_client import RolloutNotFoundError, RoutingClient
-from sglang_r3.harness import EngineServer, words
+from sglang_r3.tools.local_stack import EngineServer, words
 
 pytestmark = pytest.mark.timeout(600)
 

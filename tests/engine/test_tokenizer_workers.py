@@ -33,8 +33,8 @@ from _service import KEY_A, Service
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.config import EngineConfig
-from sglang_r3.harness import EngineServer, start_engine
 from sglang_r3.startup import APP_PATH, APP_PATH_ENV, unsupported_options
+from sglang_r3.tools.local_stack import EngineServer, start_engine
 
 pytestmark = pytest.mark.timeout(600)
 

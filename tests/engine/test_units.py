@@ -14,8 +14,8 @@ from _service import KEY_A, Service
 from sglang_r3.config import ConfigError, EngineConfig
 from sglang_r3.cpu import build_cuda_stub
 from sglang_r3.errors import R3RequestError
-from sglang_r3.handover import check_engine_rows, decode_rows
 from sglang_r3.layers import moe_shape
+from sglang_r3.output_rows import check_engine_rows, decode_rows
 from sglang_r3.shipping import Shipper, version_at, version_runs
 from sglang_r3.tagging import OutputTag, output_tags, request_shape
 

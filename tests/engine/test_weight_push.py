@@ -23,7 +23,7 @@ from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
-from sglang_r3.harness import EngineServer, build_tiny_model, start_engine
+from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, start_engine
 
 pytestmark = pytest.mark.timeout(600)
 

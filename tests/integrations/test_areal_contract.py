@@ -55,7 +55,7 @@ from _service import KEY_A, Service
 from cache_service.redis_proc import free_port
 from r3_client import AsyncRoutingClient
 from r3_client.integrations import areal as r3_areal
-from sglang_r3.harness import EngineServer, build_tiny_model, start_engine
+from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, start_engine
 
 if importlib.util.find_spec("areal") is None:
     pytest.skip(
@@ -67,7 +67,7 @@ if importlib.util.find_spec("areal") is None:
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parents[2]
-NUM_LAYERS, TOPK = 3, 2  # the tiny checkpoints (sglang_r3.harness.build_tiny_model)
+NUM_LAYERS, TOPK = 3, 2  # the tiny checkpoints (sglang_r3.tools.local_stack.build_tiny_model)
 PROMPT = [21 + i for i in range(24)]
 
 

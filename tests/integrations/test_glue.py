@@ -43,7 +43,7 @@ from r3_client.integrations import miles as r3_miles
 from r3_client.integrations import slime as r3_slime
 from r3_client.integrations import tags
 from r3_client.layouts import miles_layout, slime_layout
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 from sglang_r3.config import DEFAULT_TAG_HEADER
 from sglang_r3.tagging import output_tags
 

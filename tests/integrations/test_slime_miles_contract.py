@@ -30,7 +30,7 @@ import torch
 
 from r3_client import Routing, ShapeError
 from r3_client.layouts import miles_layout, slime_layout
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
 MILES_COMMIT = "31f1ca961a94cb860cec3b2dea34ec332bfa8f76"

@@ -52,7 +52,7 @@ from _service import KEY_A, Service
 
 from r3_client import Routing, RoutingClient, Segment, ShapeError
 from r3_client.layouts import verl_layout
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 ROOT = Path(__file__).resolve().parents[2]
 E, K, HIDDEN, VOCAB = 8, 2, 64, 256

@@ -58,7 +58,7 @@ from r3_client import (
 )
 from r3_client.integrations import verl as r3_verl
 from r3_client.layouts import verl_layout
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 from sglang_r3.tagging import output_tags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -303,8 +303,8 @@ class Engine:
 
 
 def tokenizer() -> Any:
-    """The word-level tokenizer of sglang_r3.harness's tiny models ("w{id}" per token)."""
-    from sglang_r3.harness import tiny_tokenizer
+    """The word-level tokenizer of sglang_r3.tools.local_stack's tiny models ("w{id}" per token)."""
+    from sglang_r3.tools.local_stack import tiny_tokenizer
 
     return tiny_tokenizer(VOCAB)
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import transformers
 
-from r3_client.testing import TINY_FAMILIES, tiny_moe_config
+from r3_client.synthetic import TINY_FAMILIES, tiny_moe_config
 
 FAMILIES = list(TINY_FAMILIES)
 # A realistic shape for GPU runs: wide enough that kernels, not Python, set the pace.

@@ -18,8 +18,8 @@ import torch
 
 from r3_client import Routing
 from r3_client.layouts import megatron_layout
-from r3_client.megatron import MegatronReplayError, RouterReplayDriver, check_config
-from r3_client.testing import synthetic_routing
+from r3_client.replay.megatron import MegatronReplayError, RouterReplayDriver, check_config
+from r3_client.synthetic import synthetic_routing
 
 rr = pytest.importorskip("megatron.core.transformer.moe.router_replay")
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function  # noqa: E402

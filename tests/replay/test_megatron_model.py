@@ -17,7 +17,7 @@ import torch
 from _megatron_model import Shape, build_gpt, forward, megatron_env, schedule_env
 
 from r3_client.layouts import MegatronReplayBatch
-from r3_client.megatron import MegatronReplayError, RouterReplayDriver
+from r3_client.replay.megatron import MegatronReplayError, RouterReplayDriver
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay")
 

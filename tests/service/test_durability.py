@@ -37,7 +37,7 @@ from cache_service.redis_proc import (
 from cache_service.settings import ServiceSettings
 from cache_service.store import SegmentStore, StoreSettings
 from r3_client import StoreError, StoreUnavailableError, decode_rollout
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 HEADERS = {"Authorization": f"Bearer {KEY_A}"}
 TIMEOUT_MS = 300

@@ -19,7 +19,7 @@ from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import decode_rollout, encode_frame
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client._stream import StreamDecoder
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 
 def put_http(svc: Service, r: str, frame: bytes, key: str = KEY_A) -> dict:
@@ -333,7 +333,7 @@ def test_assembled_frames_carry_segment_provenance(svc: Service) -> None:
 
 
 def test_http_only_deployment_via_uvicorn_factory(redis_single: RedisProcess) -> None:
-    """`uvicorn --factory cache_service.http_api:create_app`: settings from R3_CACHE_* env."""
+    """`uvicorn --factory cache_service.http_app:create_app`: settings from R3_CACHE_* env."""
     port = free_port()
     env = {**os.environ, "R3_CACHE_REDIS_URL": redis_single.url, "R3_CACHE_AUTH": "off"}
     proc = subprocess.Popen(
@@ -342,7 +342,7 @@ def test_http_only_deployment_via_uvicorn_factory(redis_single: RedisProcess) ->
             "-m",
             "uvicorn",
             "--factory",
-            "cache_service.http_api:create_app",
+            "cache_service.http_app:create_app",
             "--port",
             str(port),
             "--log-level",

@@ -14,7 +14,7 @@ from _service import KEY_A, Service, WriteLoad, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import decode_frame, decode_rollout
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 HEADERS = {"Authorization": f"Bearer {KEY_A}"}
 

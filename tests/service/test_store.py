@@ -22,7 +22,7 @@ from r3_client import (
     decode_rollout,
     encode_frame,
 )
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 
 async def test_put_get_round_trip_over_turns(store: SegmentStore) -> None:

@@ -10,7 +10,7 @@ import pytest
 from cache_service.redis_proc import RedisProcess, free_port
 from cache_service.store import SegmentStore, StoreSettings
 from r3_client import Segment, StoreUnavailableError, encode_frame
-from r3_client.testing import synthetic_routing
+from r3_client.synthetic import synthetic_routing
 
 ROUTING = synthetic_routing(64, 2, 32, 4, seed=3)
 

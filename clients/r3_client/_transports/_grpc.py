@@ -7,12 +7,12 @@ from typing import Any
 
 import grpc
 
+from r3_client._answer_forms import from_message, to_plain
+from r3_client._answers import PutResult, RolloutInfo
 from r3_client._config import Timeout
 from r3_client._exceptions import ProtocolError, from_grpc
-from r3_client._models import PutResult, RolloutInfo
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
-from r3_client._records import from_message, to_plain
 from r3_client._stream import StreamItem
 
 __all__ = ["AsyncGrpcTransport", "GrpcTransport"]

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
-from r3_client._format import Routing, check_rollout_id
+from r3_client._routing import Routing, check_rollout_id
 from r3_client.integrations.tags import tag_generate
 from r3_client.layouts import Missing, miles_layout
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from r3_client._format import check_rollout_id
+from r3_client._routing import check_rollout_id
 from r3_client.integrations import _samples
 from r3_client.layouts import Missing, miles_layout
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from r3_client._format import check_rollout_id, check_text
+from r3_client._routing import check_rollout_id, check_text
 
 __all__ = [
     "INLINE_ROUTING_FIELDS",

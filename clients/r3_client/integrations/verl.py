@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from r3_client._exceptions import ShapeError
-from r3_client._format import Routing, check_rollout_id, token_digest
+from r3_client._routing import Routing, check_rollout_id, token_digest
 from r3_client.integrations.tags import tag_sampling_params
 from r3_client.layouts import Missing, verl_layout
 

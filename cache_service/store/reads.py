@@ -11,7 +11,7 @@ import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from cache_service.headers import HeaderCache
-from cache_service.store_base import StoreBase, _translate
+from cache_service.store.shared import StoreBase, _translate
 from r3_client import (
     FormatError,
     FrameError,
@@ -22,10 +22,10 @@ from r3_client import (
     ShapeError,
     StoreError,
 )
+from r3_client._answers import RolloutInfo, SegmentInfo
 from r3_client._codec import Context, encode_context
 from r3_client._codec_rollout import decode_rollout, slice_frame
-from r3_client._format import layer_positions
-from r3_client._models import RolloutInfo, SegmentInfo
+from r3_client._routing import layer_positions
 
 #: Parsed headers of stored frames, shared by every namespace (keyed by content).
 _HEADERS = HeaderCache()

@@ -86,7 +86,7 @@ def tiny_moe_config(
     """A small random-init ``transformers`` config of ``family`` (nothing is downloaded).
 
     The one builder behind the replay tests' models and the engine's test
-    checkpoints (``sglang_r3.harness``).  ``ffn`` sizes dense MLPs, ``moe_ffn`` each
+    checkpoints (``sglang_r3.tools.local_stack``).  ``ffn`` sizes dense MLPs, ``moe_ffn`` each
     expert; ``extra`` adds or overrides config fields (e.g. DeepSeek's ``n_group``).
     """
     import transformers

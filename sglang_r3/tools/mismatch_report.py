@@ -258,7 +258,7 @@ def run_report(args: argparse.Namespace) -> int:
     import transformers
 
     from cache_service.redis_proc import free_port
-    from sglang_r3.harness import build_tiny_model, start_cache, start_engine
+    from sglang_r3.tools.local_stack import build_tiny_model, start_cache, start_engine
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -341,7 +341,7 @@ def _write_report(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sglang_r3.report`` (same as ``r3 mismatch-report``)."""
+    """``python -m sglang_r3.tools.mismatch_report`` (same as ``r3 mismatch-report``)."""
     parser = argparse.ArgumentParser(prog="r3")
     add_report_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["mismatch-report", *(sys.argv[1:] if argv is None else argv)])

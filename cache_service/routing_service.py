@@ -26,7 +26,7 @@ from r3_client import (
     read_header,
 )
 from r3_client._exceptions import quote_items
-from r3_client._format import MAX_LAYER_ID
+from r3_client._routing import MAX_LAYER_ID
 
 __all__ = ["MAX_TTL_S", "RoutingService"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from r3_client.testing import tiny_moe_config
+from r3_client.synthetic import tiny_moe_config
 
 FAMILIES = ("qwen3_moe", "glm4_moe", "olmoe", "mixtral")
 VOCAB = 1024
@@ -383,14 +383,14 @@ def start_router(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sglang_r3.harness build-model OUT``: write a tiny MoE checkpoint.
+    """``python -m sglang_r3.tools.local_stack build-model OUT``: write a tiny MoE checkpoint.
 
     Used where a real checkpoint cannot be had: the dev Kubernetes overlay's init
     container, laptops without a model hub.
     """
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m sglang_r3.harness")
+    p = argparse.ArgumentParser(prog="python -m sglang_r3.tools.local_stack")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build-model", help="write a random tiny MoE checkpoint + tokenizer")
     b.add_argument("out", type=Path)

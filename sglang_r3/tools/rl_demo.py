@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_r3.rl_loop import (
+from sglang_r3.tools.grpo_loop import (
     MODES,
     RLCheckError,
     Run,
@@ -119,7 +119,7 @@ def add_rl_demo_parser(sub: Any) -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new", type=int, default=16, help="tokens sampled per sample or turn")
     p.add_argument("--tool", type=int, default=4, help="tool tokens between an episode's turns")
-    p.add_argument("--family", default="qwen3_moe", help="sglang_r3.harness.FAMILIES")
+    p.add_argument("--family", default="qwen3_moe", help="sglang_r3.tools.local_stack.FAMILIES")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--topk", type=int, default=2)
@@ -145,7 +145,7 @@ def run_rl_demo(args: argparse.Namespace) -> int:
     import transformers
 
     from cache_service.redis_proc import free_port
-    from sglang_r3.harness import build_tiny_model, start_cache, start_engine
+    from sglang_r3.tools.local_stack import build_tiny_model, start_cache, start_engine
 
     tf: Any = transformers
     tf.utils.logging.disable_progress_bar()

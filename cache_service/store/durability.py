@@ -12,7 +12,7 @@ from typing import Any
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
-from cache_service.store_base import StoreBase, _log, _text
+from cache_service.store.shared import StoreBase, _log, _text
 from r3_client import (
     StoreError,
     StoreUnavailableError,

@@ -2,7 +2,7 @@
 
 These dataclasses are the one definition of the service's answers; the HTTP JSON,
 the gRPC messages and their ``.proto`` definitions are derived from them
-(:mod:`r3_client._records`).  Add a field here (at the end), then run
+(:mod:`r3_client._answer_forms`).  Add a field here (at the end), then run
 ``scripts/gen_proto.sh``.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from r3_client._format import Segment
-from r3_client._records import from_plain, to_plain
+from r3_client._answer_forms import from_plain, to_plain
+from r3_client._routing import Segment
 
 __all__ = ["PROTO_MESSAGES", "PutResult", "RolloutInfo", "SegmentInfo"]
 

@@ -15,9 +15,9 @@ def add_commands(sub: Any) -> None:
     """Add ``demo``, ``report`` and ``rl-demo`` to the ``r3`` parser's subparsers."""
     if not all(importlib.util.find_spec(m) for m in ("sglang", "torch", "transformers")):
         return
-    from sglang_r3.demo import add_demo_parser
-    from sglang_r3.report import add_report_parser
-    from sglang_r3.rl_demo import add_rl_demo_parser
+    from sglang_r3.tools.demo import add_demo_parser
+    from sglang_r3.tools.mismatch_report import add_report_parser
+    from sglang_r3.tools.rl_demo import add_rl_demo_parser
 
     add_report_parser(sub)
     add_demo_parser(sub)

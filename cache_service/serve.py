@@ -17,11 +17,11 @@ import uvicorn
 
 from cache_service.auth import KeyRing
 from cache_service.grpc_api import start_grpc_server
-from cache_service.http_api import create_app
+from cache_service.http_app import create_app
 from cache_service.logs import configure_logging, log_event
 from cache_service.metrics import Metrics
 from cache_service.redis_proc import RedisProcess, free_port
-from cache_service.service import RoutingService
+from cache_service.routing_service import RoutingService
 from cache_service.settings import ServiceSettings
 from cache_service.store import SegmentStore
 

@@ -1,6 +1,6 @@
 """The GRPO loop of ``r3 rl-demo``: generation, routing checks, train steps, weight pushes.
 
-See :mod:`sglang_r3.rl_demo` for what a step does and the command around it.
+See :mod:`sglang_r3.tools.rl_demo` for what a step does and the command around it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from r3_client import Routing, RoutingClient
 from r3_client.mismatch import extreme_frac, logprob_mismatch, routing_disagreement
-from sglang_r3.report import output_logprobs
+from sglang_r3.tools.mismatch_report import output_logprobs
 
 MODES = ("replay", "native")
 MEMORY_GROWTH_LIMIT = 1.2

@@ -1,7 +1,7 @@
 """The service's answers as records: each defined once, as a dataclass; every form derived.
 
-The dataclasses (:class:`~r3_client._format.Segment`, and ``PutResult``,
-``SegmentInfo``, ``RolloutInfo`` in :mod:`r3_client._models`) are the one definition.
+The dataclasses (:class:`~r3_client._routing.Segment`, and ``PutResult``,
+``SegmentInfo``, ``RolloutInfo`` in :mod:`r3_client._answers`) are the one definition.
 From them come:
 
 - the HTTP JSON (:func:`to_plain` / :func:`from_plain`; FastAPI takes the

@@ -26,7 +26,7 @@ from cache_service.http_guard import RequestGuard
 from cache_service.http_routes import ErrorResponse, batch, operations, rollouts
 from cache_service.logs import log_event
 from cache_service.metrics import Metrics
-from cache_service.service import RoutingService
+from cache_service.routing_service import RoutingService
 from cache_service.settings import ServiceSettings, get_settings
 from cache_service.store import SegmentStore
 from r3_client import (
@@ -145,7 +145,7 @@ def create_app(
     With ``service`` given (``r3 serve``, which shares it with gRPC) the app
     uses it; otherwise the lifespan connects to ``settings.redis_url`` and
     closes the pool on shutdown.  ``settings`` defaults to the environment
-    (:func:`get_settings`), so ``uvicorn --factory cache_service.http_api:create_app``
+    (:func:`get_settings`), so ``uvicorn --factory cache_service.http_app:create_app``
     works for an HTTP-only deployment.
     """
     settings = settings or get_settings()

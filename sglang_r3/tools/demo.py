@@ -46,7 +46,7 @@ import numpy as np
 
 from r3_client import Routing, RoutingClient
 from r3_client.mismatch import logprob_mismatch, routing_disagreement
-from sglang_r3.report import output_logprobs
+from sglang_r3.tools.mismatch_report import output_logprobs
 
 BASE64 = 4 / 3  # upstream ships int32 rows as base64 text
 #: Stage after which the demo waits for a signal (module docstring); unset: it does not.
@@ -244,7 +244,7 @@ def replay_measure(model: Any, samples: list[Sample]) -> dict[str, dict[str, flo
     """Routing disagreement with the engine and log-prob mismatch, native and replayed."""
     from tqdm import tqdm
 
-    from sglang_r3.report import hf_forward
+    from sglang_r3.tools.mismatch_report import hf_forward
 
     engine_rows: list[np.ndarray] = []
     native_rows: list[np.ndarray] = []
@@ -387,7 +387,7 @@ def _run(args: argparse.Namespace, work: Path, started: list[Any]) -> Stats:
 
     from cache_service.redis_proc import free_port
     from r3_client.replay import apply_routing_replay
-    from sglang_r3.harness import build_tiny_model, start_cache, start_engine
+    from sglang_r3.tools.local_stack import build_tiny_model, start_cache, start_engine
 
     # The demo prints its own stage lines; transformers' per-file bars would bury them.
     tf: Any = transformers

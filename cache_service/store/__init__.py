@@ -1,0 +1,51 @@
+"""The Redis segment store: rollouts as atomically-written, stitched segments.
+
+One Redis hash per rollout, ``<prefix>:{<rollout_id>}``; the ``{…}`` hash tag
+keeps every key of a rollout in one Redis Cluster slot, so the same Lua
+scripts run unchanged on a single Redis and on a cluster.  Fields:
+
+* ``m`` — rollout meta (E, K, MoE layer ids); every segment must agree;
+* ``s:<a>:<b>`` — the segment's frame, exactly as validated on put;
+* ``d:<a>:<b>`` — digest of the segment's *content* (canonical rows + meta), so a
+  re-put of the same data in another codec is still recognised as a duplicate;
+* ``h:<a>:<b>`` — segment info (range, model, weight version, codec, bytes);
+* ``r:<a>:<b>`` — for a *shared* segment, the blob key holding its frame
+  (``s:<a>:<b>`` then holds ``@<blob key>``);
+* ``b`` / ``sb`` / ``n`` — total frame bytes / bytes of shared segments / segment count.
+
+GRPO prompt dedupe: a segment with a token digest is stored once per
+(namespace, E, K, layers, range, model id, weight version, token digest) in a
+blob hash ``<prefix>:blob:{<sha>}`` and referenced from every rollout that puts
+it, so the n samples of one prompt keep one copy of the prompt's rows.  If two
+writers send different rows under the same share key (non-deterministic
+numerics), the second keeps its own copy: sharing never changes what a rollout
+reads.  A blob's TTL is kept at least as long as that of every rollout
+referencing it (refreshed on each put and touch); deleting a rollout leaves
+shared blobs to expire.
+
+Durability (``StoreSettings.durability``): ``ack`` answers once Redis has applied a
+write (what survives a crash is then up to that Redis's AOF policy); ``replicas``
+follows every write with ``WAIT n timeout``, ``fsync`` with ``WAITAOF 1 0 timeout``
+(plus ``WAIT n`` with replicas).  They are sent in one pipeline on the *same
+connection* as the write (both count only what that connection wrote) and, on a
+cluster, on the master that owns the key's slot.  A write that is not confirmed in
+time raises :class:`StoreUnavailableError`: applied, maybe not durable, safe to
+retry.  Paths that find their data already stored (a duplicate segment, a shared
+blob already there) still write one unchanged field, so the retry's wait covers the
+data an earlier, unconfirmed request stored.
+
+Rules (all enforced inside one Lua script, so concurrent writers cannot race):
+putting an identical segment again is a no-op; a segment overlapping a stored
+one and not identical to it is a :class:`SegmentConflictError`; rows between
+segments that were never written read back as ``-1``.  Every write refreshes
+the rollout's TTL.
+"""
+
+from cache_service.store.segment_store import (
+    DURABILITY_MODES,
+    SegmentStore,
+    StoreSettings,
+    check_namespace,
+)
+
+__all__ = ["DURABILITY_MODES", "SegmentStore", "StoreSettings", "check_namespace"]

@@ -1,0 +1,1 @@
+"""sglang_r3.tools."""
