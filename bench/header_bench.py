@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from cache_service import store_reads
 from cache_service.headers import HeaderCache
+from cache_service.store import reads as store_reads
 from r3_client import Segment, encode_frame
 from r3_client.synthetic import synthetic_routing
 
