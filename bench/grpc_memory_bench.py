@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "service")]
 from _service import KEY_A, grpc_md, start_service  # noqa: E402
 
 from cache_service.redis_proc import RedisProcess, free_port  # noqa: E402
-from r3_client._proto import r3_cache_pb2 as pb  # noqa: E402
+from r3_client.wire import r3_cache_pb2 as pb  # noqa: E402
 
 PUT = "/r3.cache.v1.RoutingCache/PutSegment"
 CALLERS = {

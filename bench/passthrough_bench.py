@@ -115,9 +115,8 @@ from r3_client import (
     read_header,
     token_digest,
 )
-from r3_client._transports._grpc import GrpcTransport
-from r3_client._transports._http import HTTPTransport
 from r3_client.synthetic import synthetic_routing
+from r3_client.wire import GrpcTransport, HTTPTransport
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "service"):

@@ -73,10 +73,10 @@ import redis.asyncio as aioredis
 from cache_service.redis_proc import RedisProcess, free_port, redis_server_binary
 from cache_service.store import SegmentStore, StoreSettings
 from r3_client import Segment, encode_frame
-from r3_client._proto import r3_cache_pb2 as pb
-from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
-from r3_client._stream import StreamDecoder
 from r3_client.synthetic import synthetic_routing
+from r3_client.wire import StreamDecoder
+from r3_client.wire import r3_cache_pb2 as pb
+from r3_client.wire import r3_cache_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT / "tests", ROOT / "tests" / "service"):

@@ -63,7 +63,7 @@ MAX_MESSAGE_BYTES = 1024
 def error_message(exc: R3Error) -> str:
     """``str(exc)`` cut to :data:`MAX_MESSAGE_BYTES`, saying how long it was.
 
-    Messages already quote lists by :func:`r3_client._exceptions.quote_items`;
+    Messages already quote lists by :func:`r3_client.wire.quote_items`;
     this is the bound that holds whatever a message quotes.
     """
     text = str(exc)

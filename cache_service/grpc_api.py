@@ -17,8 +17,8 @@ from cache_service.logs import log_event
 from cache_service.memory import Trimmer
 from cache_service.routing_service import RoutingService
 from r3_client import InvalidRequestError, LimitExceededError, R3Error
-from r3_client._answer_forms import to_message
-from r3_client._proto import r3_cache_pb2 as pb
+from r3_client.wire import r3_cache_pb2 as pb
+from r3_client.wire import to_message
 
 __all__ = ["RoutingCacheServicer", "start_grpc_server"]
 

@@ -16,8 +16,8 @@ import threading
 from collections import OrderedDict
 
 from r3_client import read_header
-from r3_client._codec import Context, FrameHeader
-from r3_client._frame import _PREFIX
+from r3_client.wire import FRAME_PREFIX as _PREFIX
+from r3_client.wire import Context, FrameHeader
 
 __all__ = ["HeaderCache"]
 

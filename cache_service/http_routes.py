@@ -26,14 +26,14 @@ from r3_client import (
     RolloutInfo,
     RolloutNotFoundError,
 )
-from r3_client._answer_forms import to_plain
-from r3_client._stream import (
+from r3_client.wire import (
     FRAME_MEDIA_TYPE,
     STREAM_MEDIA_TYPE,
     encode_error_item,
     encode_frame_item,
     encode_trailer,
     stream_header,
+    to_plain,
 )
 
 __all__ = ["ErrorResponse", "batch", "operations", "rollouts"]

@@ -25,8 +25,7 @@ from r3_client import (
     RolloutInfo,
     read_header,
 )
-from r3_client._exceptions import quote_items
-from r3_client._routing import MAX_LAYER_ID
+from r3_client.wire import MAX_LAYER_ID, quote_items
 
 __all__ = ["MAX_TTL_S", "RoutingService"]
 

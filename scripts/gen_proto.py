@@ -9,8 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from r3_client._answers import PROTO_MESSAGES
-from r3_client._answer_forms import proto_messages
+from r3_client.wire import PROTO_MESSAGES, proto_messages
 
 PROTO = Path(__file__).resolve().parents[1] / "clients" / "r3_client" / "_proto" / "r3_cache.proto"
 BLOCK = re.compile(

@@ -22,10 +22,15 @@ from r3_client import (
     ShapeError,
     StoreError,
 )
-from r3_client._answers import RolloutInfo, SegmentInfo
-from r3_client._codec import Context, encode_context
-from r3_client._codec_rollout import decode_rollout, slice_frame
-from r3_client._routing import layer_positions
+from r3_client.wire import (
+    Context,
+    RolloutInfo,
+    SegmentInfo,
+    decode_rollout,
+    encode_context,
+    layer_positions,
+    slice_frame,
+)
 
 #: Parsed headers of stored frames, shared by every namespace (keyed by content).
 _HEADERS = HeaderCache()

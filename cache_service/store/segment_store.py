@@ -41,11 +41,7 @@ from r3_client import (
     index_dtype,
     read_header,
 )
-from r3_client._answers import PutResult
-from r3_client._codec import Context, FrameHeader
-from r3_client._codec_v2_read import check_chunks
-from r3_client._exceptions import quote_items
-from r3_client._frame import BLOCK_ROWS
+from r3_client.wire import BLOCK_ROWS, Context, FrameHeader, PutResult, check_chunks, quote_items
 
 __all__ = ["DURABILITY_MODES", "SegmentStore", "StoreSettings", "check_namespace"]
 
