@@ -174,3 +174,18 @@ class EngineConfig:
         if self.model_id:
             out[ENV_MODEL_ID] = self.model_id
         return out
+
+
+_PROCESS_CONFIG: EngineConfig | None = None
+
+
+def engine_config() -> EngineConfig:
+    """This process's configuration, read from the environment on first use.
+
+    Every hook of a process reads this one value (the environment does not change
+    once SGLang has started the process).
+    """
+    global _PROCESS_CONFIG
+    if _PROCESS_CONFIG is None:
+        _PROCESS_CONFIG = EngineConfig.from_env()
+    return _PROCESS_CONFIG

@@ -1,4 +1,4 @@
-"""The errors the extension raises into SGLang's request handlers.
+"""The errors the extension raises: into SGLang's request handlers, and at start-up.
 
 ``R3RequestError`` is both a ``fastapi.HTTPException`` (the OpenAI handlers keep its status) and a
 ``ValueError`` (``/generate`` turns ValueErrors into error responses, reading
@@ -38,3 +38,7 @@ def samples_conflict(rollout_id: str) -> R3RequestError:
         f"r3: rollout {rollout_id!r} already has stored rows, and n>1 samples start "
         "new rollouts; continue each sample with its own request",
     )
+
+
+class StartupError(RuntimeError):
+    """The extension refuses to start: a hook did not take or an option is unsafe."""

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_r3.config import EngineConfig
+from sglang_r3.config import EngineConfig, engine_config
 from sglang_r3.errors import (
     CacheUnavailableError,
     R3RequestError,
@@ -23,8 +21,15 @@ from sglang_r3.layers import MoeShape, moe_shape
 from sglang_r3.output_rows import to_base64
 from sglang_r3.pd import check_decode_retractions, decode_start, is_decode_server
 from sglang_r3.probe import LOOP_PROBE
+from sglang_r3.request_state import refs_holder, remember_error
 from sglang_r3.shipping import Continuation, Shipper
-from sglang_r3.tagging import OutputTag, output_tags, request_shape
+from sglang_r3.tagging import (
+    OutputTag,
+    misplaced_tag,
+    output_tags,
+    request_shape,
+    sampling_params_tagged,
+)
 
 log = logging.getLogger("sglang_r3")
 
@@ -33,20 +38,11 @@ log = logging.getLogger("sglang_r3")
 
 @dataclass
 class _Runtime:
-    config: EngineConfig
-    shipper: Shipper | None = None
-    loop: asyncio.AbstractEventLoop | None = None
+    shipper: Shipper
+    loop: asyncio.AbstractEventLoop
 
 
 _RUNTIME: _Runtime | None = None
-
-
-def engine_config() -> EngineConfig:
-    """This process's configuration (read from the environment once)."""
-    global _RUNTIME
-    if _RUNTIME is None:
-        _RUNTIME = _Runtime(EngineConfig.from_env())
-    return _RUNTIME.config
 
 
 def _shape_of(tokenizer_manager: Any) -> MoeShape:
@@ -56,47 +52,16 @@ def _shape_of(tokenizer_manager: Any) -> MoeShape:
 
 def _shipper(tokenizer_manager: Any) -> Shipper:
     """The process's shipper, created on first use on the running loop."""
-    engine_config()
-    assert _RUNTIME is not None
+    global _RUNTIME
     loop = asyncio.get_running_loop()
-    if _RUNTIME.shipper is None or _RUNTIME.loop is not loop:
+    if _RUNTIME is None or _RUNTIME.loop is not loop:
         name = getattr(tokenizer_manager, "served_model_name", None) or ""
-        _RUNTIME.shipper = Shipper(_RUNTIME.config, _shape_of(tokenizer_manager), str(name))
-        _RUNTIME.loop = loop
+        shipper = Shipper(engine_config(), _shape_of(tokenizer_manager), str(name))
+        _RUNTIME = _Runtime(shipper, loop)
     return _RUNTIME.shipper
 
 
 # ---------------------------------------------------------------- generate
-
-
-def _is_tagged(sampling_params: Any) -> bool:
-    """Cheap test run on every request: does any sampling_params carry ``r3``?"""
-    if isinstance(sampling_params, Mapping):
-        cp = sampling_params.get("custom_params")
-        return isinstance(cp, Mapping) and "r3" in cp
-    if isinstance(sampling_params, list):
-        return any(_is_tagged(sp) for sp in sampling_params)
-    return False
-
-
-_NAMES_R3 = re.compile(r"(?<![A-Za-z0-9_])r3(?![A-Za-z0-9_])")
-
-
-def _misplaced_tag(sampling_params: Any) -> str | None:
-    """The type of a ``custom_params`` that is not an object but names ``r3`` (else None).
-
-    ``/generate`` passes any JSON value through as ``custom_params``; a tag sent as a
-    JSON *string* would otherwise be generated untagged, with no routing stored.
-    """
-    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params]
-    for sp in sps:
-        cp = sp.get("custom_params") if isinstance(sp, Mapping) else None
-        if cp is None or isinstance(cp, Mapping):
-            continue
-        text = cp if isinstance(cp, str) else json.dumps(cp, default=str)
-        if _NAMES_R3.search(text):
-            return type(cp).__name__
-    return None
 
 
 def _is_own_probe(tokenizer_manager: Any, obj: Any) -> bool:
@@ -121,94 +86,6 @@ def _untagged_refusal() -> R3RequestError:
     )
 
 
-def _header_rollout(raw_request: Any) -> str | None:
-    """The rollout id in the configured tag header of ``raw_request`` (None: absent/off)."""
-    name = engine_config().tag_header
-    headers = getattr(raw_request, "headers", None) if name else None
-    if headers is None:
-        return None
-    value = headers.get(name)
-    return value if isinstance(value, str) and value != "" else None
-
-
-def _tag_with_header(custom_params: Any, rollout_id: str) -> dict[str, Any]:
-    """``custom_params`` with the header's tag added; raises 400 if they disagree.
-
-    A tag already in the body wins (it may carry options the header cannot), but a
-    body tag naming a different single rollout is a driver bug worth refusing.
-    """
-    name = engine_config().tag_header
-    if custom_params is None:
-        return {"r3": {"rollout_id": rollout_id}}
-    if not isinstance(custom_params, Mapping):
-        raise bad_request(
-            f"custom_params must be an object to carry the {name} header's rollout tag, "
-            f"got a {type(custom_params).__name__}"
-        )
-    tag = custom_params.get("r3")
-    if tag is None:
-        return {**custom_params, "r3": {"rollout_id": rollout_id}}
-    body_id = tag.get("rollout_id") if isinstance(tag, Mapping) else None
-    if isinstance(body_id, str) and body_id != rollout_id:
-        raise bad_request(
-            f"the {name} header names rollout {rollout_id[:80]!r} but custom_params.r3 "
-            f"names {body_id[:80]!r}; send one rollout id"
-        )
-    return dict(custom_params)
-
-
-def _tag_generate_from_header(obj: Any, request: Any) -> None:
-    """Tag a ``/generate`` request from the header (sglang-router drops ``custom_params``)."""
-    rollout_id = _header_rollout(request)
-    if rollout_id is None or not engine_config().enabled:
-        return
-    sp = getattr(obj, "sampling_params", None)
-    if isinstance(sp, list):
-        if _is_tagged(sp):
-            return
-        raise bad_request(
-            f"the {engine_config().tag_header} header names one rollout; a batch with one "
-            "sampling_params per prompt cannot take it (send one sampling_params object: "
-            "outputs are then {id}-{k}; or one request per prompt)"
-        )
-    sp = {} if sp is None else sp
-    if not isinstance(sp, Mapping):
-        return  # upstream refuses it
-    obj.sampling_params = {
-        **sp,
-        "custom_params": _tag_with_header(sp.get("custom_params"), rollout_id),
-    }
-
-
-def _state(request: Any) -> dict[str, Any] | None:
-    """The per-request state dict of a Starlette request (shared with upstream's handlers)."""
-    scope = getattr(request, "scope", None)
-    if not isinstance(scope, dict):
-        return None
-    state = scope.setdefault("state", {})
-    return state if isinstance(state, dict) else None
-
-
-def _remember_error(request: Any, exc: R3RequestError) -> None:
-    """Leave ``exc`` on the request, for the hooks that turn upstream's 400 into its status."""
-    state = _state(request)
-    if state is not None:
-        state["r3_error"] = exc
-
-
-def _remembered_error(request: Any) -> R3RequestError | None:
-    state = _state(request)
-    err = state.get("r3_error") if state is not None else None
-    return err if isinstance(err, R3RequestError) else None
-
-
-def _refs_holder(request: Any) -> list[dict[str, Any]] | None:
-    """The list an OpenAI handler left on the raw request for our references."""
-    state = _state(request)
-    holder = state.get("r3_refs") if state is not None else None
-    return holder if isinstance(holder, list) else None
-
-
 def _send_rids(obj: Any, batch: int, single: bool) -> list[str]:
     """Fix the request ids now (as SGLang would) so a per-request plan can find them."""
     if single:
@@ -228,11 +105,11 @@ async def around_generate_request(
     """AROUND ``TokenizerManager.generate_request``: ship tagged outputs' routing."""
     LOOP_PROBE.ensure_started()
     sampling_params = getattr(obj, "sampling_params", None)
-    tagged = _is_tagged(sampling_params)
-    if not tagged and _misplaced_tag(sampling_params) is None:
+    tagged = sampling_params_tagged(sampling_params)
+    if not tagged and misplaced_tag(sampling_params) is None:
         if engine_config().require_tag and not _is_own_probe(self, obj):
             exc = _untagged_refusal()
-            _remember_error(request, exc)
+            remember_error(request, exc)
             raise exc
         async for out in original(self, obj, request):
             yield out
@@ -241,13 +118,13 @@ async def around_generate_request(
         if not tagged:
             raise bad_request(
                 f"custom_params must be an object like "
-                f'{{"r3": {{"rollout_id": "..."}}}}, got a {_misplaced_tag(sampling_params)} '
+                f'{{"r3": {{"rollout_id": "..."}}}}, got a {misplaced_tag(sampling_params)} '
                 "that names r3; refusing rather than generating without routing"
             )
         async for out in _tagged_generate(original, self, obj, request):
             yield out
     except R3RequestError as exc:
-        _remember_error(request, exc)
+        remember_error(request, exc)
         raise
 
 
@@ -268,7 +145,7 @@ def _checked_tags(config: EngineConfig, obj: Any) -> tuple[list[OutputTag], int,
         max_outputs=config.max_outputs,
         share_prompt=config.share_prompt,
     )
-    assert tags is not None  # _is_tagged said so
+    assert tags is not None  # sampling_params_tagged said so
     if obj.routed_experts_start_len:
         raise bad_request(
             "routed_experts_start_len is managed by r3 for tagged requests; leave it 0"
@@ -337,7 +214,7 @@ async def _tagged_generate(
         getattr(tm, "incremental_streaming_output", False)
     )
     streamed_ids: dict[int, list[int]] = {}
-    holder = _refs_holder(request)
+    holder = refs_holder(request)
 
     async def finish(k: int, out: dict[str, Any]) -> None:
         meta = out.get("meta_info") or {}

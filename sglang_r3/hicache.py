@@ -202,8 +202,8 @@ def around_init_hicache(original: Callable[..., Any], self: Any, *args: Any, **k
         log.debug("sglang_r3: no HiCache row moves: %s", problems)
         return result
     if problems:
-        from sglang_r3.generate_hooks import engine_config
-        from sglang_r3.startup import StartupError
+        from sglang_r3.config import engine_config
+        from sglang_r3.errors import StartupError
 
         message = (
             "sglang_r3 cannot move routing rows with HiCache here (sglang#26975):\n  - "

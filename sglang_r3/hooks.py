@@ -61,10 +61,11 @@ from sglang_r3.http_hooks import (
     around_openai_handle_request,
     around_serve_generate_request,
 )
-from sglang_r3.startup import (
-    before_launch_server,
-)
+from sglang_r3.startup import add_routes, check_startup
 from sglang_r3.targets import (
+    DETOKENIZER_TARGETS,
+    HTTP_TARGETS,
+    SCHEDULER_TARGETS,
     T_CAPTURE_END,
     T_CAPTURE_FINALIZE,
     T_COLLECT,
@@ -84,9 +85,44 @@ from sglang_r3.targets import (
 from sglang_r3.worker_hooks import (
     around_collect_routed_experts,
     around_detokenize,
-    around_detokenizer_init,
-    around_scheduler_init,
 )
+
+# ---------------------------------------------------------------- start-up checks
+# (here, beside the table they verify: the table lists them too)
+
+
+def check_process(targets: list[str], server_args: Any | None) -> None:
+    """This process's start-up check: :data:`HOOKS` on ``targets`` took effect and the
+    options are safe (:func:`sglang_r3.startup.check_startup`)."""
+    check_startup(targets, server_args, HOOKS)
+
+
+def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``http_server.launch_server``: verify, refuse, add the ``/r3`` routes."""
+    check_process(HTTP_TARGETS, server_args)
+    add_routes()
+    return None
+
+
+def around_scheduler_init(
+    original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``Scheduler.__init__``: the scheduler process's start-up check."""
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    check_process(SCHEDULER_TARGETS, server_args)
+    return original(self, *args, **kwargs)
+
+
+def around_detokenizer_init(
+    original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND ``DetokenizerManager.__init__``: the start-up check of that process."""
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    check_process(DETOKENIZER_TARGETS, server_args)
+    return original(self, *args, **kwargs)
+
+
+# ---------------------------------------------------------------- the table
 
 
 def _hook_type(name: str) -> Any:

@@ -8,28 +8,24 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from sglang_r3.config import engine_config
 from sglang_r3.errors import R3RequestError
-from sglang_r3.generate_hooks import (
-    _header_rollout,
-    _is_tagged,
-    _misplaced_tag,
-    _remembered_error,
-    _tag_generate_from_header,
-    _tag_with_header,
-    engine_config,
+from sglang_r3.request_state import hold_refs, remembered_error
+from sglang_r3.tagging import (
+    carries_tag,
+    header_rollout,
+    misplaced_tag,
+    sampling_params_tagged,
+    tag_generate_from_header,
+    tag_with_header,
 )
 
 log = logging.getLogger("sglang_r3")
 
 # ---------------------------------------------------------------- OpenAI
-
-
-def _openai_tagged(request: Any) -> bool:
-    cp = getattr(request, "custom_params", None)
-    return isinstance(cp, Mapping) and "r3" in cp
 
 
 # OpenAI error ``type`` per status (the names of the OpenAI SDK's error classes).
@@ -76,26 +72,25 @@ async def around_openai_handle_request(
     from pydantic import BaseModel
     from starlette.responses import Response
 
-    rollout_id = _header_rollout(raw_request)
+    rollout_id = header_rollout(raw_request)
     if rollout_id is not None and engine_config().enabled and hasattr(request, "custom_params"):
         try:
-            request.custom_params = _tag_with_header(request.custom_params, rollout_id)
+            request.custom_params = tag_with_header(request.custom_params, rollout_id)
         except R3RequestError as exc:
             return ORJSONResponse(_openai_error(exc), status_code=exc.status_code)
-    if raw_request is None or not _openai_tagged(request):
+    if raw_request is None or not carries_tag(getattr(request, "custom_params", None)):
         response = await original(self, request, raw_request)
-        err = _remembered_error(raw_request)
+        err = remembered_error(raw_request)
         if err is not None and isinstance(response, Response) and response.status_code >= 400:
             return ORJSONResponse(_openai_error(err), status_code=err.status_code)
         return response
 
-    holder: list[dict[str, Any]] = []
-    raw_request.state.r3_refs = holder
+    holder = hold_refs(raw_request)
     response = await original(self, request, raw_request)
     if isinstance(response, StreamingResponse):
         response.body_iterator = _openai_stream(aiter(response.body_iterator), holder, raw_request)
         return response
-    err = _remembered_error(raw_request)
+    err = remembered_error(raw_request)
     if err is not None and isinstance(response, Response) and response.status_code >= 400:
         return ORJSONResponse(_openai_error(err), status_code=err.status_code)
     if isinstance(response, BaseModel) and holder:
@@ -123,7 +118,7 @@ async def _openai_stream(
             }
             yield f"data: {json.dumps(extra)}\n\n"
         elif _is_error_event(text):
-            err = _remembered_error(raw_request)
+            err = remembered_error(raw_request)
             if err is not None:
                 yield f"data: {json.dumps({'error': _openai_error(err)})}\n\n"
                 continue
@@ -169,14 +164,14 @@ async def around_serve_generate_request(
     from fastapi.responses import ORJSONResponse, StreamingResponse
 
     try:
-        _tag_generate_from_header(obj, request)
+        tag_generate_from_header(obj, request)
     except R3RequestError as exc:
         return ORJSONResponse({"error": {"message": exc.message}}, status_code=exc.status_code)
     response = await original(obj, request)
     sampling_params = getattr(obj, "sampling_params", None)
     if not getattr(obj, "stream", False) or not (
-        _is_tagged(sampling_params)
-        or _misplaced_tag(sampling_params)
+        sampling_params_tagged(sampling_params)
+        or misplaced_tag(sampling_params)
         or engine_config().require_tag  # an untagged stream is refused: answer 400
     ):
         return response
@@ -188,7 +183,7 @@ async def around_serve_generate_request(
         first = await anext(chunks)
     except StopAsyncIteration:
         return response
-    err = _remembered_error(request)
+    err = remembered_error(request)
     text = first.decode() if isinstance(first, bytes | bytearray) else str(first)
     if err is not None and _is_error_event(text):
         # Nothing reached the scheduler: upstream already dropped the request's state
@@ -204,5 +199,5 @@ async def _generate_stream(
     yield first
     async for chunk in chunks:
         text = chunk.decode() if isinstance(chunk, bytes | bytearray) else str(chunk)
-        err = _remembered_error(request) if _is_error_event(text) else None
+        err = remembered_error(request) if _is_error_event(text) else None
         yield _generate_error_event(err) if err is not None else chunk

@@ -306,8 +306,9 @@ def _run(rest: list[str]) -> int:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    from sglang_r3.generate_hooks import engine_config
-    from sglang_r3.startup import StartupError, check_startup
+    from sglang_r3.config import engine_config
+    from sglang_r3.errors import StartupError
+    from sglang_r3.hooks import check_process
     from sglang_r3.targets import HTTP_TARGETS
 
     load_plugins()
@@ -315,12 +316,12 @@ def _run(rest: list[str]) -> int:
     config = engine_config()
     metrics_dir = None
     if (getattr(server_args, "tokenizer_worker_num", 1) or 1) > 1:
-        problem = _use_worker_app(config.enabled)
+        problem = _use_worker_app(server_args, config.enabled)
         if problem:
             return _fail(problem)
         metrics_dir = _metrics_dir()
     try:
-        check_startup(HTTP_TARGETS, server_args)
+        check_process(HTTP_TARGETS, server_args)
     except StartupError as exc:
         return _fail(str(exc))
     if config.enabled:
@@ -336,7 +337,7 @@ def _run(rest: list[str]) -> int:
     return 0
 
 
-def _use_worker_app(enabled: bool) -> str | None:
+def _use_worker_app(server_args: Any, enabled: bool) -> str | None:
     """Point SGLang's HTTP workers at :mod:`sglang_r3.worker_app`; a refusal, or None.
 
     Under ``--tokenizer-worker-num > 1`` SGLang's HTTP workers import the app named
@@ -345,18 +346,11 @@ def _use_worker_app(enabled: bool) -> str | None:
     value of the user's own would replace ours, so it is refused when routing is
     shipped (and left alone when it is not).
     """
-    from sglang_r3.startup import APP_PATH, APP_PATH_ENV
+    from sglang_r3.startup import APP_PATH, APP_PATH_ENV, worker_app_problem
 
-    current = os.environ.get(APP_PATH_ENV)
-    if current in (None, "", APP_PATH):
+    if os.environ.get(APP_PATH_ENV) in (None, ""):
         os.environ[APP_PATH_ENV] = APP_PATH
-        return None
-    if not enabled:
-        return None
-    return (
-        f"--tokenizer-worker-num > 1 needs {APP_PATH_ENV}={APP_PATH} (the app that loads "
-        f"this extension in SGLang's HTTP workers), but it is set to {current!r}; unset it"
-    )
+    return worker_app_problem(server_args) if enabled else None
 
 
 def _metrics_dir() -> str | None:

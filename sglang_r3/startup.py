@@ -1,4 +1,8 @@
-"""Start-up checks of every SGLang process, and the ``/r3/*`` routes."""
+"""Start-up checks of every SGLang process, and the ``/r3/*`` routes.
+
+The hooks that run these checks are in :mod:`sglang_r3.hooks`, beside the table of
+hooks they verify; this module takes that table as an argument.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,12 @@ import copy
 import logging
 import os
 import pkgutil
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sglang_r3 import metrics
-from sglang_r3.config import EngineConfig
-from sglang_r3.generate_hooks import (
-    engine_config,
-)
+from sglang_r3.config import EngineConfig, engine_config
+from sglang_r3.errors import StartupError
 from sglang_r3.hicache import unsupported_hicache_options
 from sglang_r3.probe import LOOP_PROBE
 from sglang_r3.targets import (
@@ -58,21 +61,37 @@ def unsupported_options(server_args: Any, config: EngineConfig) -> list[str]:
     # ships only rows [P, P+N-1) (sglang_r3.pd); the prefill server ships [stored, P).
     # A decode-side radix cache changes only where prompt KV comes from, never those
     # rows.  Retractions there restore KV without a forward: refused per request.
-    if (on("tokenizer_worker_num") or 1) > 1 and os.environ.get(APP_PATH_ENV) != APP_PATH:
-        problems.append(
-            "--tokenizer-worker-num > 1 serves HTTP from worker processes that import "
-            f"${APP_PATH_ENV} (now {os.environ.get(APP_PATH_ENV)!r}) and load no SGLang "
-            "plugins themselves (sglang 0.5.23 http_server.py:242, 298-308, 3052-3077), so "
-            "their routing would not be stored; start the server with "
-            "`python -m sglang_r3.launch_server` (it sets the variable), or set "
-            f"{APP_PATH_ENV}={APP_PATH}"
-        )
+    worker_app = worker_app_problem(server_args)
+    if worker_app:
+        problems.append(worker_app)
     speculation = speculation_problem(server_args)
     if speculation:
         problems.append(speculation)
     if on("enable_hisparse"):
         problems.append("--enable-hisparse restores KV without recomputing it")
     return problems
+
+
+def worker_app_problem(server_args: Any) -> str | None:
+    """Why SGLang's HTTP workers would serve without this extension, or None.
+
+    Under ``--tokenizer-worker-num > 1`` the workers import the app named by
+    ``$SGLANG_HTTP_SERVER_APP_PATH`` and load no plugins themselves, so only
+    :data:`APP_PATH` (which loads them) stores their routing.
+    """
+    if (getattr(server_args, "tokenizer_worker_num", None) or 1) <= 1:
+        return None
+    current = os.environ.get(APP_PATH_ENV)
+    if current == APP_PATH:
+        return None
+    return (
+        "--tokenizer-worker-num > 1 serves HTTP from worker processes that import "
+        f"${APP_PATH_ENV} (now {current!r}) and load no SGLang "
+        "plugins themselves (sglang 0.5.23 http_server.py:242, 298-308, 3052-3077), so "
+        "their routing would not be stored; start the server with "
+        f"`python -m sglang_r3.launch_server` and {APP_PATH_ENV} unset (it sets the "
+        f"variable), or set {APP_PATH_ENV}={APP_PATH}"
+    )
 
 
 # Speculative algorithms whose verify path keeps one routing row per accepted token when
@@ -159,14 +178,16 @@ def _resolve(target: str) -> Any:
     return getattr(pkgutil.resolve_name(owner), attr)
 
 
-def verify_hooks(targets: list[str]) -> list[str]:
-    """Problems with our hooks on ``targets`` in this process (empty: all took effect)."""
+#: ``(target, hook, HookType name)``: the table :data:`sglang_r3.hooks.HOOKS`.
+HookTable = Sequence[tuple[str, Callable[..., Any], str]]
+
+
+def verify_hooks(targets: list[str], hooks: HookTable) -> list[str]:
+    """Problems with the ``hooks`` on ``targets`` in this process (empty: all took effect)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_r3.hooks import HOOKS  # the table imports this module: read it at call time
-
     problems = []
-    ours = {t: h for t, h, _ in HOOKS}
+    ours = {t: h for t, h, _ in hooks}
     for target in targets:
         registered = [h for _, h, _ in HookRegistry._hooks.get(target, [])]
         if ours[target] not in registered:
@@ -185,15 +206,11 @@ def verify_hooks(targets: list[str]) -> list[str]:
     return problems
 
 
-class StartupError(RuntimeError):
-    """The extension refuses to start: a hook did not take or an option is unsafe."""
-
-
-def check_startup(targets: list[str], server_args: Any | None) -> None:
+def check_startup(targets: list[str], server_args: Any | None, hooks: HookTable) -> None:
     """Raise :class:`StartupError` listing every problem, if any (only a warning when
     routing shipping is off: the plugin is then merely installed)."""
     config = engine_config()
-    problems = verify_hooks(targets)
+    problems = verify_hooks(targets, hooks)
     if server_args is not None:
         problems += unsupported_options(server_args, config)
         if str(getattr(server_args, "device", "")) == "cpu":
@@ -214,13 +231,6 @@ def check_startup(targets: list[str], server_args: Any | None) -> None:
         log.warning("%s\n(routing shipping is off, so the server starts)", message)
         return
     raise StartupError(message)
-
-
-def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE ``http_server.launch_server``: verify, refuse, add the ``/r3`` routes."""
-    check_startup(HTTP_TARGETS, server_args)
-    add_routes()
-    return None
 
 
 class _SummedR3:

@@ -18,11 +18,14 @@ output names that output; with several outputs, output ``k`` gets ``f"{id}-{k}"`
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from r3_client import FormatError, InvalidRequestError, check_rollout_id, check_text
+from sglang_r3.config import engine_config
 from sglang_r3.errors import bad_request
 
 _TAG_KEYS = {
@@ -49,8 +52,44 @@ class OutputTag:
     on_retraction: str | None = None
 
 
+def carries_tag(custom_params: Any) -> bool:
+    """Whether a request's ``custom_params`` carries an r3 tag: the one answer to "is this
+    request tagged?", cheap enough for every request (the tag is checked later)."""
+    return isinstance(custom_params, Mapping) and "r3" in custom_params
+
+
+def sampling_params_tagged(sampling_params: Any) -> bool:
+    """Whether a ``/generate`` request's ``sampling_params`` (one, or one per prompt)
+    carry a tag: :func:`carries_tag` of any of their ``custom_params``."""
+    if isinstance(sampling_params, Mapping):
+        return carries_tag(sampling_params.get("custom_params"))
+    if isinstance(sampling_params, list):
+        return any(sampling_params_tagged(sp) for sp in sampling_params)
+    return False
+
+
+_NAMES_R3 = re.compile(r"(?<![A-Za-z0-9_])r3(?![A-Za-z0-9_])")
+
+
+def misplaced_tag(sampling_params: Any) -> str | None:
+    """The type of a ``custom_params`` that is not an object but names ``r3`` (else None).
+
+    ``/generate`` passes any JSON value through as ``custom_params``; a tag sent as a
+    JSON *string* would otherwise be generated untagged, with no routing stored.
+    """
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    for sp in sps:
+        cp = sp.get("custom_params") if isinstance(sp, Mapping) else None
+        if cp is None or isinstance(cp, Mapping):
+            continue
+        text = cp if isinstance(cp, str) else json.dumps(cp, default=str)
+        if _NAMES_R3.search(text):
+            return type(cp).__name__
+    return None
+
+
 def _tag_of(custom_params: Any) -> Mapping[str, Any] | None:
-    if not isinstance(custom_params, Mapping) or "r3" not in custom_params:
+    if not carries_tag(custom_params):
         return None
     tag = custom_params["r3"]
     if not isinstance(tag, Mapping):
@@ -202,3 +241,65 @@ def request_shape(text: Any, input_ids: Any, sampling_params: Any) -> tuple[int,
     if not isinstance(n, int) or n < 1:
         raise bad_request(f"n must be a positive integer, got {n!r}")
     return batch, n, single and n == 1
+
+
+# ---------------------------------------------------------------- the routing-key header
+
+
+def header_rollout(raw_request: Any) -> str | None:
+    """The rollout id in the configured tag header of ``raw_request`` (None: absent/off)."""
+    name = engine_config().tag_header
+    headers = getattr(raw_request, "headers", None) if name else None
+    if headers is None:
+        return None
+    value = headers.get(name)
+    return value if isinstance(value, str) and value != "" else None
+
+
+def tag_with_header(custom_params: Any, rollout_id: str) -> dict[str, Any]:
+    """``custom_params`` with the header's tag added; raises 400 if they disagree.
+
+    A tag already in the body wins (it may carry options the header cannot), but a
+    body tag naming a different single rollout is a driver bug worth refusing.
+    """
+    name = engine_config().tag_header
+    if custom_params is None:
+        return {"r3": {"rollout_id": rollout_id}}
+    if not isinstance(custom_params, Mapping):
+        raise bad_request(
+            f"custom_params must be an object to carry the {name} header's rollout tag, "
+            f"got a {type(custom_params).__name__}"
+        )
+    tag = custom_params.get("r3")
+    if tag is None:
+        return {**custom_params, "r3": {"rollout_id": rollout_id}}
+    body_id = tag.get("rollout_id") if isinstance(tag, Mapping) else None
+    if isinstance(body_id, str) and body_id != rollout_id:
+        raise bad_request(
+            f"the {name} header names rollout {rollout_id[:80]!r} but custom_params.r3 "
+            f"names {body_id[:80]!r}; send one rollout id"
+        )
+    return dict(custom_params)
+
+
+def tag_generate_from_header(obj: Any, request: Any) -> None:
+    """Tag a ``/generate`` request from the header (sglang-router drops ``custom_params``)."""
+    rollout_id = header_rollout(request)
+    if rollout_id is None or not engine_config().enabled:
+        return
+    sp = getattr(obj, "sampling_params", None)
+    if isinstance(sp, list):
+        if sampling_params_tagged(sp):
+            return
+        raise bad_request(
+            f"the {engine_config().tag_header} header names one rollout; a batch with one "
+            "sampling_params per prompt cannot take it (send one sampling_params object: "
+            "outputs are then {id}-{k}; or one request per prompt)"
+        )
+    sp = {} if sp is None else sp
+    if not isinstance(sp, Mapping):
+        return  # upstream refuses it
+    obj.sampling_params = {
+        **sp,
+        "custom_params": tag_with_header(sp.get("custom_params"), rollout_id),
+    }

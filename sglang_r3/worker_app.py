@@ -48,7 +48,9 @@ import sys
 
 from sglang.srt.plugins import load_plugins
 
-from sglang_r3.startup import APP_PATH, StartupError, add_routes, check_startup
+from sglang_r3.errors import StartupError
+from sglang_r3.hooks import check_process
+from sglang_r3.startup import APP_PATH, add_routes
 from sglang_r3.targets import HTTP_TARGETS
 
 log = logging.getLogger("sglang_r3")
@@ -58,7 +60,7 @@ _STARTUP_FAILURE = 3
 
 load_plugins()
 try:
-    check_startup(HTTP_TARGETS, None)
+    check_process(HTTP_TARGETS, None)
 except StartupError as exc:
     message = f"sglang_r3: HTTP worker {os.getpid()} stops the server: {exc}"
     log.error("%s", message)

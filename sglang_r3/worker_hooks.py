@@ -3,36 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from sglang_r3.generate_hooks import (
-    engine_config,
-)
+from sglang_r3.config import engine_config
 from sglang_r3.row_transport import TaggedRows, compact_rows
-from sglang_r3.startup import (
-    check_startup,
-)
-from sglang_r3.targets import (
-    DETOKENIZER_TARGETS,
-    SCHEDULER_TARGETS,
-)
+from sglang_r3.tagging import carries_tag
 
 log = logging.getLogger("sglang_r3")
-
-
-def around_scheduler_init(
-    original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any
-) -> Any:
-    """AROUND ``Scheduler.__init__``: the scheduler process's start-up check."""
-    server_args = kwargs.get("server_args", args[0] if args else None)
-    check_startup(SCHEDULER_TARGETS, server_args)
-    return original(self, *args, **kwargs)
-
-
-def _req_tagged(req: Any) -> bool:
-    cp = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return isinstance(cp, Mapping) and "r3" in cp
 
 
 def _pickle_ipc() -> bool:
@@ -50,7 +28,7 @@ def around_collect_routed_experts(original: Callable[..., Any], self: Any, req: 
     if (
         rows is not None
         and not isinstance(rows, TaggedRows)
-        and _req_tagged(req)
+        and carries_tag(getattr(getattr(req, "sampling_params", None), "custom_params", None))
         and engine_config().enabled
         and _pickle_ipc()
     ):
@@ -73,12 +51,3 @@ def around_detokenize(original: Callable[..., Any], self: Any, recv_obj: Any) ->
     for i, rows in compact.items():
         out.routed_experts[i] = rows
     return out
-
-
-def around_detokenizer_init(
-    original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any
-) -> Any:
-    """AROUND ``DetokenizerManager.__init__``: the start-up check of that process."""
-    server_args = kwargs.get("server_args", args[0] if args else None)
-    check_startup(DETOKENIZER_TARGETS, server_args)
-    return original(self, *args, **kwargs)
