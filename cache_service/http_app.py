@@ -28,7 +28,7 @@ from cache_service.logs import log_event
 from cache_service.metrics import Metrics
 from cache_service.routing_service import RoutingService
 from cache_service.settings import ServiceSettings, get_settings
-from cache_service.store import SegmentStore
+from cache_service.store.segment_store import SegmentStore
 from r3_client import (
     LimitExceededError,
     R3Error,

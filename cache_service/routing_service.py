@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from cache_service.metrics import Metrics
 from cache_service.settings import ServiceSettings
-from cache_service.store import SegmentStore
+from cache_service.store.segment_store import SegmentStore
 from r3_client import (
     InvalidRequestError,
     LimitExceededError,

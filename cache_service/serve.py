@@ -23,7 +23,7 @@ from cache_service.metrics import Metrics
 from cache_service.redis_proc import RedisProcess, free_port
 from cache_service.routing_service import RoutingService
 from cache_service.settings import ServiceSettings
-from cache_service.store import SegmentStore
+from cache_service.store.segment_store import SegmentStore
 
 __all__ = ["serve"]
 

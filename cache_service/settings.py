@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cache_service.store import StoreSettings, check_namespace
+from cache_service.store.settings import StoreSettings, check_namespace
 from r3_client import InvalidRequestError
 
 __all__ = ["ServiceSettings", "check_read_secret", "get_settings", "is_loopback", "secret_bits"]

@@ -1,5 +1,5 @@
 -- Store a shareable segment frame once (GRPO prompt dedupe).
--- KEYS[1]  blob hash  (<prefix>:blob:{<share key>})
+-- KEYS[1]  blob hash  (<prefix>[:<namespace>]:blob:{<share key>})
 -- ARGV     frame, content digest, ttl_ms (0 = no expiry; later TTL changes: keep_blob.lua)
 -- Returns  "new" (stored now) | "same" (already there with this content) | "differs"
 local key = KEYS[1]

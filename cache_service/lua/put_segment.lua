@@ -1,5 +1,5 @@
 -- Atomically add one segment to a rollout hash.
--- KEYS[1]  rollout hash  (<prefix>:{<rollout_id>})
+-- KEYS[1]  rollout hash  (<prefix>[:<namespace>]:{<rollout_id>})
 -- ARGV     meta, start, end, value, digest, info, ttl_ms, max_segments, nbytes, ref,
 --          ctx_field, ctx, base_field, max_gap, max_gap_total
 --          value is the frame, or "@<blob key>" when the frame is shared (ref = blob key, else "")
@@ -45,7 +45,7 @@ for _, f in ipairs(redis.call('HKEYS', key)) do
       if a == s and b == e then
         if redis.call('HGET', key, f) == dig then
           -- Rewrite one unchanged field: a write, so a WAIT/WAITAOF after this script
-          -- covers the segment an earlier (maybe unconfirmed) put stored (store.py).
+          -- covers the segment an earlier (maybe unconfirmed) put stored (store/durability.py).
           redis.call('HSET', key, 'm', meta)
           return refresh('duplicate')
         end

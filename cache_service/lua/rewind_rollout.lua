@@ -17,7 +17,7 @@ for _, f in ipairs(redis.call('HKEYS', key)) do
   end
 end
 for _, r in ipairs(drop) do
-  -- h:<r> is msgpack [segment, codec, frame bytes, shared] (store.py put_segment).
+  -- h:<r> is msgpack [segment, codec, frame bytes, shared] (store/segment_store.py, put_segment).
   local info = cmsgpack.unpack(redis.call('HGET', key, 'h:' .. r))
   redis.call('HINCRBY', key, 'b', -info[3])
   if info[4] then redis.call('HINCRBY', key, 'sb', -info[3]) end

@@ -1,27 +1,39 @@
 """The Redis segment store: rollouts as atomically-written, stitched segments.
 
-One Redis hash per rollout, ``<prefix>:{<rollout_id>}``; the ``{…}`` hash tag
-keeps every key of a rollout in one Redis Cluster slot, so the same Lua
-scripts run unchanged on a single Redis and on a cluster.  Fields:
+:class:`SegmentStore` (``segment_store``: connecting, puts, deletes, touches, rewinds,
+reader grants) is put together from ``reads`` (frames, stats, memory), ``durability``
+(durable writes, the start-up check) and ``base`` (client, Lua scripts, namespace, keys,
+the translation of redis-py errors); ``settings`` holds :class:`StoreSettings` and the
+namespace rule.  The Lua scripts are ``cache_service/lua/*.lua``.
 
-* ``m`` — rollout meta (E, K, MoE layer ids); every segment must agree;
-* ``s:<a>:<b>`` — the segment's frame, exactly as validated on put;
-* ``d:<a>:<b>`` — digest of the segment's *content* (canonical rows + meta), so a
-  re-put of the same data in another codec is still recognised as a duplicate;
-* ``h:<a>:<b>`` — segment info (range, model, weight version, codec, bytes);
-* ``r:<a>:<b>`` — for a *shared* segment, the blob key holding its frame
-  (``s:<a>:<b>`` then holds ``@<blob key>``);
+One Redis hash per rollout, ``<prefix>:{<rollout_id>}``, or
+``<prefix>:<namespace>:{<rollout_id>}`` in a tenant's namespace
+(:meth:`SegmentStore.for_namespace`); the ``{…}`` hash tag keeps every key of a
+rollout in one Redis Cluster slot, so the same Lua scripts run unchanged on a single
+Redis and on a cluster.  Fields:
+
+* ``m`` — rollout meta, msgpack ``[E, K, MoE layer ids]``; every segment must agree;
+* ``s:<a>:<b>`` — the frame of segment ``[a, b)``, exactly as validated on put, or
+  ``@<blob key>`` for a shared segment;
+* ``d:<a>:<b>`` — the writer's digest of the segment's *content* (canonical rows +
+  meta), so a re-put of the same data in another codec is still recognised as a
+  duplicate;
+* ``h:<a>:<b>`` — segment info, msgpack ``[segment (range, model, weight version,
+  token digest), codec, frame bytes, shared]``;
+* ``r:<a>:<b>`` — for a *shared* segment, the blob key holding its frame;
+* ``c:<digest>`` — a format-v2 context (E, K, layers, tables), stored by the frame that
+  carries it; a continuation frame names it and is refused until it is there;
 * ``b`` / ``sb`` / ``n`` — total frame bytes / bytes of shared segments / segment count.
 
 GRPO prompt dedupe: a segment with a token digest is stored once per
 (namespace, E, K, layers, range, model id, weight version, token digest) in a
-blob hash ``<prefix>:blob:{<sha>}`` and referenced from every rollout that puts
-it, so the n samples of one prompt keep one copy of the prompt's rows.  If two
-writers send different rows under the same share key (non-deterministic
-numerics), the second keeps its own copy: sharing never changes what a rollout
-reads.  A blob's TTL is kept at least as long as that of every rollout
-referencing it (refreshed on each put and touch); deleting a rollout leaves
-shared blobs to expire.
+blob hash ``<prefix>[:<namespace>]:blob:{<sha>}`` (fields ``f``, the frame, and
+``d``, its content digest) and referenced from every rollout that puts it, so the
+n samples of one prompt keep one copy of the prompt's rows.  If two writers send
+different rows under the same share key (non-deterministic numerics), the second
+keeps its own copy: sharing never changes what a rollout reads.  A blob's TTL is kept
+at least as long as that of every rollout referencing it (refreshed on each put and
+touch); deleting a rollout leaves shared blobs to expire.
 
 Durability (``StoreSettings.durability``): ``ack`` answers once Redis has applied a
 write (what survives a crash is then up to that Redis's AOF policy); ``replicas``
@@ -41,11 +53,7 @@ segments that were never written read back as ``-1``.  Every write refreshes
 the rollout's TTL.
 """
 
-from cache_service.store.segment_store import (
-    DURABILITY_MODES,
-    SegmentStore,
-    StoreSettings,
-    check_namespace,
-)
+from cache_service.store.segment_store import SegmentStore
+from cache_service.store.settings import DURABILITY_MODES, StoreSettings, check_namespace
 
 __all__ = ["DURABILITY_MODES", "SegmentStore", "StoreSettings", "check_namespace"]

@@ -6,17 +6,24 @@ See "Durability" in :mod:`cache_service.store`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
-from cache_service.store.shared import StoreBase, _log, _text
+from cache_service.store.base import StoreBase
 from r3_client import (
     StoreError,
     StoreUnavailableError,
 )
+
+_log = logging.getLogger("r3.cache.store")
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class DurableWrites(StoreBase):
@@ -130,7 +137,7 @@ class DurableWrites(StoreBase):
     ) -> Any:
         """Run ``script`` on ``key``; in a durable mode, then wait on the same connection.
 
-        The caller holds a ``_limit`` slot inside :func:`_translate`.  ``acked(result)``
+        The caller is inside :meth:`_guarded` (holds a ``max_connections`` slot).  ``acked(result)``
         tells whether the result acknowledges stored data (only then does an
         unconfirmed wait fail the write).
         """

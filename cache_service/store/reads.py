@@ -11,7 +11,7 @@ import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from cache_service.headers import HeaderCache
-from cache_service.store.shared import StoreBase, _translate
+from cache_service.store.base import StoreBase
 from r3_client import (
     FormatError,
     FrameError,
@@ -58,7 +58,7 @@ class StoreReads(StoreBase):
         if start < 0 or (end is not None and end <= start):
             raise InvalidRequestError(f"token range [{start}, {end}) is empty or negative")
         missing = RolloutNotFoundError(f"rollout {rollout_id} not found")
-        async with _translate(self._limit):
+        async with self._guarded():
             if start == 0 and end is None:
                 fields: dict[Any, Any] = await self._r.hgetall(key)
                 meta = fields.get(b"m")
@@ -202,7 +202,7 @@ class StoreReads(StoreBase):
     async def stat(self, rollout_id: str) -> RolloutInfo:
         """Meta, segments, sizes and TTL of a rollout; :class:`RolloutNotFoundError` if absent."""
         key = self.key(rollout_id)
-        async with _translate(self._limit):
+        async with self._guarded():
             res = await self._stat(keys=[key], args=[])
             if not res:
                 raise RolloutNotFoundError(f"rollout {rollout_id} not found")
@@ -232,7 +232,7 @@ class StoreReads(StoreBase):
 
     async def memory(self) -> dict[str, int]:
         """Store-wide accounting: Redis ``used_memory`` and key count, summed over primaries."""
-        async with _translate(self._limit):
+        async with self._guarded():
             if isinstance(self._r, RedisCluster):
                 nodes = RedisCluster.PRIMARIES
                 per_node: Any = await self._r.info("memory", target_nodes=nodes)

@@ -16,19 +16,10 @@ import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
+from cache_service.store.base import RedisClient
 from cache_service.store.durability import DurableWrites
 from cache_service.store.reads import StoreReads
-from cache_service.store.shared import (
-    _BLOB_ACKED,
-    _PUT_ACKED,
-    _READER_COMMANDS,
-    DURABILITY_MODES,
-    RedisClient,
-    StoreSettings,
-    _meta_bytes,
-    _translate,
-    check_namespace,
-)
+from cache_service.store.settings import StoreSettings
 from r3_client import (
     FrameError,
     InvalidRequestError,
@@ -43,7 +34,23 @@ from r3_client import (
 )
 from r3_client.wire import BLOCK_ROWS, Context, FrameHeader, PutResult, check_chunks, quote_items
 
-__all__ = ["DURABILITY_MODES", "SegmentStore", "StoreSettings", "check_namespace"]
+__all__ = ["SegmentStore"]
+
+_PUT_ACKED = (b"stored", b"duplicate")
+_BLOB_ACKED = (b"new", b"same")
+#: What a direct reader may run: reads of rollout hashes and blobs, and connection set-up.
+_READER_COMMANDS = (
+    "hgetall",
+    "hget",
+    "hmget",
+    "ping",
+    "hello",
+    "cluster|slots",
+    "cluster|shards",
+    "cluster|nodes",
+    "readonly",
+    "command",
+)
 
 _OPEN_REDIS = (
     "direct reads are on, but Redis {nodes} lets clients in without a password (its "
@@ -55,6 +62,12 @@ _OPEN_REDIS = (
     "the service's credentials in R3_CACHE_REDIS_URL; or set R3_CACHE_DIRECT_READS=false. "
     "(Without R3_CACHE_REDIS_URL the service starts its own Redis with a password.)"
 )
+
+
+def _meta_bytes(num_experts: int, topk: int, layer_ids: Sequence[int]) -> bytes:
+    """The rollout meta field ``m``: msgpack ``[E, K, layer ids]``."""
+    out: bytes = msgpack.packb([num_experts, topk, list(layer_ids)], use_bin_type=True)
+    return out
 
 
 def _redacted(url: str) -> str:
@@ -162,7 +175,7 @@ class SegmentStore(DurableWrites, StoreReads):
         """
         nodes = self._r.get_nodes() if isinstance(self._r, RedisCluster) else [None]
         open_nodes = []
-        async with _translate(self._limit):
+        async with self._guarded():
             for node in nodes:
                 try:
                     if node is None:
@@ -213,7 +226,7 @@ class SegmentStore(DurableWrites, StoreReads):
             "-@all",
             *(f"+{c}" for c in _READER_COMMANDS),
         ]
-        async with _translate(self._limit):
+        async with self._guarded():
             if isinstance(self._r, RedisCluster):
                 await self._r.execute_command(
                     "ACL", "SETUSER", user, *rules, target_nodes=self._r.get_nodes()
@@ -224,7 +237,7 @@ class SegmentStore(DurableWrites, StoreReads):
 
     async def ping(self) -> bool:
         """True when Redis answers."""
-        async with _translate(self._limit):
+        async with self._guarded():
             return bool(await self._r.ping())
 
     # ---- writes ------------------------------------------------------------------------
@@ -252,7 +265,7 @@ class SegmentStore(DurableWrites, StoreReads):
         segment = hdr.segment
         meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
         value, ref, dedupe_hit = frame, "", False
-        async with _translate(self._limit):
+        async with self._guarded():
             if segment.tokens_digest and self.settings.dedupe:
                 blob = self._blob_key(meta, segment)
                 shared = await self._write(
@@ -298,7 +311,7 @@ class SegmentStore(DurableWrites, StoreReads):
             )
         segment = hdr.segment
         if hdr.base:
-            async with _translate(self._limit):
+            async with self._guarded():
                 raw_ctx = await self._r.hget(key, f"c:{hdr.base}")
             if not isinstance(raw_ctx, bytes):
                 raise SegmentConflictError(self._no_base(rollout_id, hdr.base))
@@ -396,7 +409,7 @@ class SegmentStore(DurableWrites, StoreReads):
     async def delete(self, rollout_id: str) -> bool:
         """Delete a rollout; True if it existed."""
         key = self.key(rollout_id)
-        async with _translate(self._limit):
+        async with self._guarded():
             if not self._wait_commands():
                 return bool(await self._r.delete(key))
             return bool(await self._write(key, self._delete, [], bool))
@@ -418,7 +431,7 @@ class SegmentStore(DurableWrites, StoreReads):
             )
         key = self.key(rollout_id)
         ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
-        async with _translate(self._limit):
+        async with self._guarded():
             res = await self._write(key, self._rewind, [rows, ttl * 1000], bool)
         if not res:
             raise RolloutNotFoundError(f"rollout {rollout_id} not found")
@@ -439,7 +452,7 @@ class SegmentStore(DurableWrites, StoreReads):
         ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
         if ttl < 0:
             raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
-        async with _translate(self._limit):
+        async with self._guarded():
             res = await self._write(key, self._touch, [ttl * 1000], bool)
             if not res:
                 raise RolloutNotFoundError(f"rollout {rollout_id} not found")

@@ -1,0 +1,92 @@
+"""What every part of the segment store shares: the Redis client, its Lua scripts, the
+namespace a view's keys live under, the keys, and the one translation of redis-py errors
+(key layout: :mod:`cache_service.store`)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Self
+
+import msgpack
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+
+from cache_service.store.settings import StoreSettings, check_namespace
+from r3_client import (
+    Segment,
+    StoreError,
+    StoreUnavailableError,
+    check_rollout_id,
+)
+
+__all__ = ["RedisClient", "StoreBase"]
+
+RedisClient = aioredis.Redis | RedisCluster
+
+
+def _load(name: str) -> str:
+    return resources.files("cache_service").joinpath("lua", name).read_text()
+
+
+class StoreBase:
+    """Connection, scripts, namespace and keys: what every part of the store shares."""
+
+    def __init__(self, client: RedisClient, settings: StoreSettings) -> None:
+        self._r = client
+        self.settings = settings
+        self._put = client.register_script(_load("put_segment.lua"))
+        self._fields = client.register_script(_load("segment_fields.lua"))
+        self._stat = client.register_script(_load("stat_rollout.lua"))
+        self._touch = client.register_script(_load("touch_rollout.lua"))
+        self._rewind = client.register_script(_load("rewind_rollout.lua"))
+        self._put_blob = client.register_script(_load("put_blob.lua"))
+        self._keep_blob = client.register_script(_load("keep_blob.lua"))
+        self._delete = client.register_script("return redis.call('DEL', KEYS[1])")
+        self._namespace = ""
+        self._limit = asyncio.Semaphore(settings.max_connections)
+
+    def for_namespace(self, namespace: str) -> Self:
+        """A view of this store whose keys live under ``namespace`` (a tenant).
+
+        Shares the connection pool, scripts and concurrency bound.  Rollouts
+        and shared blobs of different namespaces never see each other.
+        """
+        check_namespace(namespace)
+        view = copy.copy(self)
+        view._namespace = namespace
+        return view
+
+    @property
+    def _prefix(self) -> str:
+        base = self.settings.key_prefix
+        return f"{base}:{self._namespace}" if self._namespace else base
+
+    def key(self, rollout_id: str) -> str:
+        """The Redis key of a rollout (hash-tagged for Cluster)."""
+        return f"{self._prefix}:{{{check_rollout_id(rollout_id)}}}"
+
+    def _blob_key(self, meta: bytes, segment: Segment) -> str:
+        share = hashlib.sha256(meta + msgpack.packb(segment.to_dict())).hexdigest()
+        return f"{self._prefix}:blob:{{{share}}}"
+
+    @asynccontextmanager
+    async def _guarded(self) -> AsyncIterator[None]:
+        """Bound in-flight commands by ``max_connections`` and map redis-py failures to
+        store errors.
+
+        The one place redis-py exceptions are translated.  The bound makes excess
+        callers wait instead of failing with "too many connections".
+        """
+        try:
+            async with self._limit:
+                yield
+        except (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError) as exc:
+            raise StoreUnavailableError(f"Redis is unreachable: {exc}") from exc
+        except rexc.RedisError as exc:
+            raise StoreError(f"Redis error: {exc}") from exc
