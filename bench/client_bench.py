@@ -49,10 +49,9 @@ from r3_client.layouts import verl_layout
 from r3_client.synthetic import synthetic_routing
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "service")]
-from _service import KEY_A, METRICS_KEY, Service, start_service  # noqa: E402
-
+sys.path.insert(0, str(ROOT))  # tests.support, before site-packages' ``tests`` (verl's)
 from cache_service.redis_proc import RedisProcess, free_port  # noqa: E402
+from tests.support.service_process import KEY_A, METRICS_KEY, Service, start_service  # noqa: E402
 
 L, E, K = 48, 128, 8
 

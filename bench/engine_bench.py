@@ -106,10 +106,9 @@ from r3_client.synthetic import synthetic_routing
 from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, start_engine
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "service")]
-from _service import KEY_A, Service, start_service  # noqa: E402
-
+sys.path.insert(0, str(ROOT))  # tests.support, before site-packages' ``tests`` (verl's)
 from cache_service.redis_proc import free_port  # noqa: E402
+from tests.support.service_process import KEY_A, Service, start_service  # noqa: E402
 
 CONFIGS: tuple[str, ...] = ("off", "upstream", "r3")  # plus "r3grpc" with --r3-grpc
 LABELS = {

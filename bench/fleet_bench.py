@@ -70,15 +70,11 @@ from sglang_r3.tools.local_stack import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [
-    str(ROOT / "tests" / "engine"),
-    str(ROOT / "tests"),
-    str(ROOT / "tests" / "service"),
-]
-from _engine import shim_env  # noqa: E402
+sys.path.insert(0, str(ROOT))  # tests.support, before site-packages' ``tests`` (verl's)
 from engine_bench import prompts, sigterm_as_interrupt  # noqa: E402
 
 from cache_service.redis_proc import free_port  # noqa: E402
+from tests.support.engine_requests import shim_env  # noqa: E402
 
 # One OpenMP bind per rank: without it SGLang asserts ranks <= NUMA nodes (1 here).
 BIND = (("SGLANG_CPU_OMP_THREADS_BIND", "0|1"),)

@@ -2,7 +2,7 @@
 
 For each kind of caller (no key, a wrong key, a tenant's key with a message that
 is not a frame) starts a fresh service (``--mib`` MiB frame limit, auth on, as
-``tests/service/_service.py`` starts it) over its own ``redis-server``, makes one
+``tests/support/service_process.py`` starts it) over its own ``redis-server``, makes one
 small authenticated call to warm gRPC up, reads its RSS (the baseline), sends
 ``--calls`` concurrent PutSegment messages of the largest legal size, waits 2 s,
 and prints RSS at the start, the peak (VmHWM) and RSS afterwards, in MiB
@@ -25,12 +25,11 @@ from pathlib import Path
 import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "service")]
-
-from _service import KEY_A, grpc_md, start_service  # noqa: E402
+sys.path.insert(0, str(ROOT))  # tests.support, before site-packages' ``tests`` (verl's)
 
 from cache_service.redis_proc import RedisProcess, free_port  # noqa: E402
 from r3_client.wire import r3_cache_pb2 as pb  # noqa: E402
+from tests.support.service_process import KEY_A, grpc_md, start_service  # noqa: E402
 
 PUT = "/r3.cache.v1.RoutingCache/PutSegment"
 CALLERS = {

@@ -11,7 +11,7 @@ and a single-segment rollout; and what a layer slice (one pipeline stage) moves.
 Starts its own ``redis-server`` (loopback, free port, AOF off, a password: the service
 issues read plans only where Redis asks for credentials) and its own service
 (``python -m cache_service serve``, auth on, direct reads on, as
-``tests/service/_service.py`` starts it) and stops both by PID at the end, also on
+``tests/support/service_process.py`` starts it) and stops both by PID at the end, also on
 Ctrl-C / SIGTERM.
 
 Data: 48 MoE layers x 128 experts x top-8 (Qwen3-30B-A3B), synthetic, fixed seeds,
@@ -119,10 +119,9 @@ from r3_client.synthetic import synthetic_routing
 from r3_client.wire import GrpcTransport, HTTPTransport
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT / "bench", ROOT / "tests", ROOT / "tests" / "service"):
+for _p in (ROOT / "bench", ROOT):  # ROOT: tests.support, before verl's ``tests``
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
-from _service import DIRECT_READS, KEY_A, Service, start_service  # noqa: E402
 from service_bench import (  # noqa: E402
     _raise_interrupt,
     machine_info,
@@ -130,12 +129,14 @@ from service_bench import (  # noqa: E402
     proc_cpu_s,
 )
 
+from tests.support.service_process import DIRECT_READS, KEY_A, Service, start_service  # noqa: E402
+
 L, E, K = 48, 128, 8
 ROWS = 4096  # rows per rollout in grpo and single; the pool arrays' length
 PROMPT = 1024
 STAGES = 4  # pipeline stages of the slicing test: each reads L / STAGES layers
 CHUNK = 64  # ids per batch request / pipeline (RoutingClient's and DirectReader's default)
-NAMESPACE = "tenant-a"  # KEY_A's namespace in tests/service/_service.py
+NAMESPACE = "tenant-a"  # KEY_A's namespace in tests/support/service_process.py
 MODEL = "bench-moe"
 DISTS = {"skewed": {"skew": 1.0, "rho": 0.9}, "uniform": {"skew": 0.0, "rho": 0.0}}
 TIMEOUT = Timeout(connect=10, read=600)

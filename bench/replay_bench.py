@@ -42,7 +42,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / "replay")]
+sys.path.insert(0, str(ROOT))  # tests.support, before site-packages' ``tests`` (verl's)
 
 from r3_client import Routing  # noqa: E402
 from r3_client.layouts import MegatronReplayBatch, hf_layout  # noqa: E402
@@ -205,7 +205,7 @@ def hf_case(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) 
 def megatron_case(
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype
 ) -> dict[str, Any]:
-    from _megatron_model import Shape, build_gpt, forward, megatron_env
+    from tests.support.megatron_model import Shape, build_gpt, forward, megatron_env
 
     shape = Shape(
         layers=args.layers,

@@ -2,7 +2,7 @@
 
 Starts its own ``redis-server`` (loopback, free port, AOF *off*: this measures the
 service path, not the disk) and its own service (``python -m cache_service serve``
-with auth on, as ``tests/service/_service.py`` starts it), and stops both by PID at
+with auth on, as ``tests/support/service_process.py`` starts it), and stops both by PID at
 the end, also on Ctrl-C / SIGTERM.
 
 1. **Batch get.**  Stores ``--rollouts`` rollouts of ``--tokens`` tokens, 48 MoE
@@ -79,13 +79,11 @@ from r3_client.wire import r3_cache_pb2 as pb
 from r3_client.wire import r3_cache_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT / "tests", ROOT / "tests" / "service"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-from _service import KEY_A, METRICS_KEY, Service, grpc_md, start_service  # noqa: E402
+sys.path.insert(0, str(ROOT))  # tests.support, before site-packages' ``tests`` (verl's)
+from tests.support.service_process import KEY_A, METRICS_KEY, Service, grpc_md, start_service  # noqa: E402
 
 L, E, K = 48, 128, 8
-NAMESPACE = "tenant-a"  # KEY_A's namespace in tests/service/_service.py
+NAMESPACE = "tenant-a"  # KEY_A's namespace in tests/support/service_process.py
 FRAME_TYPE = "application/x-r3-frame"
 TARGET_RATIO = 1.3
 GRPC_OPTS = [

@@ -54,9 +54,10 @@ from sglang_r3.layers import MoeShape
 from sglang_r3.tagging import OutputTag
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / "tests" / "service")]
-from _service import KEY_A, start_service  # noqa: E402
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # ROOT: tests.support, before verl's ``tests``
 from engine_bench import tree_cpu  # noqa: E402
+
+from tests.support.service_process import KEY_A, start_service  # noqa: E402
 
 try:  # the extension's engine-side row handling (absent before the hot-path rework)
     from sglang_r3 import row_transport as engine_rows

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from _service import DIRECT_READS, Service, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port, start_cluster
 from cache_service.store import SegmentStore, StoreSettings
+from tests.support.service_process import DIRECT_READS, Service, start_service
 
 
 @pytest.fixture(scope="session")

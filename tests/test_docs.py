@@ -84,7 +84,7 @@ def test_every_readme_command_is_checked() -> None:
         if cmd.startswith("kubectl"):
             overlay = cmd.split("-k", 1)[1].strip()
             assert (ROOT / overlay / "kustomization.yaml").exists(), overlay
-            from _k8s import VARIANTS
+            from tests.support.kustomize import VARIANTS
 
             assert overlay.removeprefix("deploy/") in {v[0] for v in VARIANTS.values()}
 

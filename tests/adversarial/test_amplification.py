@@ -15,10 +15,10 @@ import json
 
 import grpc
 import pytest
-from _helpers import LAYERS, TRAJ, frame_for, rid
-from _service import Service, grpc_md
 
 from r3_client._proto import r3_cache_pb2 as pb
+from tests.support.frames import LAYERS, TRAJ, frame_for, rid
+from tests.support.service_process import Service, grpc_md
 
 MAX_RATIO = 4
 BATCH = 64  # the test service's R3_CACHE_MAX_BATCH: one rollout named that many times

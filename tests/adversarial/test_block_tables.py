@@ -11,13 +11,13 @@ and parsed headers are kept by content digest.
 from __future__ import annotations
 
 import pytest
-from _helpers import LAYERS, E, rid
-from _service import Service
 
 from cache_service.headers import HeaderCache
 from r3_client import Segment, encode_frame, read_header, token_digest
 from r3_client._frame import BLOCK_ROWS
 from r3_client.synthetic import synthetic_routing
+from tests.support.frames import LAYERS, E, rid
+from tests.support.service_process import Service
 
 
 def _frame(rows: int, block_rows: int | None, seed: int = 1) -> bytes:

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 
 import grpc
 import pytest
-from _helpers import TRAJ, frame_for
-from _service import KEY_A, LIMITS, Service, grpc_md
 
 from r3_client._proto import r3_cache_pb2 as pb
+from tests.support.frames import TRAJ, frame_for
+from tests.support.service_process import KEY_A, LIMITS, Service, grpc_md
 
 #: (method, path) of every route that takes or could be sent a body.
 ENDPOINTS = [

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from _helpers import TRAJ, frame_for, rid
-from _service import KEY_A, KEY_B, Service, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port, start_cluster
 from r3_client import DirectReader
+from tests.support.frames import TRAJ, frame_for, rid
+from tests.support.service_process import KEY_A, KEY_B, Service, start_service
 
 SECRET = secrets.token_urlsafe(32)
 DIRECT = {"R3_CACHE_DIRECT_READS": "true", "R3_CACHE_DIRECT_READ_SECRET": SECRET}

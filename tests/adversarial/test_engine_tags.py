@@ -19,17 +19,17 @@ from typing import Any
 
 import httpx
 import pytest
-from _engine import rid
-from _engine_fixtures import (  # noqa: F401  (pytest finds fixtures by name in the module)
+
+from r3_client import RolloutNotFoundError, RoutingClient
+from sglang_r3.tools.local_stack import EngineServer
+from tests.support.engine_fixtures import (  # noqa: F401  (pytest finds fixtures by name in the module)
     engine_cache,
     qwen_engine,
     tiny_models,
 )
-from _helpers import TRICKY_LEGAL_IDS, hostile_ids
-from _service import KEY_A, Service
-
-from r3_client import RolloutNotFoundError, RoutingClient
-from sglang_r3.tools.local_stack import EngineServer
+from tests.support.engine_requests import rid
+from tests.support.frames import TRICKY_LEGAL_IDS, hostile_ids
+from tests.support.service_process import KEY_A, Service
 
 pytestmark = pytest.mark.timeout(300)
 

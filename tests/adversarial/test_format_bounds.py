@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 import redis
 import zstandard
-from _helpers import LAYERS, TRAJ, E, frame_for, frame_parts, rid
-from _service import KEY_A, Service, grpc_md, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import (
@@ -36,6 +34,8 @@ from r3_client import (
 from r3_client._codec_v2 import _assemble_frame
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client.synthetic import synthetic_routing
+from tests.support.frames import LAYERS, TRAJ, E, frame_for, frame_parts, rid
+from tests.support.service_process import KEY_A, Service, grpc_md, start_service
 
 ROW = synthetic_routing(1, len(LAYERS), E, 4, seed=3)
 GAP_LIMIT = 1 << 17  # the service default, R3_CACHE_MAX_GAP_ROWS

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import TRAJ, frame_for
-from _service import KEY_A, Service, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import (
@@ -28,6 +26,8 @@ from r3_client import (
     RoutingClient,
     StoreUnavailableError,
 )
+from tests.support.frames import TRAJ, frame_for
+from tests.support.service_process import KEY_A, Service, start_service
 
 N = 96
 #: Patient enough to ride out a one-second outage, with no retry budget to spare for skips.

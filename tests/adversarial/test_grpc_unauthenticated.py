@@ -16,10 +16,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _service import KEY_A, Service, grpc_md, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client._proto import r3_cache_pb2 as pb
+from tests.support.service_process import KEY_A, Service, grpc_md, start_service
 
 MAX_BODY = 64 << 20  # the test service's largest PutSegment frame
 CALLS = 4  # concurrent max-size calls per round

@@ -15,8 +15,6 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from _helpers import NOT_STRINGS, TRAJ, TRICKY_LEGAL_IDS, frame_for, hostile_ids, same_sets
-from _service import KEY_A, Service, grpc_md
 
 from cache_service.redis_proc import free_port
 from r3_client import (
@@ -28,6 +26,15 @@ from r3_client import (
     check_rollout_id,
 )
 from r3_client._proto import r3_cache_pb2 as pb
+from tests.support.frames import (
+    NOT_STRINGS,
+    TRAJ,
+    TRICKY_LEGAL_IDS,
+    frame_for,
+    hostile_ids,
+    same_sets,
+)
+from tests.support.service_process import KEY_A, Service, grpc_md
 
 VICTIM = "victim"
 HOSTILE: list[Any] = [*hostile_ids(VICTIM), *NOT_STRINGS]

@@ -5,7 +5,7 @@ body whose zstd frames declare a legal size but inflate far past it reaches ever
 trainer reading that namespace.  Before issue 25 the readers inflated such a chunk
 until its zstd frame ended (a 33 KB chunk declaring 4 MiB took each reader past
 1 GiB); now each inflates into a buffer of the declared size and stops.  Each reader
-runs in its own process (``_reader_probe.py``) with its address space capped, and its
+runs in its own process (``tests/support/reader_probe.py``) with its address space capped, and its
 peak RSS growth is asserted against what the header declares.
 """
 
@@ -21,15 +21,15 @@ from pathlib import Path
 import msgpack
 import pytest
 import zstandard
-from _helpers import frame_parts, rid
-from _service import KEY_A, Service
 
 from r3_client import CodecError, Segment, decode_rollout, encode_frame, read_header, token_digest
 from r3_client._codec_v2 import _assemble_frame
 from r3_client._frame import MAX_TABLE_ENTRIES
 from r3_client.synthetic import synthetic_routing
+from tests.support.frames import frame_parts, rid
+from tests.support.service_process import KEY_A, Service
 
-PROBE = Path(__file__).with_name("_reader_probe.py")
+PROBE = Path(__file__).parents[1] / "support" / "reader_probe.py"
 MIB = 1 << 20
 INFLATED = 2 << 30  # what each bomb inflates to: far more than any budget below
 SLACK = 64 * MIB  # the issue's bound: peak <= declared size + 64 MiB

@@ -14,8 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _helpers import LAYERS, E, rid
-from _service import KEY_A, Service, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import (
@@ -26,6 +24,8 @@ from r3_client import (
     encode_frame,
 )
 from r3_client.synthetic import synthetic_routing
+from tests.support.frames import LAYERS, E, rid
+from tests.support.service_process import KEY_A, Service, start_service
 
 GAP = 1 << 17  # R3_CACHE_MAX_GAP_ROWS's default
 ROW = synthetic_routing(1, len(LAYERS), E, 4, seed=3)

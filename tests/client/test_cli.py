@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import TRAJ, frame_for, rid, same_sets
-from _service import KEY_A, Service
 
 from r3_client import RoutingClient
+from tests.support.frames import TRAJ, frame_for, rid, same_sets
+from tests.support.service_process import KEY_A, Service
 
 
 def r3(svc: Service, *args: str, url: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _helpers import LAYERS, TRAJ, frame_for, rid, same_sets
-from _service import KEY_A, KEY_B, Service, start_service, url_of
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import (
@@ -28,6 +26,8 @@ from r3_client import (
     token_digest,
 )
 from r3_client.synthetic import synthetic_routing
+from tests.support.frames import LAYERS, TRAJ, frame_for, rid, same_sets
+from tests.support.service_process import KEY_A, KEY_B, Service, start_service, url_of
 
 FAST = Retry(attempts=1)
 

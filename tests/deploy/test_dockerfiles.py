@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from _k8s import ROOT, containers, pod_spec, render
+
+from tests.support.kustomize import ROOT, containers, pod_spec, render
 
 DOCKERFILES = sorted((ROOT / "deploy" / "docker").glob("*.Dockerfile"))
 

@@ -13,7 +13,9 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-from _k8s import (
+
+from sglang_r3.fleet import ROUTER_ARGS, ROUTER_VERSION
+from tests.support.kustomize import (
     ROOT,
     VARIANTS,
     Obj,
@@ -27,8 +29,6 @@ from _k8s import (
     selects,
     workloads,
 )
-
-from sglang_r3.fleet import ROUTER_ARGS, ROUTER_VERSION
 
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 ALL = tuple(VARIANTS)

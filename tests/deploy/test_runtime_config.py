@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _k8s import Obj, container_env, containers, find, pod_spec, render
 
 from cache_service.redis_proc import free_port
 from cache_service.settings import ServiceSettings
 from sglang_r3 import launch_server
 from sglang_r3.tools.local_stack import CPU_ARGS
+from tests.support.kustomize import Obj, container_env, containers, find, pod_spec, render
 
 PASSWORD = "test-password-0123456789"
 

@@ -1,7 +1,7 @@
-"""Fixtures for the engine tests (defined in ``_engine_fixtures``, shared with the
+"""Fixtures for the engine tests (defined in ``tests.support.engine_fixtures``, shared with the
 adversarial suite): tiny MoE checkpoints, a cache service, real SGLang servers."""
 
-from _engine_fixtures import (  # noqa: F401  (fixtures, found by pytest by name)
+from tests.support.engine_fixtures import (  # noqa: F401  (fixtures, found by pytest by name)
     cache_client,
     engine_cache,
     glm_engine,

@@ -8,7 +8,12 @@ import signal
 import httpx
 import numpy as np
 import pytest
-from _engine import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from r3_client import RolloutNotFoundError, RoutingClient
+from sglang_r3.tools.local_stack import EngineServer
+from tests.support.engine_requests import (
     MAX_SEGMENT_ROWS,
     as_sets,
     generate,
@@ -18,12 +23,7 @@ from _engine import (
     sp,
     sse,
 )
-from _service import KEY_A, Service
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from r3_client import RolloutNotFoundError, RoutingClient
-from sglang_r3.tools.local_stack import EngineServer
+from tests.support.service_process import KEY_A, Service
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _engine import rid, sp
-from _engine_fixtures import _engine, _shared
-from _service import Service
 
 from r3_client import RoutingClient
 from sglang_r3.tools.local_stack import EngineServer
+from tests.support.engine_fixtures import _engine, _shared
+from tests.support.engine_requests import rid, sp
+from tests.support.service_process import Service
 
 pytestmark = pytest.mark.timeout(600)
 

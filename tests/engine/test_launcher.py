@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from sglang_r3.cpu import prepare_env
 from sglang_r3.tools.local_stack import build_tiny_mtp_draft
+from tests.support.service_process import KEY_A, Service
 
 
 def launch(

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _engine import rid
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.tools.local_stack import EngineServer, start_router
+from tests.support.engine_requests import rid
 
 pytestmark = pytest.mark.timeout(600)
 

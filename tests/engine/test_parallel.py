@@ -7,7 +7,7 @@ exactly.  Under tensor parallelism each layer's output is a bf16 all-reduce of p
 sums, which rounds differently from tp=1, so a router whose 2nd and 3rd experts are
 near-tied may pick the other one: a difference is accepted as a *near-tie* only where a
 ``transformers`` forward of the same tokens puts those two logits less than
-``_rows_judge.NEAR_TIE`` apart (the median gap is ~0.07); any other difference fails the
+``rows_judge.NEAR_TIE`` apart (the median gap is ~0.07); any other difference fails the
 test, and the counts are printed.  Engines run one at a time (module fixtures), each stopped
 before the next starts.
 
@@ -34,15 +34,15 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
-from _engine import as_sets, generate, rid, shim_env, sp
-from _rows_judge import judge_rows, reference_rows
-from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.config import ConfigError, EngineConfig
 from sglang_r3.generate_hooks import dp_rank_of
 from sglang_r3.tools.local_stack import EngineServer, start_engine
+from tests.support.engine_requests import as_sets, generate, rid, shim_env, sp
+from tests.support.rows_judge import judge_rows, reference_rows
+from tests.support.service_process import KEY_A, Service
 
 pytestmark = pytest.mark.timeout(900)
 

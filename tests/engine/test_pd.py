@@ -29,13 +29,13 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from _engine import as_sets, generate, inline_rows, rid, shim_env, sp
-from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.fleet import ROUTER_ARGS
 from sglang_r3.tools.local_stack import EngineServer, start_engine
+from tests.support.engine_requests import as_sets, generate, inline_rows, rid, shim_env, sp
+from tests.support.service_process import KEY_A, Service
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from _service import KEY_A, Service
 
 from r3_client import AsyncRoutingClient, RoutingClient
 from r3_client.synthetic import synthetic_routing
@@ -25,6 +24,7 @@ from sglang_r3.pd import check_decode_retractions, decode_start, is_decode_serve
 from sglang_r3.row_transport import EngineRows
 from sglang_r3.shipping import Continuation, Shipper
 from sglang_r3.tagging import OutputTag
+from tests.support.service_process import KEY_A, Service
 
 SHAPE = moe_shape(
     SimpleNamespace(

@@ -20,12 +20,12 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from _engine import as_sets, inline_rows, rid
-from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.tools.local_stack import EngineServer, start_engine, start_router
+from tests.support.engine_requests import as_sets, inline_rows, rid
+from tests.support.service_process import KEY_A, Service
 
 pytestmark = pytest.mark.timeout(900)
 

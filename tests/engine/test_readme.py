@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
-from _service import KEY_A, Service
 
 from sglang_r3.tools.local_stack import EngineServer
+from tests.support.service_process import KEY_A, Service
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 

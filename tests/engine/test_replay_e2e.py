@@ -60,7 +60,7 @@ def test_mismatch_report_command(
     import subprocess
     import sys
 
-    from _service import KEY_A
+    from tests.support.service_process import KEY_A
 
     out = tmp_path / "report"
     proc = subprocess.run(

@@ -25,8 +25,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from _engine import as_sets, restart_cache, rid
-from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
@@ -34,6 +32,8 @@ from sglang_r3.errors import R3RequestError
 from sglang_r3.fleet import DEAD_ENGINE_WINDOW_S, classify_failure
 from sglang_r3.http_hooks import _openai_error
 from sglang_r3.tools.local_stack import EngineServer, start_engine, start_router, words
+from tests.support.engine_requests import as_sets, restart_cache, rid
+from tests.support.service_process import KEY_A, Service
 
 pytestmark = pytest.mark.timeout(900)
 

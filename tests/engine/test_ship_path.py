@@ -16,7 +16,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from _service import KEY_A, METRICS_KEY, Service
 
 from r3_client import AsyncRoutingClient
 from r3_client.synthetic import synthetic_routing
@@ -27,6 +26,7 @@ from sglang_r3.layers import moe_shape
 from sglang_r3.row_transport import EngineRows, TaggedRows, compact_rows
 from sglang_r3.shipping import Shipper
 from sglang_r3.tagging import OutputTag
+from tests.support.service_process import KEY_A, METRICS_KEY, Service
 
 # 6 layers, the first dense (GLM-style), 32 experts, top-4.
 SHAPE = moe_shape(

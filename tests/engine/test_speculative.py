@@ -14,7 +14,7 @@ Rows are compared as sets per (token, layer) with the non-speculative reference 
 rows of the same tokens: its own greedy run where the tokens agree, its recomputation of
 the speculative engine's tokens (one prefill, KV recomputed) where they diverge (batched
 verify can break an exact bf16 logit tie the other way).  A ``transformers`` forward of
-the tokens judges each difference (``_rows_judge``): a *near-tie* when the router's 2nd
+the tokens judges each difference (``rows_judge``): a *near-tie* when the router's 2nd
 and 3rd logits are less than ``NEAR_TIE`` (0.01) apart (the two experts are
 interchangeable up to bf16 rounding), *after a tie* in a deeper layer of a token that
 already differed at a near-tie (its input differs from there on), *real* otherwise;
@@ -37,9 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _engine import generate, inline_rows, rid, shim_env, sp
-from _rows_judge import judge_rows, reference_rows
-from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
@@ -49,6 +46,9 @@ from sglang_r3.tools.local_stack import (
     build_tiny_mtp_draft,
     start_engine,
 )
+from tests.support.engine_requests import generate, inline_rows, rid, shim_env, sp
+from tests.support.rows_judge import judge_rows, reference_rows
+from tests.support.service_process import KEY_A, Service
 
 pytestmark = pytest.mark.timeout(600)
 

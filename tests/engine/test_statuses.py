@@ -14,11 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-from _engine import MAX_SEGMENT_ROWS, restart_cache, rid, sp
-from _service import Service
 
 from r3_client import RolloutNotFoundError, RoutingClient
 from sglang_r3.tools.local_stack import EngineServer, words
+from tests.support.engine_requests import MAX_SEGMENT_ROWS, restart_cache, rid, sp
+from tests.support.service_process import Service
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -27,14 +27,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from _engine import as_sets, inline_rows, rid, sp
-from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.config import EngineConfig
 from sglang_r3.startup import APP_PATH, APP_PATH_ENV, unsupported_options
 from sglang_r3.tools.local_stack import EngineServer, start_engine
+from tests.support.engine_requests import as_sets, inline_rows, rid, sp
+from tests.support.service_process import KEY_A, Service
 
 pytestmark = pytest.mark.timeout(600)
 

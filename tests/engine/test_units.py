@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from _service import KEY_A, Service
 
 from sglang_r3.config import ConfigError, EngineConfig
 from sglang_r3.cpu import build_cuda_stub
@@ -18,6 +17,7 @@ from sglang_r3.layers import moe_shape
 from sglang_r3.output_rows import check_engine_rows, decode_rows
 from sglang_r3.shipping import Shipper, version_at, version_runs
 from sglang_r3.tagging import OutputTag, output_tags, request_shape
+from tests.support.service_process import KEY_A, Service
 
 
 def tags(sp: object, batch: int = 1, n: int = 1) -> list[OutputTag] | None:

@@ -44,18 +44,18 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
-from _engine_fixtures import (  # noqa: F401  (fixtures, found by pytest by name)
-    engine_cache,
-    glm_engine,
-    qwen_engine,
-    tiny_models,
-)
-from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import AsyncRoutingClient
 from r3_client.integrations import areal as r3_areal
 from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, start_engine
+from tests.support.engine_fixtures import (  # noqa: F401  (fixtures, found by pytest by name)
+    engine_cache,
+    glm_engine,
+    qwen_engine,
+    tiny_models,
+)
+from tests.support.service_process import KEY_A, Service
 
 if importlib.util.find_spec("areal") is None:
     pytest.skip(
@@ -216,7 +216,7 @@ def make_engine(areal: Areal) -> Iterator[Callable[[EngineServer], Any]]:
 
 
 def fixture(request: pytest.FixtureRequest, name: str) -> Any:
-    """A fixture of tests/engine/_engine_fixtures.py (imported above, as the adversarial
+    """A fixture of tests/support/engine_fixtures.py (imported above, as the adversarial
     suite does), by name: the session's cache service, engines and checkpoints."""
     return request.getfixturevalue(name)
 

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _service import KEY_A, Service
 
 from r3_client import (
     AsyncRoutingClient,
@@ -46,6 +45,7 @@ from r3_client.layouts import miles_layout, slime_layout
 from r3_client.synthetic import synthetic_routing
 from sglang_r3.config import DEFAULT_TAG_HEADER
 from sglang_r3.tagging import output_tags
+from tests.support.service_process import KEY_A, Service
 
 ROOT = Path(__file__).resolve().parents[2]
 E, K = 8, 2

@@ -46,13 +46,12 @@ if importlib.util.find_spec("verl") is None:
         allow_module_level=True,
     )
 
-from _helpers import rid
-from _megatron_model import _hide_broken_flash_mla, causal_mask, megatron_env
-from _service import KEY_A, Service
-
 from r3_client import Routing, RoutingClient, Segment, ShapeError
 from r3_client.layouts import verl_layout
 from r3_client.synthetic import synthetic_routing
+from tests.support.frames import rid
+from tests.support.megatron_model import _hide_broken_flash_mla, causal_mask, megatron_env
+from tests.support.service_process import KEY_A, Service
 
 ROOT = Path(__file__).resolve().parents[2]
 E, K, HIDDEN, VOCAB = 8, 2, 64, 256

@@ -45,8 +45,6 @@ if any(importlib.util.find_spec(m) is None for m in ("verl", "hydra", "cachetool
         allow_module_level=True,
     )
 
-from _service import KEY_A, Service
-
 from r3_client import (
     InvalidRequestError,
     RolloutNotFoundError,
@@ -60,6 +58,7 @@ from r3_client.integrations import verl as r3_verl
 from r3_client.layouts import verl_layout
 from r3_client.synthetic import synthetic_routing
 from sglang_r3.tagging import output_tags
+from tests.support.service_process import KEY_A, Service
 
 ROOT = Path(__file__).resolve().parents[2]
 E, K = 8, 2

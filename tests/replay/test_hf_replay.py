@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 import torch
-from _models import FAMILIES, build
 
 from r3_client.replay import (
     ReplayError,
@@ -19,6 +18,7 @@ from r3_client.replay import (
     supported_model_types,
 )
 from r3_client.replay._core import _ReplayForward
+from tests.support.tiny_hf_models import FAMILIES, build
 
 B, S, E, K = 2, 11, 8, 2
 WITH_AUX = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss"]

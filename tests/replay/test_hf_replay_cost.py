@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _models import FAMILIES, build
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from r3_client import Routing
 from r3_client.layouts import hf_layout
 from r3_client.replay import apply_routing_replay, record_routing, replay_routing
+from tests.support.tiny_hf_models import FAMILIES, build
 
 WHERE = [
     pytest.param(("cpu", "tiny", torch.float32, 2, 11), id="cpu-tiny"),

@@ -1,6 +1,6 @@
 """Megatron-Core replay on a real ``GPTModel``: real ``TopKRouter``, ``RouterReplay``, schedule.
 
-Runs on CPU in CI (with the patches ``_megatron_model`` documents) and on CUDA
+Runs on CPU in CI (with the patches ``tests/support/megatron_model.py`` documents) and on CUDA
 (``gpu`` marker) unpatched but for ``te_general_gemm``.  Which experts each router
 really used is read from its output ``routing_map`` by a forward hook, which fires
 in the forward and again in every full-recompute during backward.
@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _megatron_model import Shape, build_gpt, forward, megatron_env, schedule_env
 
 from r3_client.layouts import MegatronReplayBatch
 from r3_client.replay.megatron import MegatronReplayError, RouterReplayDriver
+from tests.support.megatron_model import Shape, build_gpt, forward, megatron_env, schedule_env
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay")
 

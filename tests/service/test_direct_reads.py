@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import redis
-from _helpers import LAYERS, TRAJ, E, frame_for, rid
-from _service import KEY_A, KEY_B, Service, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import (
@@ -25,6 +23,8 @@ from r3_client import (
     encode_frame,
     read_header,
 )
+from tests.support.frames import LAYERS, TRAJ, E, frame_for, rid
+from tests.support.service_process import KEY_A, KEY_B, Service, start_service
 
 
 def _put(svc: Service, r: str, frame: bytes) -> None:

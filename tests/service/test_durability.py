@@ -22,8 +22,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _helpers import LAYERS, TRAJ, frame_for, rid, same_sets
-from _service import KEY_A, WriteLoad, start_service
 
 from cache_service.redis_proc import (
     RedisProcess,
@@ -38,6 +36,8 @@ from cache_service.settings import ServiceSettings
 from cache_service.store import SegmentStore, StoreSettings
 from r3_client import StoreError, StoreUnavailableError, decode_rollout
 from r3_client.synthetic import synthetic_routing
+from tests.support.frames import LAYERS, TRAJ, frame_for, rid, same_sets
+from tests.support.service_process import KEY_A, WriteLoad, start_service
 
 HEADERS = {"Authorization": f"Bearer {KEY_A}"}
 TIMEOUT_MS = 300

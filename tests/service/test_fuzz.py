@@ -17,14 +17,14 @@ import httpx
 import msgpack
 import pytest
 import schemathesis
-from _helpers import LAYERS, TRAJ, frame_for
-from _service import KEY_A, KEY_B, Service, grpc_md
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
 from r3_client._proto import r3_cache_pb2 as pb
+from tests.support.frames import LAYERS, TRAJ, frame_for
+from tests.support.service_process import KEY_A, KEY_B, Service, grpc_md
 
 CASES: Counter[str] = Counter()
 STATUSES: Counter[int] = Counter()

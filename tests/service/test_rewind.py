@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from _helpers import TRAJ, frame_for, rid, same_sets
-from _service import KEY_A, Service, url_of
 
 from r3_client import (
     AsyncRoutingClient,
@@ -22,6 +20,8 @@ from r3_client import (
     RoutingClient,
     SegmentConflictError,
 )
+from tests.support.frames import TRAJ, frame_for, rid, same_sets
+from tests.support.service_process import KEY_A, Service, url_of
 
 
 def test_a_lost_turn_is_rewound_and_sent_again(service_single: Service, transport: str) -> None:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from _helpers import LAYERS, frame_for, rid, same_sets
-from _service import KEY_A, Service, WriteLoad, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import decode_frame, decode_rollout
 from r3_client.synthetic import synthetic_routing
+from tests.support.frames import LAYERS, frame_for, rid, same_sets
+from tests.support.service_process import KEY_A, Service, WriteLoad, start_service
 
 HEADERS = {"Authorization": f"Bearer {KEY_A}"}
 

@@ -8,7 +8,6 @@ import itertools
 import msgpack
 import numpy as np
 import pytest
-from _helpers import LAYERS, TRAJ, E, K, frame_for, rid
 
 from cache_service.redis_proc import free_port
 from cache_service.store import SegmentStore, StoreSettings
@@ -23,6 +22,7 @@ from r3_client import (
     encode_frame,
 )
 from r3_client.synthetic import synthetic_routing
+from tests.support.frames import LAYERS, TRAJ, E, K, frame_for, rid
 
 
 async def test_put_get_round_trip_over_turns(store: SegmentStore) -> None:

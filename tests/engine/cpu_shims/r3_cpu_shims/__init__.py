@@ -2,7 +2,7 @@
 
 Never part of the product.  SGLang finds it through the ``.dist-info`` next to this
 package when ``tests/engine/cpu_shims`` is on ``PYTHONPATH`` (:func:`shim_env` in
-``tests/engine/_engine.py`` does that) and loads it in every process it loads plugins in,
+``tests/support/engine_requests.py`` does that) and loads it in every process it loads plugins in,
 like ``sglang_r3``.  Each shim is a module here with an ``apply()`` that patches one
 upstream gap, switched on by name in ``R3_CPU_SHIMS`` (comma-separated); nothing is
 patched unless named.  A shim makes SGLang *run* on CPU; it never changes which routing

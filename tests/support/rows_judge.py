@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from _engine import as_sets, generate, inline_rows
+
+from tests.support.engine_requests import as_sets, generate, inline_rows
 
 NEAR_TIE = 0.01  # a router's 2nd-3rd logit gap under this is a near-tie (median ~0.07)
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 import httpx
 import numpy as np
-from _helpers import frame_for
 
 from cache_service.redis_proc import free_port
 from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
+from tests.support.frames import frame_for
 
 KEY_A = "key-tenant-a-0123456789abcdef"
 KEY_B = "key-tenant-b-0123456789abcdef"

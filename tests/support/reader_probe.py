@@ -1,4 +1,4 @@
-"""A reader in its own process, for peak-memory checks: ``python _reader_probe.py SPEC``.
+"""A reader in its own process, for peak-memory checks: ``python reader_probe.py SPEC``.
 
 SPEC is JSON: ``{"how": "http"|"grpc"|"direct"|"decode"|"stream", "url": ..., "key": ...,
 "rollout": ..., "frame_file": ..., "budget": bytes}``.  The probe imports and warms up

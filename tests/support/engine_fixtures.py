@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from _engine import CACHE_ENV
-from _service import KEY_A, Service, start_service
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import RoutingClient
 from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, start_engine
+from tests.support.engine_requests import CACHE_ENV
+from tests.support.service_process import KEY_A, Service, start_service
 
 T = TypeVar("T")
 _SHARED: dict[str, list[Any]] = {}  # name -> [resource, users]

@@ -23,12 +23,12 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-from _engine import rid, sp
-from _service import KEY_A, Service
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.tools.local_stack import FAMILIES, EngineServer, start_engine
+from tests.support.engine_requests import rid, sp
+from tests.support.service_process import KEY_A, Service
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,7 +13,8 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
-from _service import Service, start_service
+
+from tests.support.service_process import Service, start_service
 
 # The cache under the engines refuses segments over this many rows (413 test).
 MAX_SEGMENT_ROWS = 512
@@ -78,7 +79,7 @@ def restart_cache(cache: Service, tmp_path_factory: pytest.TempPathFactory) -> N
     cache.proc, cache.log = restarted.proc, restarted.log
 
 
-SHIMS_DIR = Path(__file__).parent / "cpu_shims"
+SHIMS_DIR = Path(__file__).parents[1] / "engine" / "cpu_shims"
 
 
 def shim_env(*shims: str, **extra: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Small builders shared by the tests (importable thanks to pytest's ``pythonpath``)."""
+"""Small builders shared by the tests and benchmarks: tiny-moe frames, rollout ids, hostile ids."""
 
 from __future__ import annotations
 
