@@ -68,7 +68,7 @@ Then:
 * multi-turn: bytes shipped over the 20 turns of each agent rollout / the final
   rollout encoded as one frame (``encode_frame`` of the assembled routing), and
   / the rollout as the service returns it (``get_frame``);
-* targets: issue 14's targets against the "Before" figures of docs/benchmarks.md
+* targets: issue 14's targets against the "Before" figures of docs/benchmarks-history.md
   (commit 6ed7d25, measured with this script's earlier version).
 
     python bench/passthrough_bench.py [--scale 1] [--repeat 3] [--quick] [--json PATH]
@@ -141,7 +141,7 @@ MODEL = "bench-moe"
 DISTS = {"skewed": {"skew": 1.0, "rho": 0.9}, "uniform": {"skew": 0.0, "rho": 0.0}}
 TIMEOUT = Timeout(connect=10, read=600)
 
-# docs/benchmarks.md "Pass-through data path (issue 14)" / "Before" (commit 6ed7d25, this
+# docs/benchmarks-history.md "Pass-through data path (issue 14)" / "Before" (commit 6ed7d25, this
 # script's earlier version, --repeat 2): the baselines the targets are relative to.
 BEFORE: dict[str, Any] = {
     "put_ms": {  # service CPU ms per PUT
