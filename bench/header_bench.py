@@ -1,5 +1,5 @@
 """What the service spends per ranged GET on a stored frame's header: parsed every
-request (before issue 25) vs kept by :class:`cache_service.headers.HeaderCache`.
+request (before issue 25) vs kept by :class:`cache_service.store.header_cache.HeaderCache`.
 
 Measures the service's own slicing step (``StoreReads._cut``, the CPU a ranged GET
 spends beyond Redis and HTTP) in one process, for a canonical frame (2,048-row
@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from cache_service.headers import HeaderCache
 from cache_service.store import reads as store_reads
+from cache_service.store.header_cache import HeaderCache
 from r3_client import Segment, encode_frame
 from r3_client.synthetic import synthetic_routing
 

@@ -42,7 +42,7 @@ Per scenario and distribution, in one run:
 * reads, best of ``--repeat``, interleaved; bytes only:
   - raw: redis-py, ``HGETALL`` of each rollout hash plus ``HGET <blob> f`` for each
     shared-segment reference (``s:<a>:<b>`` fields holding ``@<blob key>``; the
-    layout of ``cache_service/store.py``), two ways: asyncio with
+    layout of ``cache_service/store/``), two ways: asyncio with
     ``--raw-concurrency`` rollouts in flight, and one connection pipelining 64
     rollouts at a time (DirectReader's pattern); the faster is "raw";
   - direct: ``DirectReader.fetch_many`` (the bytes a whole-rollout GET returns);
@@ -322,7 +322,7 @@ def single(dist: str, arrays: list[Rows], n: int, seed: int) -> Scenario:
 
 # ---- measuring ------------------------------------------------------------------------------
 def rollout_key(rid: str) -> str:
-    """The rollout's Redis hash: ``<prefix>:<namespace>:{<rid>}`` (cache_service/store.py)."""
+    """The rollout's Redis hash: ``<prefix>:<namespace>:{<rid>}`` (cache_service/store/)."""
     return f"{StoreSettings().key_prefix}:{NAMESPACE}:{{{rid}}}"
 
 

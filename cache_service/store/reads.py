@@ -10,8 +10,8 @@ import msgpack
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
-from cache_service.headers import HeaderCache
 from cache_service.store.base import StoreBase
+from cache_service.store.header_cache import HeaderCache
 from r3_client import (
     FormatError,
     FrameError,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service.headers import HeaderCache
+from cache_service.store.header_cache import HeaderCache
 from r3_client import Segment, encode_frame, read_header, token_digest
-from r3_client._frame import BLOCK_ROWS
+from r3_client.codec.frame import BLOCK_ROWS
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import LAYERS, E, rid
 from tests.support.service_process import Service
