@@ -7,6 +7,7 @@ import json
 import os
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from sglang_r3.layers import moe_shape
 from tests.support.service_process import Service, start_service
 
 # The cache under the engines refuses segments over this many rows (413 test).
@@ -56,6 +58,15 @@ def inline_rows(out: dict[str, Any], num_layers: int, topk: int = 2) -> npt.NDAr
     """Upstream's base64 routing of one output as ``[rows, all layers, K]``."""
     raw = base64.b64decode(out["meta_info"]["routed_experts"])
     return np.frombuffer(raw, dtype=np.int32).reshape(-1, num_layers, topk)
+
+
+# A 3-layer, top-2-of-8 MoE: the shape of the rows crafted by the engine's unit tests.
+SHAPE = moe_shape(SimpleNamespace(num_hidden_layers=3, num_experts_per_tok=2, num_experts=8))
+
+
+def b64(rows: np.ndarray) -> str:
+    """Rows as an engine answers them: base64 of the int32 array."""
+    return base64.b64encode(rows.astype(np.int32).tobytes()).decode()
 
 
 def as_sets(a: npt.ArrayLike) -> npt.NDArray[Any]:

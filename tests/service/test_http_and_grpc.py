@@ -16,7 +16,7 @@ import pytest
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import decode_rollout, encode_frame
 from r3_client._proto import r3_cache_pb2 as pb
-from r3_client._stream import StreamDecoder
+from r3_client.codec.stream import StreamDecoder
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import LAYERS, TRAJ, frame_for, rid, same_sets
 from tests.support.service_process import KEY_A, KEY_B, METRICS_KEY, Service, grpc_md
