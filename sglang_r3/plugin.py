@@ -17,17 +17,6 @@ def register() -> None:
         from sglang_r3.cpu import install_allocator
 
         install_allocator()
-    from sglang_r3 import hooks, targets
+    from sglang_r3 import hooks
 
-    extra = os.environ.get("SGLANG_R3_TEST_BOGUS_HOOK")
-    if extra and extra not in targets.HTTP_TARGETS:
-        # Test-only: a hook on a target that does not exist, to prove that the
-        # start-up check stops the server instead of running without it.  Added
-        # once, whatever the number of calls, like every other hook.
-        hooks.HOOKS.append((extra, _bogus_hook, "BEFORE"))
-        targets.HTTP_TARGETS.append(extra)
     hooks.register_hooks()  # idempotent: a hook already registered is skipped
-
-
-def _bogus_hook(*args: object, **kwargs: object) -> None:
-    return None

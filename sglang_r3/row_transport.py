@@ -61,11 +61,6 @@ class EngineRows:
 
     array: npt.NDArray[Any]
 
-    @property
-    def int32_nbytes(self) -> int:
-        """Bytes of upstream's int32 form of these rows."""
-        return int(self.array.size) * 4
-
     def to_base64(self) -> str:
         """Upstream's ``meta_info["routed_experts"]``: base64 of the int32 rows, exactly."""
         return base64.b64encode(self.array.astype(np.int32).tobytes()).decode("ascii")

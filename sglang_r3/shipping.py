@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -145,9 +144,6 @@ class Shipper:
         self._contexts: OrderedDict[str, Context] = OrderedDict()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._all_moe = shape.moe_layer_ids == tuple(range(shape.num_layers))
-        # Test-only: a pause inside the worker-thread step, so a test can tell by the
-        # order of events that it does not hold the event loop.
-        self._test_delay = float(os.environ.get("SGLANG_R3_TEST_SHIP_DELAY_S", "0") or 0)
 
     async def continuation(self, rollout_id: str, *, gaps: bool = False) -> Continuation | None:
         """The stored trajectory of ``rollout_id`` (None: new rollout).
@@ -239,8 +235,6 @@ class Shipper:
         sha256 release the GIL there): rows of the MoE layers, per-segment token
         digests, frames.  Raises :class:`R3RequestError` (500) on misaligned rows,
         :class:`FormatError` on invalid ones."""
-        if self._test_delay:
-            time.sleep(self._test_delay)
         rows = engine_rows_of(routing, self.shape)
         check_engine_rows(rows, cuts[-1] - start)
         moe = rows if self._all_moe else rows[:, list(self.shape.moe_layer_ids), :]

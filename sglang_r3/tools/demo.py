@@ -40,13 +40,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from r3_client import Routing, RoutingClient
 from r3_client.mismatch import logprob_mismatch, routing_disagreement
 from sglang_r3.tools.mismatch_report import output_logprobs
+
+if TYPE_CHECKING:
+    from sglang_r3.tools.local_stack import LocalStack
 
 BASE64 = 4 / 3  # upstream ships int32 rows as base64 text
 #: Stage after which the demo waits for a signal (module docstring); unset: it does not.
@@ -330,12 +333,14 @@ def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; see the module docstring for the exit status."""
     if args.quick:
         args.samples, args.turns, args.new_tokens, args.prompt_len = 4, 3, 16, 32
+    from sglang_r3.tools.local_stack import LocalStack
+
     previous = signal.signal(signal.SIGTERM, _sigterm)
-    started: list[Any] = []
     work = args.workdir or Path(tempfile.mkdtemp(prefix="r3-demo-"))
     work.mkdir(parents=True, exist_ok=True)
+    stack = LocalStack(work)
     try:
-        stats = _run(args, work, started)
+        stats = _run(args, stack)
     except KeyboardInterrupt:
         # A server interrupted while starting was already stopped by its launcher helper.
         print("\ninterrupted: stopping what the demo started ...", flush=True)
@@ -344,8 +349,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"r3 demo: check failed: {exc}", file=sys.stderr)
         return 1
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stack.stop()
         print("stopped every process the demo started", flush=True)
         signal.signal(signal.SIGTERM, previous)
         if args.workdir is None:
@@ -381,13 +385,11 @@ def _fetch_all(http_url: str, grpc_url: str, samples: list[Any], agent: Any, sta
     stats.rollouts = len(samples)
 
 
-def _run(args: argparse.Namespace, work: Path, started: list[Any]) -> Stats:
+def _run(args: argparse.Namespace, stack: LocalStack) -> Stats:
     import torch
     import transformers
 
-    from cache_service.redis_proc import free_port
     from r3_client.replay import apply_routing_replay
-    from sglang_r3.tools.local_stack import build_tiny_model, start_cache, start_engine
 
     # The demo prints its own stage lines; transformers' per-file bars would bury them.
     tf: Any = transformers
@@ -401,9 +403,8 @@ def _run(args: argparse.Namespace, work: Path, started: list[Any]) -> Stats:
         f"building a tiny Qwen3-MoE ({args.layers} layers, {args.experts} experts, "
         f"top-{args.topk}; random weights, seed {args.seed})"
     ):
-        model_path = build_tiny_model(
+        model_path = stack.build_model(
             "qwen3_moe",
-            work / "model",
             layers=args.layers,
             experts=args.experts,
             topk=args.topk,
@@ -412,15 +413,11 @@ def _run(args: argparse.Namespace, work: Path, started: list[Any]) -> Stats:
             seed=args.seed,
         )
     with stages.stage("starting the cache service with an embedded redis-server"):
-        cache = start_cache(work / "cache", http_port=free_port(), grpc_port=free_port())
-        started.append(cache)
+        cache = stack.start_cache()
         grpc_url = cache.grpc_url
         stages.note(f"HTTP {cache.url}, gRPC {grpc_url}, pid {cache.proc.pid}")
     with stages.stage("starting SGLang (CPU mode) with the sglang-r3 extension, ~30-90 s"):
-        engine = start_engine(
-            model_path, port=free_port(), log=work / "sglang.log", routing_cache=cache.url
-        )
-        started.append(engine)
+        engine = stack.start_engine(model_path, routing_cache=cache.url)
         stages.note(f"{engine.url}, pid {engine.proc.pid} (process group {engine.proc.pid})")
     with stages.stage(f"GRPO group: 1 prompt, {args.samples} samples, {args.new_tokens} tokens"):
         group = grpo_group(engine.url, args, f"demo-{run}-grpo", rng, stats)

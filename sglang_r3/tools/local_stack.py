@@ -1,4 +1,8 @@
-"""Tiny MoE models and a managed SGLang server, for tests, benchmarks and the demo.
+"""A local stack: tiny MoE models, the cache service and SGLang on loopback, managed.
+
+For the demos (``r3 demo``, ``r3 rl-demo``, ``r3 mismatch-report``), the tests and
+the benchmarks.  :class:`LocalStack` builds a model, starts the cache and the engine,
+and stops what it started in reverse order on exit.
 
 Nothing is downloaded: models are random, built from ``transformers`` configs with a
 fixed seed, with a word-level tokenizer (``w3 w4 ...``) and a plain chat template.
@@ -16,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cache_service.redis_proc import free_port
+from cache_service.service_process import ServiceProcess, start_service_process
 from r3_client.synthetic import tiny_moe_config
 
 FAMILIES = ("qwen3_moe", "glm4_moe", "olmoe", "mixtral")
@@ -168,48 +174,22 @@ def words(token_ids: list[int]) -> str:
     return " ".join(f"w{t}" for t in token_ids)
 
 
-@dataclass
-class CacheServer:
-    """An ``r3 serve`` process (embedded redis-server) on loopback."""
-
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    grpc_url: str = ""
-
-    def stop(self) -> None:
-        """SIGTERM (it stops its redis-server too), SIGKILL after 20 s."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+#: The cache service a local stack runs (``r3 serve``, embedded redis-server).
+CacheServer = ServiceProcess
 
 
 def start_cache(data_dir: Path, *, http_port: int, grpc_port: int) -> CacheServer:
-    """Start the cache service with an embedded Redis under ``data_dir``; wait ready."""
-
+    """Start the cache service with an embedded Redis under ``data_dir``, no auth; wait ready."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    log = data_dir / "cache.log"
-    argv = [
-        sys.executable, "-m", "cache_service", "serve",
-        "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-        "--data-dir", str(data_dir / "redis"), "--auth", "off", "--log-level", "WARNING",
-    ]  # fmt: skip
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
-    server = CacheServer(
-        f"http://127.0.0.1:{http_port}", proc, log, f"grpc://127.0.0.1:{grpc_port}"
+    return start_service_process(
+        ["--data-dir", str(data_dir / "redis"), "--auth", "off", "--log-level", "WARNING"],
+        log=data_dir / "cache.log",
+        http_port=http_port,
+        grpc_port=grpc_port,
     )
-    _wait_ready(f"{server.url}/readyz", server, "cache service", 60.0, poll_s=0.1)
-    return server
 
 
-def _wait_ready(
-    url: str, server: CacheServer | EngineServer, what: str, timeout_s: float, poll_s: float
-) -> None:
+def _wait_ready(url: str, server: EngineServer, what: str, timeout_s: float, poll_s: float) -> None:
     """Poll ``url`` until it answers 200; stop ``server`` and raise with its log otherwise."""
     import httpx
 
@@ -380,6 +360,47 @@ def start_router(
             router.stop()
             raise RuntimeError(f"sglang-router did not list {workers} as healthy: {listed}")
         time.sleep(0.3)
+
+
+class LocalStack:
+    """What a local run starts under ``work``, stopped in reverse order on exit.
+
+    ``with LocalStack(work) as stack:`` then :meth:`build_model`, :meth:`start_cache`,
+    :meth:`start_engine` in that order (a caller with its own model, cache or engine
+    skips that step).  :meth:`stop` is the exit, for callers that must stop it at a
+    point of their own.
+    """
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.started: list[CacheServer | EngineServer] = []
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def build_model(self, family: str, name: str = "model", **kwargs: Any) -> Path:
+        """:func:`build_tiny_model` into ``work/name``."""
+        return build_tiny_model(family, self.work / name, **kwargs)
+
+    def start_cache(self) -> CacheServer:
+        """:func:`start_cache` under ``work/cache`` on free ports."""
+        cache = start_cache(self.work / "cache", http_port=free_port(), grpc_port=free_port())
+        self.started.append(cache)
+        return cache
+
+    def start_engine(self, model_path: str | os.PathLike[str], **kwargs: Any) -> EngineServer:
+        """:func:`start_engine` on a free port, logging to ``work/sglang.log``."""
+        engine = start_engine(model_path, port=free_port(), log=self.work / "sglang.log", **kwargs)
+        self.started.append(engine)
+        return engine
+
+    def stop(self) -> None:
+        """Stop everything started, last first (the engine before the cache it ships to)."""
+        while self.started:
+            self.started.pop().stop()
 
 
 def main(argv: list[str] | None = None) -> int:

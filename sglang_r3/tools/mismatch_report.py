@@ -257,20 +257,17 @@ def run_report(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from cache_service.redis_proc import free_port
-    from sglang_r3.tools.local_stack import build_tiny_model, start_cache, start_engine
+    from sglang_r3.tools.local_stack import LocalStack
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="r3-report-"))
-    started: list[Any] = []
-    try:
+    with LocalStack(work) as stack:
         model_path = Path(args.model_path) if args.model_path else None
         if model_path is None:
             _stage(f"building a tiny {args.family} ({args.layers} layers, {args.experts} experts)")
-            model_path = build_tiny_model(
+            model_path = stack.build_model(
                 args.family,
-                work / "model",
                 layers=args.layers,
                 experts=args.experts,
                 topk=args.topk,
@@ -281,20 +278,12 @@ def run_report(args: argparse.Namespace) -> int:
         cache_url, api_key = args.cache_url, args.api_key
         if cache_url is None:
             _stage("starting the cache service (embedded redis-server)")
-            cache = start_cache(work / "cache", http_port=free_port(), grpc_port=free_port())
-            started.append(cache)
+            cache = stack.start_cache()
             cache_url, api_key = cache.url, None
         engine_url = args.engine_url
         if engine_url is None:
             _stage("starting SGLang (CPU) with the extension; ~30-60 s")
-            engine = start_engine(
-                model_path,
-                port=free_port(),
-                log=work / "sglang.log",
-                routing_cache=cache_url,
-                api_key=api_key,
-            )
-            started.append(engine)
+            engine = stack.start_engine(model_path, routing_cache=cache_url, api_key=api_key)
             engine_url = engine.url
         _stage(f"generating {args.rollouts} rollouts")
         config = json.loads((model_path / "config.json").read_text())
@@ -319,9 +308,6 @@ def run_report(args: argparse.Namespace) -> int:
 
         apply_routing_replay(model)
         results = measure(model, rollouts)
-    finally:
-        for proc in reversed(started):
-            proc.stop()
     _write_report(results, out)
     return 0
 

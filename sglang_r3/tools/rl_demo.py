@@ -144,21 +144,20 @@ def run_rl_demo(args: argparse.Namespace) -> int:
     """Run both modes; 0 when every check held, 1 otherwise."""
     import transformers
 
-    from cache_service.redis_proc import free_port
-    from sglang_r3.tools.local_stack import build_tiny_model, start_cache, start_engine
+    from sglang_r3.tools.local_stack import LocalStack
 
     tf: Any = transformers
     tf.utils.logging.disable_progress_bar()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="r3-rl-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    started: list[Any] = []
     runs: dict[str, Run] = {}
+    stack = LocalStack(work)
     try:
         print(f"building a tiny {args.family} ({args.layers} layers, {args.experts} experts, "
               f"top-{args.topk}), seed {args.seed}", flush=True)  # fmt: skip
-        init = build_tiny_model(
+        init = stack.build_model(
             args.family,
-            work / "init",
+            "init",
             layers=args.layers,
             experts=args.experts,
             topk=args.topk,
@@ -166,18 +165,14 @@ def run_rl_demo(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         print("starting the cache service (embedded Redis) and SGLang (CPU) ...", flush=True)
-        cache = start_cache(work / "cache", http_port=free_port(), grpc_port=free_port())
-        started.append(cache)
-        engine = start_engine(
+        cache = stack.start_cache()
+        engine = stack.start_engine(
             init,
-            port=free_port(),
-            log=work / "sglang.log",
             routing_cache=cache.grpc_url,
             # bf16, as rollout engines run; the trainer keeps float32 (master weights).
             # The precision gap is what makes their routers disagree.
             extra_args=("--dtype", args.engine_dtype),
         )
-        started.append(engine)
         run_id = uuid.uuid4().hex[:6]
         for mode in MODES:
             runs[mode] = run_mode(mode, args, engine.url, cache.url, init, work, run_id)
@@ -185,8 +180,7 @@ def run_rl_demo(args: argparse.Namespace) -> int:
         print(f"r3 rl-demo: check failed: {exc}", flush=True)
         return 1
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stack.stop()
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     records = [r for mode in MODES for r in runs[mode].records]

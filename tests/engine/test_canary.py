@@ -163,19 +163,25 @@ def test_hook_registry_api() -> None:
 
 
 def test_plugin_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SGLang may call ``register`` more than once per process: nothing is added twice."""
+    """SGLang may call ``register`` more than once per process: nothing is added twice
+    (also with the test-only ``bogus_hook`` shim's hook, registered by the same code)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from sglang_r3 import hooks, plugin, targets
+    from tests.engine.cpu_shims.r3_cpu_shims.bogus_hook import add_bogus_hook
 
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
     monkeypatch.setattr(hooks, "HOOKS", list(hooks.HOOKS))
     monkeypatch.setattr(targets, "HTTP_TARGETS", list(targets.HTTP_TARGETS))
-    monkeypatch.setenv("SGLANG_R3_TEST_BOGUS_HOOK", "sglang.srt.nowhere.Nothing.method")
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
-    plugin.register()
+
+    def register() -> None:  # both plugins, as SGLang's load_plugins calls them
+        plugin.register()
+        add_bogus_hook("sglang.srt.nowhere.Nothing.method")
+
+    register()
     once = ({k: list(v) for k, v in HookRegistry._hooks.items()}, list(hooks.HOOKS))
-    plugin.register()
-    plugin.register()
+    register()
+    register()
     assert ({k: list(v) for k, v in HookRegistry._hooks.items()}, list(hooks.HOOKS)) == once
     assert "sglang.srt.nowhere.Nothing.method" in HookRegistry._hooks

@@ -14,7 +14,7 @@ import pytest
 from r3_client import RoutingClient
 from sglang_r3.tools.local_stack import EngineServer
 from tests.support.engine_fixtures import _engine, _shared
-from tests.support.engine_requests import rid, sp
+from tests.support.engine_requests import rid, shim_env, sp
 from tests.support.service_process import Service
 
 pytestmark = pytest.mark.timeout(600)
@@ -35,7 +35,9 @@ def slow_ship_engine(
             tiny_models["qwen3_moe"],
             engine_cache,
             "slow-ship-engine",
-            env={"SGLANG_R3_TEST_SHIP_DELAY_S": str(DELAY), "SGLANG_R3_LOOP_PROBE_MS": "2"},
+            env=shim_env(
+                "ship_delay", R3_SHIM_SHIP_DELAY_S=str(DELAY), SGLANG_R3_LOOP_PROBE_MS="2"
+            ),
         )
 
     with _shared("slow_ship_engine", make, lambda s: s.stop()) as server:

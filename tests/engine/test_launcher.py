@@ -13,6 +13,7 @@ import pytest
 from cache_service.redis_proc import free_port
 from sglang_r3.cpu import prepare_env
 from sglang_r3.tools.local_stack import build_tiny_mtp_draft
+from tests.support.engine_requests import shim_env
 from tests.support.service_process import KEY_A, Service
 
 
@@ -88,7 +89,7 @@ def test_hook_that_did_not_apply_stops_the_launch(
     proc = launch(
         tiny_models["qwen3_moe"],
         *plugin(engine_cache),
-        env={"SGLANG_R3_TEST_BOGUS_HOOK": target},
+        env=shim_env("bogus_hook", R3_SHIM_BOGUS_HOOK_TARGET=target),
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"{target}: SGLang did not apply the hook" in proc.stderr

@@ -7,6 +7,10 @@ like ``sglang_r3``.  Each shim is a module here with an ``apply()`` that patches
 upstream gap, switched on by name in ``R3_CPU_SHIMS`` (comma-separated); nothing is
 patched unless named.  A shim makes SGLang *run* on CPU; it never changes which routing
 rows SGLang records (that is the product's job, in ``sglang_r3``).
+
+Two shims are test knobs instead, so that the product carries none: ``bogus_hook`` (a
+hook that cannot apply, for the start-up check) and ``ship_delay`` (a slow shipping
+step, for the event loop); each reads its setting from an ``R3_SHIM_*`` variable.
 """
 
 from __future__ import annotations
