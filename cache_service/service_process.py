@@ -91,7 +91,7 @@ def start_service_process(
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 tail = log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"cache service exited with {proc.returncode}:\n{tail}")
+                raise RuntimeError(f"cache service exited {proc.returncode}:\n{tail}")
             try:
                 if httpx.get(f"{service.url}/readyz", timeout=2).status_code == 200:
                     return service

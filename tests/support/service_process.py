@@ -6,10 +6,6 @@ import asyncio
 import json
 import os
 import secrets
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +14,7 @@ import httpx
 import numpy as np
 
 from cache_service.redis_proc import free_port
+from cache_service.service_process import ServiceProcess, start_service_process
 from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
 from tests.support.frames import frame_for
 
@@ -39,15 +36,16 @@ DIRECT_READS = {
 
 
 @dataclass
-class Service:
+class Service(ServiceProcess):
     """A running ``r3 serve`` process and how to reach it."""
 
-    http_url: str
-    grpc_target: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    redis_url: str
+    redis_url: str = "embedded"
     extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP base URL."""
+        return self.url
 
     def http(self, key: str | None = KEY_A, **kw: object) -> httpx.Client:
         """An httpx client with the tenant's key (None: no key)."""
@@ -60,16 +58,6 @@ class Service:
             self.grpc_target, options=[("grpc.max_receive_message_length", -1)]
         )
         return pb_grpc.RoutingCacheStub(channel)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop by PID and wait."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 def url_of(svc: Service, transport: str) -> str:
@@ -95,55 +83,22 @@ def start_service(
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({KEY_A: "tenant-a", KEY_B: "tenant-b"}))
     http_port = http_port or free_port()
-    grpc_port = grpc_port or free_port()
     args = [
-        sys.executable,
-        "-m",
-        "cache_service",
-        "serve",
-        "--http-port",
-        str(http_port),
-        "--grpc-port",
-        str(grpc_port),
-        "--auth",
-        "on",
-        "--api-keys-file",
-        str(keys),
-        "--data-dir",
-        str(tmp / "data"),
-        "--log-level",
-        "WARNING",
-    ]
+        "--auth", "on", "--api-keys-file", str(keys),
+        "--data-dir", str(tmp / "data"), "--log-level", "WARNING",
+    ]  # fmt: skip
     if redis_url:
         args += ["--redis-url", redis_url]
     if cluster:
         args.append("--redis-cluster")
-    log = tmp / f"service-{http_port}.log"
-    proc = subprocess.Popen(
+    proc = start_service_process(
         args,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
+        log=tmp / f"service-{http_port}.log",
+        http_port=http_port,
+        grpc_port=grpc_port,
         env={**os.environ, **LIMITS, **(env or {})},
     )
-    svc = Service(
-        f"http://127.0.0.1:{http_port}",
-        f"127.0.0.1:{grpc_port}",
-        proc,
-        log,
-        redis_url or "embedded",
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"service exited {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{svc.http_url}/readyz", timeout=1).status_code == 200:
-                return svc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    svc.stop()
-    raise RuntimeError(f"service did not become ready: {log.read_text()[-3000:]}")
+    return Service(proc.http_port, proc.grpc_port, proc.proc, proc.log, redis_url or "embedded")
 
 
 @dataclass
