@@ -1,8 +1,8 @@
 """Handing the memory of large requests back to the system.
 
 grpc receives a message as many small buffers, allocated by its own threads in
-glibc's per-thread arenas; freed, they stay in those arenas, so the process
-kept ~250 MiB of RSS per 256 MiB message received, for good.  ``malloc_trim(0)``
+glibc's per-thread arenas; freed, they stay in those arenas, so without a trim the
+process keeps ~250 MiB of RSS per 256 MiB message received, for good.  ``malloc_trim(0)``
 returns the free pages of every arena: after three 256 MiB PutSegment calls
 one after another, a service that started at 91 MiB was at 95 MiB with a trim
 after each, and at 299, 447 and 477 MiB without.  A fixed

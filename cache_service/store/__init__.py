@@ -1,7 +1,8 @@
 """The Redis segment store: rollouts as atomically-written, stitched segments.
 
 :class:`SegmentStore` (``segment_store``: connecting, puts, deletes, touches, rewinds,
-reader grants) is put together from ``reads`` (frames, stats, memory), ``durability``
+reader grants) is put together from ``reads`` (frames, stats, memory; parsed headers
+kept by ``header_cache``), ``durability``
 (durable writes, the start-up check) and ``base`` (client, Lua scripts, namespace, keys,
 the translation of redis-py errors); ``settings`` holds :class:`StoreSettings` and the
 namespace rule.  The Lua scripts are ``cache_service/lua/*.lua``.
@@ -21,8 +22,8 @@ Redis and on a cluster.  Fields:
 * ``h:<a>:<b>`` — segment info, msgpack ``[segment (range, model, weight version,
   token digest), codec, frame bytes, shared]``;
 * ``r:<a>:<b>`` — for a *shared* segment, the blob key holding its frame;
-* ``c:<digest>`` — a format-v2 context (E, K, layers, tables), stored by the frame that
-  carries it; a continuation frame names it and is refused until it is there;
+* ``c:<digest>`` — a format-v2 context (E, K, layer ids, relabel table), stored by the
+  frame that carries it; a continuation frame names it and is refused until it is there;
 * ``b`` / ``sb`` / ``n`` — total frame bytes / bytes of shared segments / segment count.
 
 GRPO prompt dedupe: a segment with a token digest is stored once per
