@@ -18,9 +18,9 @@ from sglang_r3.errors import (
     samples_conflict,
 )
 from sglang_r3.layers import MoeShape, moe_shape
+from sglang_r3.loop_probe import LOOP_PROBE
 from sglang_r3.output_rows import to_base64
 from sglang_r3.pd import check_decode_retractions, decode_start, is_decode_server
-from sglang_r3.probe import LOOP_PROBE
 from sglang_r3.request_state import refs_holder, remember_error
 from sglang_r3.shipping import Continuation, Shipper
 from sglang_r3.tagging import (

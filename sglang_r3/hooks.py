@@ -61,6 +61,10 @@ from sglang_r3.http_hooks import (
     around_openai_handle_request,
     around_serve_generate_request,
 )
+from sglang_r3.row_hooks import (
+    around_collect_routed_experts,
+    around_detokenize,
+)
 from sglang_r3.startup import add_routes, check_startup
 from sglang_r3.targets import (
     DETOKENIZER_TARGETS,
@@ -81,10 +85,6 @@ from sglang_r3.targets import (
     T_SEND_BATCH,
     T_SEND_ONE,
     T_SERVE_GENERATE,
-)
-from sglang_r3.worker_hooks import (
-    around_collect_routed_experts,
-    around_detokenize,
 )
 
 # ---------------------------------------------------------------- start-up checks

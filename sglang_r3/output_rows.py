@@ -1,6 +1,6 @@
 """What the engine hands over for a tagged output, read as rows, with the guards on it.
 
-Three forms reach the HTTP process (:data:`Routing`): the detokenizer's compact
+Three forms reach the HTTP process (:data:`EngineOutput`): the detokenizer's compact
 rows, the scheduler's tensor, or upstream's base64 int32.  These helpers count,
 read and re-encode them without caring which, and refuse misaligned routing.
 """
@@ -21,7 +21,7 @@ from sglang_r3.row_transport import EngineRows, TaggedRows
 #: What the engine hands over for a finished tagged output: the detokenizer's
 #: compact rows (default), the scheduler's tensor (``--skip-tokenizer-init``) or
 #: upstream's base64 int32 (msgpack IPC).
-Routing = EngineRows | TaggedRows | str
+EngineOutput = EngineRows | TaggedRows | str
 FORMS = {EngineRows: "compact", TaggedRows: "tensor", str: "base64"}
 
 
@@ -38,7 +38,7 @@ def decode_rows(b64: str, shape: MoeShape) -> npt.NDArray[np.int32]:
     return np.frombuffer(raw, dtype=np.int32).reshape(-1, shape.num_layers, shape.topk)
 
 
-def engine_rows_of(routing: Routing, shape: MoeShape) -> npt.NDArray[Any]:
+def engine_rows_of(routing: EngineOutput, shape: MoeShape) -> npt.NDArray[Any]:
     """The rows ``[rows, all layers, K]`` of what the engine handed over (no copy when
     they are compact already)."""
     if isinstance(routing, EngineRows):
@@ -58,7 +58,7 @@ def engine_rows_of(routing: Routing, shape: MoeShape) -> npt.NDArray[Any]:
     return rows
 
 
-def count_rows(routing: Routing, shape: MoeShape) -> int:
+def count_rows(routing: EngineOutput, shape: MoeShape) -> int:
     """Rows in ``routing`` without decoding it."""
     if isinstance(routing, str):
         return (len(routing) * 3 // 4) // (shape.num_layers * shape.topk * 4)
@@ -67,7 +67,7 @@ def count_rows(routing: Routing, shape: MoeShape) -> int:
     return int(routing.tensor.shape[0])
 
 
-def to_base64(routing: Routing, shape: MoeShape, skip: int = 0) -> str:
+def to_base64(routing: EngineOutput, shape: MoeShape, skip: int = 0) -> str:
     """Upstream's ``meta_info["routed_experts"]`` for ``routing`` without its first
     ``skip`` rows (inline answers; run it in a worker thread)."""
     if isinstance(routing, str) and not skip:

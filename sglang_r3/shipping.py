@@ -45,7 +45,7 @@ from sglang_r3.errors import CacheUnavailableError, R3RequestError, samples_conf
 from sglang_r3.layers import MoeShape
 from sglang_r3.output_rows import (
     FORMS,
-    Routing,
+    EngineOutput,
     check_engine_rows,
     check_row_count,
     count_rows,
@@ -225,7 +225,7 @@ class Shipper:
     def _plan(
         self,
         rollout_id: str,
-        routing: Routing,
+        routing: EngineOutput,
         start: int,
         cuts: list[int],
         tokens: list[int],
@@ -344,7 +344,7 @@ class Shipper:
         self,
         tag: OutputTag,
         start: int,
-        routing: Routing | None,
+        routing: EngineOutput | None,
         prompt_ids: Sequence[int],
         output_ids: Sequence[int],
         meta_info: dict[str, Any],
@@ -432,7 +432,7 @@ class Shipper:
     def _accept(
         self,
         tag: OutputTag,
-        routing: Routing,
+        routing: EngineOutput,
         meta_info: dict[str, Any],
         expected: int,
         ref: dict[str, Any],
@@ -456,7 +456,7 @@ class Shipper:
     async def _store_rows(
         self,
         tag: OutputTag,
-        routing: Routing,
+        routing: EngineOutput,
         start: int,
         tokens: list[int],
         prompt_len: int,

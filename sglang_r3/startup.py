@@ -17,7 +17,7 @@ from sglang_r3 import metrics
 from sglang_r3.config import EngineConfig, engine_config
 from sglang_r3.errors import StartupError
 from sglang_r3.hicache import unsupported_hicache_options
-from sglang_r3.probe import LOOP_PROBE
+from sglang_r3.loop_probe import LOOP_PROBE
 from sglang_r3.targets import (
     HTTP_TARGETS,
     SGLANG_VERSION,

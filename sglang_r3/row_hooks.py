@@ -1,4 +1,5 @@
-"""Hooks in the scheduler and detokenizer processes: tagged rows marked, then compacted."""
+"""Hooks that carry a tagged request's rows to the HTTP process: marked in the scheduler,
+compacted in the detokenizer."""
 
 from __future__ import annotations
 
