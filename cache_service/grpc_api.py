@@ -23,6 +23,7 @@ from r3_client.wire import to_message
 __all__ = ["RoutingCacheServicer", "start_grpc_server"]
 
 T = TypeVar("T")
+M = TypeVar("M")
 logger = logging.getLogger("r3.cache")
 
 #: What a PutSegment message carries besides its frame (rollout id, field tags).
@@ -31,6 +32,12 @@ _PUT_FRAMING = 1 << 12
 RECEIVE_BUDGET_MESSAGES = 4
 #: Request bytes freed between two trims of the C heap (cache_service/memory.py).
 TRIM_AFTER_BYTES = 64 << 20
+
+
+def _message(record: Any, cls: type[M]) -> M:
+    """``record`` (an r3_client answer dataclass) as a ``cls`` protobuf message."""
+    message: M = to_message(record, cls)
+    return message
 
 
 class RoutingCacheServicer:
@@ -158,8 +165,7 @@ class RoutingCacheServicer:
 
         async def run(ns: str, request: pb.PutSegmentRequest) -> pb.PutSegmentResponse:
             r = await self.service.put_segment(ns, request.rollout_id, request.frame)
-            message: pb.PutSegmentResponse = to_message(r, pb.PutSegmentResponse)
-            return message
+            return _message(r, pb.PutSegmentResponse)
 
         return await self._call("PutSegment", pb.PutSegmentRequest, context, run)
 
@@ -187,10 +193,7 @@ class RoutingCacheServicer:
         """See the .proto."""
 
         async def run(ns: str, request: pb.RolloutRef) -> pb.RolloutStat:
-            message: pb.RolloutStat = to_message(
-                await self.service.stat(ns, request.rollout_id), pb.RolloutStat
-            )
-            return message
+            return _message(await self.service.stat(ns, request.rollout_id), pb.RolloutStat)
 
         return await self._call("StatRollout", pb.RolloutRef, context, run)
 
@@ -223,8 +226,7 @@ class RoutingCacheServicer:
 
         async def run(ns: str, request: pb.RewindRequest) -> pb.RolloutStat:
             info = await self.service.rewind(ns, request.rollout_id, request.rows)
-            message: pb.RolloutStat = to_message(info, pb.RolloutStat)
-            return message
+            return _message(info, pb.RolloutStat)
 
         return await self._call("RewindRollout", pb.RewindRequest, context, run)
 

@@ -332,23 +332,20 @@ def start_cluster(
             timeout=timeout,
             env=cli_env,
         )
+
+        def answer(port: int, *command: str) -> str:
+            return subprocess.run(
+                [cli, "-p", str(port), *command],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                env=cli_env,
+            ).stdout
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             states = [
-                subprocess.run(
-                    [cli, "-p", str(n.port), "info", "replication"],
-                    capture_output=True,
-                    text=True,
-                    timeout=5,
-                    env=cli_env,
-                ).stdout
-                + subprocess.run(
-                    [cli, "-p", str(n.port), "cluster", "info"],
-                    capture_output=True,
-                    text=True,
-                    timeout=5,
-                    env=cli_env,
-                ).stdout
+                answer(n.port, "info", "replication") + answer(n.port, "cluster", "info")
                 for n in nodes
             ]
             # A replica counts once its master reports it ``state=online``: before that

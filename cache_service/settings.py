@@ -193,18 +193,13 @@ class ServiceSettings(BaseSettings):
         return keys
 
     def metrics_key(self) -> str | None:
-        """The key that opens ``/metrics`` with auth on (``metrics_api_key``, else the first
-        line of ``metrics_api_key_file``), or None."""
+        """The key that opens ``/metrics`` with auth on (``metrics_api_key``, else the stripped
+        contents of ``metrics_api_key_file``), or None."""
         if self.metrics_api_key is not None:
             return self.metrics_api_key
         if self.metrics_api_key_file is None:
             return None
-        try:
-            key = self.metrics_api_key_file.read_text().strip()
-        except OSError as exc:
-            raise ValueError(
-                f"{self.metrics_api_key_file}: cannot read the metrics key: {exc}"
-            ) from None
+        key = _read_stripped(self.metrics_api_key_file, "cannot read the metrics key")
         if len(key) < 16:
             raise ValueError(f"{self.metrics_api_key_file}: the metrics key needs 16+ characters")
         return key
@@ -217,10 +212,7 @@ class ServiceSettings(BaseSettings):
             return self.direct_read_secret
         if self.direct_read_secret_file is None:
             return None
-        try:
-            secret = self.direct_read_secret_file.read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"{self.direct_read_secret_file}: cannot read: {exc}") from None
+        secret = _read_stripped(self.direct_read_secret_file, "cannot read")
         return check_read_secret(
             secret, f"R3_CACHE_DIRECT_READ_SECRET_FILE {self.direct_read_secret_file}"
         )
@@ -257,6 +249,15 @@ class ServiceSettings(BaseSettings):
             max_rollout_gap_rows=self.max_rollout_gap_rows,
             max_rollout_bytes=self.max_rollout_bytes,
         )
+
+
+def _read_stripped(path: Path, what: str) -> str:
+    """``path``'s text without surrounding white space; ``ValueError`` (``<path>: <what>:
+    <reason>``) when it cannot be read."""
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{path}: {what}: {exc}") from None
 
 
 @lru_cache(maxsize=1)
