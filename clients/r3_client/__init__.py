@@ -15,21 +15,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from r3_client._answers import PutResult, RolloutInfo, SegmentInfo
-from r3_client._codec import (
-    CODECS,
-    FORMAT_VERSION,
-    MAGIC,
-    MAX_DECODED_BYTES,
-    Context,
-    Frame,
-    FrameHeader,
-    content_digest,
-    decode_frame,
-    encode_context,
-    encode_frame,
-    read_header,
-)
-from r3_client._codec_rollout import decode_rollout, slice_frame, split_frames
 from r3_client._config import Retry, Timeout
 from r3_client._direct import DirectReader
 from r3_client._exceptions import (
@@ -70,6 +55,23 @@ from r3_client._routing import (
     index_dtype,
     token_digest,
     validate_indices,
+)
+from r3_client.codec import (
+    CODECS,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_DECODED_BYTES,
+    Context,
+    Frame,
+    FrameHeader,
+    content_digest,
+    decode_frame,
+    decode_rollout,
+    encode_context,
+    encode_frame,
+    read_header,
+    slice_frame,
+    split_frames,
 )
 
 if TYPE_CHECKING:

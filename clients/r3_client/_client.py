@@ -33,7 +33,6 @@ from r3_client._client_core import (
     _Cursor,
     _sync_transport,
 )
-from r3_client._codec import MAX_DECODED_BYTES, CodecName
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     R3Error,
@@ -43,6 +42,7 @@ from r3_client._transports import (
     AsyncTransport,
     Transport,
 )
+from r3_client.codec import MAX_DECODED_BYTES, CodecName
 
 __all__ = ["AsyncRoutingClient", "RoutingClient"]
 

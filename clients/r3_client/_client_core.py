@@ -13,8 +13,6 @@ from typing import Any, TypeVar
 
 import numpy.typing as npt
 
-from r3_client._codec import CodecName, encode_frame, read_header
-from r3_client._codec_rollout import decode_rollout
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     ConnectError,
@@ -28,7 +26,6 @@ from r3_client._exceptions import (
     error_for_code,
 )
 from r3_client._routing import Routing, Segment, check_rollout_id
-from r3_client._stream import StreamItem
 from r3_client._transports import (
     AsyncGrpcTransport,
     AsyncHTTPTransport,
@@ -37,6 +34,8 @@ from r3_client._transports import (
     HTTPTransport,
     Transport,
 )
+from r3_client.codec import CodecName, decode_rollout, encode_frame, read_header
+from r3_client.codec.stream import StreamItem
 
 T = TypeVar("T")
 #: Failures that say nothing about the request: worth another try.

@@ -21,8 +21,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from r3_client._codec import MAX_DECODED_BYTES, Context, encode_context, read_header
-from r3_client._codec_rollout import decode_rollout
 from r3_client._config import Timeout
 from r3_client._exceptions import (
     AuthError,
@@ -35,6 +33,7 @@ from r3_client._exceptions import (
     StoreUnavailableError,
 )
 from r3_client._routing import Routing, check_rollout_id
+from r3_client.codec import MAX_DECODED_BYTES, Context, decode_rollout, encode_context, read_header
 
 __all__ = ["DirectReader"]
 

@@ -45,14 +45,19 @@ from typing import TYPE_CHECKING, Any
 
 from r3_client._answer_forms import proto_messages, to_message, to_plain
 from r3_client._answers import PROTO_MESSAGES, PutResult, RolloutInfo, SegmentInfo
-from r3_client._codec import Context, FrameHeader, encode_context, read_header
-from r3_client._codec_rollout import decode_rollout, slice_frame
-from r3_client._codec_v2_read import check_chunks
 from r3_client._exceptions import quote_items
-from r3_client._frame import _PREFIX as FRAME_PREFIX
-from r3_client._frame import BLOCK_ROWS
 from r3_client._routing import MAX_LAYER_ID, layer_positions
-from r3_client._stream import (
+from r3_client.codec import (
+    Context,
+    FrameHeader,
+    decode_rollout,
+    encode_context,
+    read_header,
+    slice_frame,
+)
+from r3_client.codec.frame import BLOCK_ROWS
+from r3_client.codec.frame import PREFIX as FRAME_PREFIX
+from r3_client.codec.stream import (
     FRAME_MEDIA_TYPE,
     STREAM_MEDIA_TYPE,
     StreamDecoder,
@@ -61,6 +66,7 @@ from r3_client._stream import (
     encode_trailer,
     stream_header,
 )
+from r3_client.codec.v2_read import check_chunks
 
 if TYPE_CHECKING:
     from r3_client._proto import r3_cache_pb2, r3_cache_pb2_grpc

@@ -31,8 +31,8 @@ from r3_client import (
     encode_frame,
     read_header,
 )
-from r3_client._codec_v2 import _assemble_frame
 from r3_client._proto import r3_cache_pb2 as pb
+from r3_client.codec.frame import assemble_frame
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import LAYERS, TRAJ, E, frame_for, frame_parts, rid
 from tests.support.service_process import KEY_A, Service, grpc_md, start_service
@@ -84,7 +84,7 @@ def _rebuild(frame: bytes, chunk_index: int, chunk: bytes) -> bytes:
     header, chunks = frame_parts(frame)
     chunks[chunk_index] = chunk
     header["chunks"] = [[len(c), zlib.crc32(c)] for c in chunks]
-    return _assemble_frame(2, frame[5], header, chunks)
+    return assemble_frame(2, frame[5], header, chunks)
 
 
 def _bomb(frame: bytes, inflated: int) -> bytes:

@@ -23,8 +23,7 @@ import pytest
 import zstandard
 
 from r3_client import CodecError, Segment, decode_rollout, encode_frame, read_header, token_digest
-from r3_client._codec_v2 import _assemble_frame
-from r3_client._frame import MAX_TABLE_ENTRIES
+from r3_client.codec.frame import MAX_TABLE_ENTRIES, assemble_frame
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import frame_parts, rid
 from tests.support.service_process import KEY_A, Service
@@ -71,7 +70,7 @@ def chunk_bomb(frame: bytes) -> tuple[bytes, int]:
     declared = zstandard.frame_content_size(chunks[0])
     chunks[0] = _lying_zstd(declared)
     header["chunks"] = [[len(c), zlib.crc32(c)] for c in chunks]
-    return _assemble_frame(2, frame[5], header, chunks), declared
+    return assemble_frame(2, frame[5], header, chunks), declared
 
 
 def table_bomb() -> tuple[bytes, int]:
@@ -88,7 +87,7 @@ def table_bomb() -> tuple[bytes, int]:
     assert len(layers) * e == MAX_TABLE_ENTRIES
     ctx["table"] = _lying_zstd(declared)
     header["ctx"] = msgpack.packb(ctx, use_bin_type=True)
-    return _assemble_frame(2, frame[5], header, chunks), declared
+    return assemble_frame(2, frame[5], header, chunks), declared
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from r3_client import (
     read_header,
     token_digest,
 )
-from r3_client._setrank import pack_bits, ranker, unpack_bits
+from r3_client.codec.setrank import pack_bits, ranker, unpack_bits
 from r3_client.synthetic import synthetic_routing
 
 CODECS = ["raw", "set", "set-zstd", "auto"]

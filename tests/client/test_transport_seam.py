@@ -24,7 +24,7 @@ from r3_client import (
     StoreUnavailableError,
     encode_frame,
 )
-from r3_client._stream import StreamItem
+from r3_client.codec.stream import StreamItem
 from r3_client.synthetic import synthetic_routing
 
 NO_WAIT = Retry(attempts=3, backoff=0.0)

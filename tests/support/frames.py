@@ -83,7 +83,7 @@ NOT_STRINGS: list[Any] = [None, 7, 7.5, True, b"victim", {"id": "victim"}, ["vic
 
 def frame_parts(frame: bytes) -> tuple[dict[str, Any], list[bytes]]:
     """A v2 frame's header map and its chunk bodies, for tests that rebuild a frame with
-    crafted parts (``r3_client._codec_v2._assemble_frame`` puts them back together)."""
+    crafted parts (``r3_client.codec.frame.assemble_frame`` puts them back together)."""
     hdr = read_header(frame)
     raw_header = frame[20 : 20 + (hdr.frame_length - 24 - hdr.body_length)]
     at = hdr.frame_length - 4 - hdr.body_length

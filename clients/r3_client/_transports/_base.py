@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any, Protocol
 
-from r3_client._stream import StreamItem
+from r3_client.codec.stream import StreamItem
 
 __all__ = ["AsyncTransport", "Transport"]
 

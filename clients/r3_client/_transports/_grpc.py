@@ -13,7 +13,7 @@ from r3_client._config import Timeout
 from r3_client._exceptions import ProtocolError, from_grpc
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
-from r3_client._stream import StreamItem
+from r3_client.codec.stream import StreamItem
 
 __all__ = ["AsyncGrpcTransport", "GrpcTransport"]
 

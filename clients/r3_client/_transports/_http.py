@@ -11,7 +11,7 @@ import httpx
 
 from r3_client._config import Timeout
 from r3_client._exceptions import ProtocolError, R3Error, error_for_code, from_httpx
-from r3_client._stream import FRAME_MEDIA_TYPE, StreamDecoder, StreamItem
+from r3_client.codec.stream import FRAME_MEDIA_TYPE, StreamDecoder, StreamItem
 
 __all__ = ["AsyncHTTPTransport", "HTTPTransport"]
 

@@ -1,38 +1,8 @@
-"""The routing frame's entry points: encode, read the header, decode (spec: docs/format.md).
+"""One frame, any version: :func:`encode_frame`, :func:`read_header`, :func:`decode_frame`.
 
-With ``_frame``, ``_codec_gaps``, ``_codec_v1``, ``_codec_v2``, ``_codec_v2_read`` and
-``_codec_rollout`` this is the only code that knows the bytes.
-
-Layout (all integers little-endian)::
-
-    0   4  magic  b"R3RF"
-    4   1  format version (1)
-    5   1  codec id (0 raw, 1 set, 2 set-zstd)
-    6   2  reserved, must be 0
-    8   4  header length H
-    12  8  body length B
-    20  H  header: msgpack map (see FrameHeader)
-    20+H B  body (codec-specific)
-    …   4  CRC-32 (zlib) of every preceding byte
-
-Codecs:
-
-* ``raw`` — ids as the smallest unsigned dtype holding E plus the sentinel
-  (uint8 when E <= 255, else uint16), -1 stored as the dtype's maximum, token-
-  major ``[R, L, K]``.  Keeps the writer's within-row order.
-* ``set`` — each (token, layer) row's top-k *set* ranked in the combinatorial
-  number system and bit-packed at ``bit_length(C(E, K))`` bits, i.e. within one
-  bit of ``log2 C(E, K)``.  Decodes to ascending rows.
-* ``set-zstd`` — the entropy stage: rows as sorted gaps, layer-major, zstd;
-  when the frame has at least E rows, each layer's experts are first relabelled
-  by popularity (most used → 0) and the table travels in the payload.  16-bit
-  gaps are stored as a low-byte plane then a high-byte plane.  Below the set
-  bound on skewed, token-correlated routing; a little above it on uniform
-  routing.  Decodes to rows in popularity order (relabelled) or ascending.
-
-``codec="auto"`` (the default) picks ``set-zstd`` when a trial on the data says
-it is smaller than ``set``, else ``set``; it falls back to ``raw`` when
-``C(E, K)`` needs more than 128 bits.
+They check what is common to every version (arguments, the prefix, the CRC, the size
+limit) and hand the rest to :mod:`~r3_client.codec.v1`, :mod:`~r3_client.codec.v2_write`
+or :mod:`~r3_client.codec.v2_read`.
 """
 
 from __future__ import annotations
@@ -45,51 +15,12 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from r3_client._codec_v1 import (
-    _auto_encode,
-    _encode_body,
-    _raw_decode,
-    _set_decode,
-    _zset_decode,
-)
-from r3_client._codec_v2 import (
-    Context,
-    _encode_v2,
-    content_digest,
-    encode_context,
-)
-from r3_client._codec_v2_read import (
-    _decode_v2,
-    _parse_v2,
-)
 from r3_client._exceptions import (
     ChecksumError,
-    FormatError,
     FrameError,
     ShapeError,
     TruncatedFrameError,
     UnsupportedFrameError,
-)
-from r3_client._frame import (
-    _CODEC_NAMES,
-    _CRC,
-    _PREFIX,
-    CODECS,
-    CONTEXT_CODEC,
-    FORMAT_VERSION,
-    MAGIC,
-    MAX_DECODED_BYTES,
-    MAX_HEADER,
-    CodecName,
-    Frame,
-    FrameHeader,
-    _check_provenance,
-    _expect_params,
-    _int,
-    _provenance_field,
-    _unique_map,
-    _unpack_map,
-    provenance_field,
 )
 from r3_client._routing import (
     Routing,
@@ -99,23 +30,27 @@ from r3_client._routing import (
     check_params,
     index_dtype,
 )
-from r3_client._setrank import ranker
+from r3_client.codec.frame import (
+    CODEC_NAMES,
+    CODECS,
+    CONTEXT_CODEC,
+    CRC,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_DECODED_BYTES,
+    MAX_HEADER,
+    PREFIX,
+    CodecName,
+    unique_map,
+    unpack_map,
+)
+from r3_client.codec.header import Context, Frame, FrameHeader
+from r3_client.codec.setrank import ranker
+from r3_client.codec.v1 import decode_v1, encode_v1, parse_v1
+from r3_client.codec.v2_read import decode_v2, parse_v2
+from r3_client.codec.v2_write import encode_v2
 
-__all__ = [
-    "CODECS",
-    "FORMAT_VERSION",
-    "MAGIC",
-    "MAX_DECODED_BYTES",
-    "CodecName",
-    "Context",
-    "Frame",
-    "FrameHeader",
-    "content_digest",
-    "decode_frame",
-    "encode_context",
-    "encode_frame",
-    "read_header",
-]
+__all__ = ["decode_frame", "encode_frame", "read_header"]
 
 
 def encode_frame(
@@ -179,14 +114,14 @@ def encode_frame(
     if segment is None and whole:  # one stored segment covering the rows is the segment
         segment, provenance = provenance[0], ()
     if version == 2:
-        return _encode_v2(
+        return encode_v2(
             arr, srt, num_experts=num_experts, layers=layers, start=start, segment=segment,
             provenance=provenance, codec=codec, level=level, base=base, block_rows=block_rows,
             layer_groups=layer_groups,
         )  # fmt: skip
     if version != 1 or base is not None:
         raise UnsupportedFrameError(f"cannot write format version {version} (with base={base})")
-    return _encode_v1(arr, srt, num_experts, layers, start, segment, provenance, codec, level)
+    return encode_v1(arr, srt, num_experts, layers, start, segment, provenance, codec, level)
 
 
 def _unpack_routing(
@@ -219,43 +154,6 @@ def _unpack_routing(
     return arr, num_experts, layer_ids, start, provenance
 
 
-def _encode_v1(
-    arr: npt.NDArray[Any],
-    srt: npt.NDArray[Any],
-    num_experts: int,
-    layers: tuple[int, ...],
-    start: int,
-    segment: Segment | None,
-    provenance: tuple[Segment, ...],
-    codec: CodecName,
-    level: int,
-) -> bytes:
-    """A format v1 frame: one body, the header listing the segment or the provenance."""
-    k = arr.shape[2]
-    end = start + arr.shape[0]
-    chosen, params, body = (
-        _auto_encode(arr, srt, num_experts, k, level)
-        if codec == "auto"
-        else (codec, *_encode_body(codec, arr, srt, num_experts, k, level))
-    )
-    header: dict[str, Any] = {
-        "E": int(num_experts),
-        "K": int(k),
-        "layers": list(layers),
-        "start": start,
-        "end": end,
-        "params": params,
-    }
-    if segment is not None:
-        header["segment"] = segment.to_dict()
-    elif provenance:
-        header["segments"] = provenance_field(provenance, start, end)
-    packed = msgpack.packb(header, use_bin_type=True)
-    prefix = _PREFIX.pack(MAGIC, 1, CODECS[chosen], 0, len(packed), len(body))
-    crc = zlib.crc32(body, zlib.crc32(packed, zlib.crc32(prefix)))
-    return b"".join((prefix, packed, body, _CRC.pack(crc)))
-
-
 def read_header(
     data: bytes | bytearray | memoryview, *, verify: bool = True, context: Context | None = None
 ) -> FrameHeader:
@@ -268,74 +166,43 @@ def read_header(
     :class:`UnsupportedFrameError` or :class:`FrameError` with the reason.
     """
     view = memoryview(data).cast("B")
-    if len(view) < _PREFIX.size + _CRC.size:
+    if len(view) < PREFIX.size + CRC.size:
         raise TruncatedFrameError(
-            f"frame is {len(view)} bytes; the smallest frame is {_PREFIX.size + _CRC.size}"
+            f"frame is {len(view)} bytes; the smallest frame is {PREFIX.size + CRC.size}"
         )
-    magic, version, codec_id, reserved, hlen, blen = _PREFIX.unpack_from(view)
+    magic, version, codec_id, reserved, hlen, blen = PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise UnsupportedFrameError(f"not a routing frame: magic {bytes(magic)!r} != {MAGIC!r}")
     if version not in (1, 2):
         raise UnsupportedFrameError(
             f"frame format version {version} is not supported (this library reads 1 and 2)"
         )
-    if codec_id not in _CODEC_NAMES and not (version == 2 and codec_id == CONTEXT_CODEC):
+    if codec_id not in CODEC_NAMES and not (version == 2 and codec_id == CONTEXT_CODEC):
         raise UnsupportedFrameError(f"unknown codec id {codec_id}")
     if reserved:
         raise FrameError("reserved prefix bits are set")
     if hlen > MAX_HEADER:
         raise FrameError(f"header length {hlen} exceeds {MAX_HEADER}")
-    total = _PREFIX.size + hlen + blen + _CRC.size
+    total = PREFIX.size + hlen + blen + CRC.size
     if len(view) != total:
         kind = TruncatedFrameError if len(view) < total else FrameError
         raise kind(f"frame is {len(view)} bytes but declares {total}")
     if verify:
-        (want,) = _CRC.unpack_from(view, total - _CRC.size)
-        if zlib.crc32(view[: total - _CRC.size]) != want:
+        (want,) = CRC.unpack_from(view, total - CRC.size)
+        if zlib.crc32(view[: total - CRC.size]) != want:
             raise ChecksumError("frame checksum mismatch: the bytes were corrupted")
-    raw = bytes(view[_PREFIX.size : _PREFIX.size + hlen])
+    raw = bytes(view[PREFIX.size : PREFIX.size + hlen])
     if version == 2:
-        return _parse_v2(
-            _unpack_map(raw, "frame header", allow_bin=True), codec_id, blen, total, context
+        return parse_v2(
+            unpack_map(raw, "frame header", allow_bin=True), codec_id, blen, total, context
         )
     try:
         hdr = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, max_bin_len=0, object_pairs_hook=_unique_map
+            raw, raw=False, strict_map_key=True, max_bin_len=0, object_pairs_hook=unique_map
         )
     except Exception as exc:  # msgpack raises several unrelated types
         raise FrameError(f"frame header is not valid msgpack: {exc}") from None
-    return _parse_header(hdr, _CODEC_NAMES[codec_id], blen, total)
-
-
-def _parse_header(hdr: object, codec: str, blen: int, total: int) -> FrameHeader:
-    if not isinstance(hdr, dict):
-        raise FrameError("frame header must be a map")
-    required = {"E", "K", "layers", "start", "end", "params"}
-    keys = set(hdr)
-    if not required <= keys or not keys <= required | {"segment", "segments"}:
-        raise FrameError(
-            f"frame header keys {sorted(map(str, keys))} differ from {sorted(required)}"
-            " (+ optional segment or segments)"
-        )
-    try:
-        e, k, start, end = (_int(hdr[n], n) for n in ("E", "K", "start", "end"))
-        check_params(e, k)
-        if not isinstance(hdr["layers"], list):
-            raise FrameError("header layers must be a list")
-        layers = check_layer_ids(hdr["layers"])
-        seg = None if "segment" not in hdr else Segment.from_dict(hdr["segment"])
-        segs = _provenance_field(hdr)
-    except FormatError as exc:
-        raise FrameError(f"invalid frame header: {exc}") from None
-    if not 0 <= start < end:
-        raise FrameError(f"frame token range [{start}, {end}) is empty or negative")
-    if seg is not None and (seg.start, seg.end) != (start, end):
-        raise FrameError("frame segment range differs from its token range")
-    _check_provenance(seg, segs, start, end)
-    params = hdr["params"]
-    if not isinstance(params, dict):
-        raise FrameError("header params must be a map")
-    return FrameHeader(codec, e, k, layers, start, end, seg, segs, params, blen, total)
+    return parse_v1(hdr, CODEC_NAMES[codec_id], blen, total)
 
 
 def decode_frame(
@@ -364,30 +231,16 @@ def decode_frame(
             hdr = read_header(data, verify=False, context=Context.parse(hdr.context.raw))
         # Chunk CRCs too: a slice's outer CRC was computed by whoever cut it, so only the
         # chunk CRCs (the writer's) vouch for the bytes end to end.
-        arr = _decode_v2(view, hdr, max_bytes, verify_chunks=True)
-        arr.flags.writeable = False
-        segs = hdr.segments if hdr.segment is None else (hdr.segment,)
-        return Frame(hdr, Routing(arr, hdr.num_experts, hdr.layer_ids, hdr.start, segs))
-    if (
-        hdr.num_rows * len(hdr.layer_ids) * hdr.topk * index_dtype(hdr.num_experts).itemsize
-        > max_bytes
-    ):
-        raise FrameError(f"frame decodes to more than this decoder's limit of {max_bytes} bytes")
-    body_at = hdr.frame_length - _CRC.size - hdr.body_length
-    body = view[body_at : hdr.frame_length - _CRC.size]
-    shape = (hdr.num_rows, len(hdr.layer_ids), hdr.topk)
-    if hdr.codec == "raw":
-        _expect_params(hdr.params, set())
-        arr = _raw_decode(body, shape, hdr.num_experts)
-    elif hdr.codec == "set":
-        _expect_params(hdr.params, set())
-        arr = _set_decode(body, shape, hdr.num_experts)
+        arr = decode_v2(view, hdr, max_bytes, verify_chunks=True)
     else:
-        _expect_params(hdr.params, {"relabel"})
-        relabel = hdr.params["relabel"]
-        if not isinstance(relabel, bool):
-            raise FrameError("set-zstd param relabel must be a bool")
-        arr = _zset_decode(body, shape, hdr.num_experts, relabel)
+        if (
+            hdr.num_rows * len(hdr.layer_ids) * hdr.topk * index_dtype(hdr.num_experts).itemsize
+            > max_bytes
+        ):
+            raise FrameError(
+                f"frame decodes to more than this decoder's limit of {max_bytes} bytes"
+            )
+        arr = decode_v1(view, hdr)
     arr.flags.writeable = False
     segs = hdr.segments if hdr.segment is None else (hdr.segment,)
     return Frame(hdr, Routing(arr, hdr.num_experts, hdr.layer_ids, hdr.start, segs))

@@ -1,4 +1,4 @@
-"""Format v2 reading: header validation, context resolution, chunk decoding."""
+"""Format v2 reading: header validation, context resolution, chunk checks and decoding."""
 
 from __future__ import annotations
 
@@ -9,43 +9,27 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from r3_client._codec_gaps import (
-    _gap_dtype,
-    _gaps_to_ids,
-    _planes_to_gaps,
-    _raw_dtype,
-    _set_ok,
+from r3_client._exceptions import ChecksumError, FormatError, FrameError
+from r3_client._routing import Segment, check_layer_ids, index_dtype
+from r3_client.codec.bodies import (
+    chunk_body_size,
+    raw_decode,
+    set_decode,
+    set_ok,
+    zset_chunk_decode,
+    zset_chunk_payload,
 )
-from r3_client._codec_v1 import (
-    _raw_decode,
-    _set_decode,
-)
-from r3_client._codec_v2 import (
-    _SEGMENT_TEXT,
+from r3_client.codec.frame import CODEC_NAMES, CONTEXT_CODEC, CRC, expect_params, int_field
+from r3_client.codec.header import (
+    SEGMENT_TEXT,
     Context,
-)
-from r3_client._exceptions import (
-    ChecksumError,
-    FormatError,
-    FrameError,
-)
-from r3_client._frame import (
-    _CODEC_NAMES,
-    _CRC,
-    CONTEXT_CODEC,
     FrameHeader,
-    _check_provenance,
-    _expect_params,
-    _int,
-    _provenance_field,
+    check_provenance,
+    read_provenance,
 )
-from r3_client._inflate import inflate_exact
-from r3_client._routing import (
-    Segment,
-    check_layer_ids,
-    index_dtype,
-)
-from r3_client._setrank import ranker
+from r3_client.codec.inflate import inflate_exact
+
+__all__ = ["check_chunks", "decode_v2", "parse_v2"]
 
 _V2_KEYS = {"start", "end", "params", "ctx", "base", "layers", "blocks", "groups", "chunks"}
 
@@ -53,7 +37,7 @@ _V2_KEYS = {"start", "end", "params", "ctx", "base", "layers", "blocks", "groups
 _V2_OPTIONAL = {"segment", "segments", "digest"}
 
 
-def _parse_v2(
+def parse_v2(
     hdr: dict[Any, Any], codec_id: int, blen: int, total: int, context: Context | None
 ) -> FrameHeader:
     """A v2 frame's header, every field checked (``context``: the caller's, if any)."""
@@ -71,7 +55,7 @@ def _parse_v2(
         raise FrameError(f"frame header keys {sorted(map(str, keys))} are not a v2 header's")
     if ("ctx" in keys) == ("base" in keys):
         raise FrameError("a v2 frame carries exactly one of ctx (its context) or base")
-    codec = _CODEC_NAMES[codec_id]
+    codec = CODEC_NAMES[codec_id]
     start, end, seg, segs, digest = _v2_rows(hdr)
     ctx, base = _v2_context(hdr, context)
     layer_subset = _v2_layers(hdr.get("layers"))
@@ -79,7 +63,7 @@ def _parse_v2(
     params = hdr["params"]
     if not isinstance(params, dict):
         raise FrameError("header params must be a map")
-    _expect_params(params, {"relabel"} if codec == "set-zstd" else set())
+    expect_params(params, {"relabel"} if codec == "set-zstd" else set())
     if codec == "set-zstd" and not isinstance(params["relabel"], bool):
         raise FrameError("set-zstd param relabel must be a bool")
     out = FrameHeader(
@@ -95,21 +79,21 @@ def _v2_rows(
 ) -> tuple[int, int, Segment | None, tuple[Segment, ...], str]:
     """The frame's token range, its segment and provenance, and its content digest."""
     try:
-        start, end = _int(hdr["start"], "start"), _int(hdr["end"], "end")
+        start, end = int_field(hdr["start"], "start"), int_field(hdr["end"], "end")
         seg = None
         if "segment" in hdr:
             fields = hdr["segment"]
-            if not isinstance(fields, dict) or not set(fields) <= set(_SEGMENT_TEXT):
-                raise FrameError(f"a v2 segment is a map of some of {list(_SEGMENT_TEXT)}")
+            if not isinstance(fields, dict) or not set(fields) <= set(SEGMENT_TEXT):
+                raise FrameError(f"a v2 segment is a map of some of {list(SEGMENT_TEXT)}")
             seg = Segment(start, end, **fields) if end > start else None
-        segs = _provenance_field(hdr)
+        segs = read_provenance(hdr)
     except FormatError as exc:
         raise FrameError(f"invalid frame header: {exc}") from None
     if not 0 <= start < end:
         raise FrameError(f"frame token range [{start}, {end}) is empty or negative")
     if end > 2**40:
         raise FrameError(f"frame end {end} is implausibly large")
-    _check_provenance(seg, segs, start, end)  # (a v2 segment's rows are the frame's)
+    check_provenance(seg, segs, start, end)  # (a v2 segment's rows are the frame's)
     digest = _sha_field(hdr.get("digest", b""), "digest")
     if digest and (seg is None or (seg.start, seg.end) != (start, end)):
         raise FrameError("a content digest belongs to a whole segment frame")
@@ -157,7 +141,7 @@ def _v2_chunks(
     for c in chunks_field:
         if not (isinstance(c, list) and len(c) == 2):
             raise FrameError("each chunk entry is [length, crc32]")
-        length, crc = _int(c[0], "chunk length"), _int(c[1], "chunk crc32")
+        length, crc = int_field(c[0], "chunk length"), int_field(c[1], "chunk crc32")
         if length < 0 or not 0 <= crc < 1 << 32:
             raise FrameError("chunk length or crc32 out of range")
         chunks.append((length, crc))
@@ -178,14 +162,14 @@ def _resolve(hdr: FrameHeader, ctx: Context, subset: tuple[int, ...] | None) -> 
     if hdr.codec == "set-zstd" and hdr.params["relabel"] and not ctx.has_table:
         raise FrameError("frame asks for relabel but its context has no table")
     e, k = ctx.num_experts, ctx.topk
-    if hdr.codec == "set" and not _set_ok(e, k):
+    if hdr.codec == "set" and not set_ok(e, k):
         raise FrameError(f"codec set cannot code E={e}, K={k}")
     if hdr.num_rows * len(layers) * k > (1 << 40):
         raise FrameError(f"frame declares {hdr.num_rows} rows, too many to decode")
     for (br, lg), (length, _) in zip(
         itertools.product(hdr.blocks, hdr.groups), hdr.chunks, strict=True
     ):
-        want = _chunk_body_size(hdr.codec, br, lg, e, k)
+        want = chunk_body_size(hdr.codec, br, lg, e, k)
         if want is not None and length != want:
             raise FrameError(f"a {hdr.codec} chunk of {br}x{lg} rows is {length} bytes, not {want}")
     return FrameHeader(
@@ -210,20 +194,6 @@ def _resolve(hdr: FrameHeader, ctx: Context, subset: tuple[int, ...] | None) -> 
     )
 
 
-def _chunk_body_size(codec: str, rows: int, nl: int, e: int, k: int) -> int | None:
-    """Exact body bytes of a raw or set chunk; None for set-zstd (compressed)."""
-    if codec == "raw":
-        return rows * nl * k * _raw_dtype(e).itemsize
-    if codec == "set":
-        n, bits = rows * nl, ranker(e, k).bits
-        return n * 8 + -(-n * (bits - 64) // 8) if bits > 64 else -(-n * bits // 8)
-    return None
-
-
-def _zchunk_payload(rows: int, nl: int, e: int, k: int) -> int:
-    return rows * nl * k * _gap_dtype(e, k).itemsize
-
-
 def _ctx_field(value: object, *, tables: bool = False) -> Context:
     if not isinstance(value, bytes):
         raise FrameError("header ctx must be bin (the context's msgpack bytes)")
@@ -233,7 +203,7 @@ def _ctx_field(value: object, *, tables: bool = False) -> Context:
 def _int_list(value: object, name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not value or len(value) > 1 << 20:
         raise FrameError(f"header {name} must be a non-empty list")
-    out = tuple(_int(v, name) for v in value)
+    out = tuple(int_field(v, name) for v in value)
     if min(out) < 1:
         raise FrameError(f"header {name} entries must be >= 1")
     return out
@@ -252,22 +222,24 @@ def check_chunks(data: bytes | bytearray | memoryview, hdr: FrameHeader) -> None
     if hdr.version != 2 or hdr.codec != "set-zstd":
         return
     view = memoryview(data).cast("B")
-    at = hdr.frame_length - _CRC.size - hdr.body_length
+    at = hdr.frame_length - CRC.size - hdr.body_length
     for (br, lg), (length, _) in zip(
         itertools.product(hdr.blocks, hdr.groups), hdr.chunks, strict=True
     ):
         inflate_exact(
             view[at : at + length],
-            _zchunk_payload(br, lg, hdr.num_experts, hdr.topk),
+            zset_chunk_payload(br, lg, hdr.num_experts, hdr.topk),
             "set-zstd chunk",
             check_only=True,
         )
         at += length
 
 
-def _decode_v2(
+def decode_v2(
     view: memoryview, hdr: FrameHeader, max_bytes: int, verify_chunks: bool
 ) -> npt.NDArray[Any]:
+    """A resolved v2 frame's chunks decoded to ``[R, L, K]`` ids (``verify_chunks``: check
+    each chunk's CRC too); refused before allocating when over ``max_bytes``."""
     assert hdr.context is not None
     ctx = hdr.context
     e, k, nl = hdr.num_experts, hdr.topk, len(hdr.layer_ids)
@@ -281,7 +253,7 @@ def _decode_v2(
     ctx_pos = [ctx.layer_ids.index(lid) for lid in hdr.layer_ids]
     out = np.empty((hdr.num_rows, nl, k), dtype=index_dtype(e))
     gbounds = list(itertools.accumulate(hdr.groups, initial=0))
-    at = hdr.frame_length - _CRC.size - hdr.body_length
+    at = hdr.frame_length - CRC.size - hdr.body_length
     r0, i = 0, 0
     for br in hdr.blocks:
         for g in range(len(hdr.groups)):
@@ -294,23 +266,12 @@ def _decode_v2(
             lo, hi = gbounds[g], gbounds[g + 1]
             shape = (br, hi - lo, k)
             if hdr.codec == "raw":
-                sub = _raw_decode(chunk, shape, e)
+                sub = raw_decode(chunk, shape, e)
             elif hdr.codec == "set":
-                sub = _set_decode(chunk, shape, e)
+                sub = set_decode(chunk, shape, e)
             else:
                 order = ctx.table[ctx_pos[lo:hi]] if relabel else None  # type: ignore[index]
-                sub = _zchunk_decode(chunk, shape, e, order)
+                sub = zset_chunk_decode(chunk, shape, e, order)
             out[r0 : r0 + br, lo:hi] = sub
         r0 += br
     return out
-
-
-def _zchunk_decode(
-    body: memoryview, shape: tuple[int, int, int], e: int, order: npt.NDArray[Any] | None
-) -> npt.NDArray[Any]:
-    rows, nl, k = shape
-    gdt = _gap_dtype(e, k)
-    n = rows * nl * k
-    payload = inflate_exact(body, n * gdt.itemsize, "set-zstd chunk")
-    assert payload is not None
-    return _gaps_to_ids(_planes_to_gaps(payload, (nl, rows, k), gdt), e, k, order)

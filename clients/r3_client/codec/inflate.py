@@ -4,9 +4,9 @@ A stored body is written by whoever holds a namespace's key, so every reader tre
 it as hostile.  The declared content size is checked against what the header's shape
 allows before anything is allocated, and the frame is then inflated in one shot into
 a buffer of exactly that size: libzstd stops with "Destination buffer is too small"
-the moment a block would write past it.  A streaming decompressor would not — it
+the moment a block would write past it.  Never stream: a streaming decompressor
 inflates until the zstd frame ends and only then notices the declared size was a lie
-(a 33 KB frame declaring 4 MiB took a streaming reader to 1 GiB; issue 25).
+(a 33 KB frame declaring 4 MiB takes a streaming reader to 1 GiB).
 """
 
 from __future__ import annotations

@@ -8,28 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from r3_client._codec import (
-    decode_frame,
-    read_header,
-)
-from r3_client._codec_v2 import (
-    Context,
-    _assemble_frame,
-)
 from r3_client._exceptions import (
     FrameError,
     ShapeError,
     TruncatedFrameError,
     UnsupportedFrameError,
-)
-from r3_client._frame import (
-    _CRC,
-    _PREFIX,
-    CODECS,
-    MAX_DECODED_BYTES,
-    MAX_HEADER,
-    Frame,
-    FrameHeader,
 )
 from r3_client._routing import (
     Routing,
@@ -37,6 +20,18 @@ from r3_client._routing import (
     index_dtype,
     layer_positions,
 )
+from r3_client.codec.entry import decode_frame, read_header
+from r3_client.codec.frame import (
+    CODECS,
+    CRC,
+    MAX_DECODED_BYTES,
+    MAX_HEADER,
+    PREFIX,
+    assemble_frame,
+)
+from r3_client.codec.header import Context, Frame, FrameHeader
+
+__all__ = ["decode_rollout", "slice_frame", "split_frames"]
 
 
 def slice_frame(
@@ -79,7 +74,7 @@ def slice_frame(
     if len(keep_b) == len(hdr.blocks) and len(keep_g) == len(hdr.groups):
         return bytes(data)
     view = memoryview(data).cast("B")
-    at = hdr.frame_length - _CRC.size - hdr.body_length
+    at = hdr.frame_length - CRC.size - hdr.body_length
     offsets = list(itertools.accumulate((c[0] for c in hdr.chunks), initial=at))
     ng = len(hdr.groups)
     idx = [b * ng + g for b in keep_b for g in keep_g]
@@ -103,7 +98,7 @@ def slice_frame(
     kept = [p for p in prov if p.overlaps(header["start"], header["end"])]
     if kept:
         header["segments"] = [p.to_dict() for p in kept]
-    return _assemble_frame(2, CODECS[hdr.codec], header, body)
+    return assemble_frame(2, CODECS[hdr.codec], header, body)
 
 
 def _explicit_layers(hdr: FrameHeader) -> bool:
@@ -118,10 +113,10 @@ def split_frames(data: bytes | bytearray | memoryview) -> list[memoryview]:
     view = memoryview(data).cast("B")
     out, at = [], 0
     while at < len(view):
-        if len(view) - at < _PREFIX.size + _CRC.size:
+        if len(view) - at < PREFIX.size + CRC.size:
             raise TruncatedFrameError(f"{len(view) - at} trailing bytes are not a frame")
-        _, _, _, _, hlen, blen = _PREFIX.unpack_from(view, at)
-        total = _PREFIX.size + hlen + blen + _CRC.size
+        _, _, _, _, hlen, blen = PREFIX.unpack_from(view, at)
+        total = PREFIX.size + hlen + blen + CRC.size
         if hlen > MAX_HEADER or at + total > len(view):
             raise TruncatedFrameError("a frame runs past the end of the data")
         out.append(view[at : at + total])
