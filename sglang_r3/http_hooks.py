@@ -38,7 +38,7 @@ _ERROR_TYPES = {
 }
 
 
-def _openai_error(err: R3RequestError) -> dict[str, Any]:
+def openai_error(err: R3RequestError) -> dict[str, Any]:
     """SGLang's OpenAI error object for ``err``, with its own status as ``code``."""
     return {
         "object": "error",
@@ -77,12 +77,12 @@ async def around_openai_handle_request(
         try:
             request.custom_params = tag_with_header(request.custom_params, rollout_id)
         except R3RequestError as exc:
-            return ORJSONResponse(_openai_error(exc), status_code=exc.status_code)
+            return ORJSONResponse(openai_error(exc), status_code=exc.status_code)
     if raw_request is None or not carries_tag(getattr(request, "custom_params", None)):
         response = await original(self, request, raw_request)
         err = remembered_error(raw_request)
         if err is not None and isinstance(response, Response) and response.status_code >= 400:
-            return ORJSONResponse(_openai_error(err), status_code=err.status_code)
+            return ORJSONResponse(openai_error(err), status_code=err.status_code)
         return response
 
     holder = hold_refs(raw_request)
@@ -92,7 +92,7 @@ async def around_openai_handle_request(
         return response
     err = remembered_error(raw_request)
     if err is not None and isinstance(response, Response) and response.status_code >= 400:
-        return ORJSONResponse(_openai_error(err), status_code=err.status_code)
+        return ORJSONResponse(openai_error(err), status_code=err.status_code)
     if isinstance(response, BaseModel) and holder:
         body = json.loads(response.model_dump_json(by_alias=True))
         ext = body.get("sglext") or {}
@@ -120,7 +120,7 @@ async def _openai_stream(
         elif _is_error_event(text):
             err = remembered_error(raw_request)
             if err is not None:
-                yield f"data: {json.dumps({'error': _openai_error(err)})}\n\n"
+                yield f"data: {json.dumps({'error': openai_error(err)})}\n\n"
                 continue
         elif not head and text.startswith("data: {"):
             try:

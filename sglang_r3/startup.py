@@ -173,7 +173,8 @@ def speculation_problem(server_args: Any) -> str | None:
     return None
 
 
-def _resolve(target: str) -> Any:
+def resolve_target(target: str) -> Any:
+    """The attribute a hook target names (``package.module.Class.method``), imported."""
     owner, _, attr = target.rpartition(".")
     return getattr(pkgutil.resolve_name(owner), attr)
 
@@ -197,7 +198,7 @@ def verify_hooks(targets: list[str], hooks: HookTable) -> list[str]:
             problems.append(f"{target}: SGLang did not apply the hook (see its log for why)")
             continue
         try:
-            fn = _resolve(target)
+            fn = resolve_target(target)
         except (AttributeError, ImportError, ValueError) as exc:
             problems.append(f"{target}: cannot resolve ({exc})")
             continue

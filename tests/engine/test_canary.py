@@ -15,7 +15,7 @@ from importlib.metadata import entry_points, version
 import pytest
 
 from sglang_r3.hooks import HOOKS
-from sglang_r3.startup import _resolve
+from sglang_r3.startup import resolve_target
 from sglang_r3.targets import UPSTREAM_FIELDS
 
 # Parameters each hooked callable must still take, in order.
@@ -82,7 +82,7 @@ def test_plugin_entry_point_is_installed() -> None:
 
 @pytest.mark.parametrize("target", [t for t, _, _ in HOOKS])
 def test_hook_target_resolves_with_expected_signature(target: str) -> None:
-    fn = _resolve(target)
+    fn = resolve_target(target)
     params = list(inspect.signature(fn).parameters)
     assert params[: len(SIGNATURES[target])] == SIGNATURES[target], f"{target} moved: {params}"
     if target.endswith("TokenizerManager.generate_request"):

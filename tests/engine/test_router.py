@@ -30,7 +30,7 @@ from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.errors import R3RequestError
 from sglang_r3.fleet import DEAD_ENGINE_WINDOW_S, classify_failure
-from sglang_r3.http_hooks import _openai_error
+from sglang_r3.http_hooks import openai_error
 from sglang_r3.tools.local_stack import EngineServer, start_engine, start_router, words
 from tests.support.engine_requests import as_sets, restart_cache, rid
 from tests.support.service_process import KEY_A, Service
@@ -397,7 +397,7 @@ def test_classify_failure_tells_the_routers_500_from_an_r3_500() -> None:
     err = R3RequestError(500, "r3: engine routing failed validation, not stored: x")
     generate = _create_error_response(err).body
     stream_event = {"error": {"message": str(err), "code": 500, "retryable": False}}
-    openai = json.dumps(_openai_error(err))
+    openai = json.dumps(openai_error(err))
     assert classify_failure(500, ROUTER_500) == "engine_unreachable"
     for body in (generate, stream_event, openai):
         assert classify_failure(500, body) == "r3", body
