@@ -1,7 +1,8 @@
 """sglang-r3 client library: the routing format and codec, and clients of the routing cache.
 
-The format module owns the bytes: the cache service and the SGLang plugin
-import it from here and nothing else encodes or decodes routing.
+The codec (:mod:`r3_client.codec`) owns the bytes: the SGLang plugin imports it
+from here, the cache service from here and from its seam :mod:`r3_client.wire`, and
+nothing else encodes or decodes routing.
 
 Importing the package loads only the format, the codec, the models and the
 errors: the clients (and with them httpx, grpc and tqdm) load on first access
@@ -11,8 +12,7 @@ trainers that only decode do not pay for the transports.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from r3_client._answers import PutResult, RolloutInfo, SegmentInfo
 from r3_client._config import Retry, Timeout
@@ -44,6 +44,7 @@ from r3_client._exceptions import (
     TruncatedFrameError,
     UnsupportedFrameError,
 )
+from r3_client._lazy import lazy_attributes
 from r3_client._routing import (
     MAX_EXPERTS,
     MAX_TOPK,
@@ -77,25 +78,14 @@ from r3_client.codec import (
 if TYPE_CHECKING:
     from r3_client._client import AsyncRoutingClient, RoutingClient
 
-# Names served lazily by ``__getattr__`` (PEP 562), and the module that defines them.
-_LAZY: dict[str, str] = {
-    "AsyncRoutingClient": "r3_client._client",
-    "RoutingClient": "r3_client._client",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
+# Names served lazily (PEP 562): the clients load httpx, grpc and tqdm.
+__getattr__, __dir__ = lazy_attributes(
+    globals(),
+    {
+        "AsyncRoutingClient": ("r3_client._client", "AsyncRoutingClient"),
+        "RoutingClient": ("r3_client._client", "RoutingClient"),
+    },
+)
 
 __all__ = [
     "CODECS",

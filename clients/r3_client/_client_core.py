@@ -236,17 +236,20 @@ class _Cursor:
         self._item_error = None
 
 
-def _sync_transport(url: str, api_key: str | None, timeout: Timeout) -> Transport:
+def _scheme(url: str) -> str:
+    """``grpc`` or ``http`` (for http:// and https://); ValueError for any other URL."""
     if url.startswith("grpc://"):
-        return GrpcTransport(url, api_key=api_key, timeout=timeout)
+        return "grpc"
     if url.startswith(("http://", "https://")):
-        return HTTPTransport(url, api_key=api_key, timeout=timeout)
+        return "http"
     raise ValueError(f"unsupported URL {url!r}: use http://, https:// or grpc://")
+
+
+def _sync_transport(url: str, api_key: str | None, timeout: Timeout) -> Transport:
+    cls = GrpcTransport if _scheme(url) == "grpc" else HTTPTransport
+    return cls(url, api_key=api_key, timeout=timeout)
 
 
 def _async_transport(url: str, api_key: str | None, timeout: Timeout) -> AsyncTransport:
-    if url.startswith("grpc://"):
-        return AsyncGrpcTransport(url, api_key=api_key, timeout=timeout)
-    if url.startswith(("http://", "https://")):
-        return AsyncHTTPTransport(url, api_key=api_key, timeout=timeout)
-    raise ValueError(f"unsupported URL {url!r}: use http://, https:// or grpc://")
+    cls = AsyncGrpcTransport if _scheme(url) == "grpc" else AsyncHTTPTransport
+    return cls(url, api_key=api_key, timeout=timeout)

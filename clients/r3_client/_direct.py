@@ -3,7 +3,7 @@
 The service authenticates the trainer and hands it a *read plan* (``POST
 /v1/read-plan``): a Redis URL and a Redis ACL user that can run only ``HGETALL``/
 ``HGET``/``HMGET`` on the namespace's keys.  The service stays the only writer
-and auth still decides who reads what; the bytes no longer pass through a
+and auth still decides who reads what; the bytes do not pass through a
 Python relay.  What comes back is exactly what the service's GET returns for a
 whole rollout (context frames and stored segment frames), decoded here with
 :func:`~r3_client.decode_rollout`.  Range and layer requests read whole

@@ -40,12 +40,12 @@ Transports
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from r3_client._answer_forms import proto_messages, to_message, to_plain
 from r3_client._answers import PROTO_MESSAGES, PutResult, RolloutInfo, SegmentInfo
 from r3_client._exceptions import quote_items
+from r3_client._lazy import lazy_attributes
 from r3_client._routing import MAX_LAYER_ID, layer_positions
 from r3_client.codec import (
     Context,
@@ -73,28 +73,17 @@ if TYPE_CHECKING:
     from r3_client._transports._grpc import GrpcTransport
     from r3_client._transports._http import HTTPTransport
 
-# Names served lazily by ``__getattr__`` (PEP 562): (module, attribute or None for the module).
-_LAZY: dict[str, tuple[str, str | None]] = {
-    "GrpcTransport": ("r3_client._transports._grpc", "GrpcTransport"),
-    "HTTPTransport": ("r3_client._transports._http", "HTTPTransport"),
-    "r3_cache_pb2": ("r3_client._proto.r3_cache_pb2", None),
-    "r3_cache_pb2_grpc": ("r3_client._proto.r3_cache_pb2_grpc", None),
-}
-
-
-def __getattr__(name: str) -> Any:
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(where[0])
-    value = module if where[1] is None else getattr(module, where[1])
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
+# Names served lazily (PEP 562): the gRPC messages and the transports load protobuf,
+# grpc and httpx.
+__getattr__, __dir__ = lazy_attributes(
+    globals(),
+    {
+        "GrpcTransport": ("r3_client._transports._grpc", "GrpcTransport"),
+        "HTTPTransport": ("r3_client._transports._http", "HTTPTransport"),
+        "r3_cache_pb2": ("r3_client._proto.r3_cache_pb2", None),
+        "r3_cache_pb2_grpc": ("r3_client._proto.r3_cache_pb2_grpc", None),
+    },
+)
 
 __all__ = [
     "BLOCK_ROWS",
