@@ -2,10 +2,10 @@
 
 :class:`SegmentStore` (``segment_store``: connecting, puts, deletes, touches, rewinds,
 reader grants) is put together from ``reads`` (frames, stats, memory; parsed headers
-kept by ``header_cache``), ``durability``
-(durable writes, the start-up check) and ``base`` (client, Lua scripts, namespace, keys,
-the translation of redis-py errors); ``settings`` holds :class:`StoreSettings` and the
-namespace rule.  The Lua scripts are ``cache_service/lua/*.lua``.
+kept by ``header_cache``), ``durability`` (durable writes, the start-up check) and
+``base`` (client, Lua scripts, namespace, keys, the translation of redis-py errors);
+``settings`` holds :class:`StoreSettings` and the namespace rule.  The Lua scripts are
+``cache_service/lua/*.lua``.
 
 One Redis hash per rollout, ``<prefix>:{<rollout_id>}``, or
 ``<prefix>:<namespace>:{<rollout_id>}`` in a tenant's namespace
