@@ -1,7 +1,7 @@
 """The HTTP front end: a FastAPI app from :func:`create_app`.
 
 Binary in, binary out: segments are PUT as routing frames
-(``application/x-r3-frame``), rollouts come back as frames or ``.npy``, batch
+(``application/x-r3-frame``), rollouts come back as the stored frames, batch
 gets as a length-prefixed frame stream (``application/x-r3-stream``).  Errors
 are JSON ``{"error": {"code": …, "message": …}}`` with a 4xx/503 status.
 """

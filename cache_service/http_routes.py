@@ -176,7 +176,7 @@ async def get_rollout(
 ) -> Response:
     """A rollout's stored frames, whole or cut to a token range / layer subset."""
     if fmt != "frame":
-        # format=npy meant decoding here; the service no longer decodes routing.
+        # format=npy would mean decoding here, and the service never decodes routing.
         raise InvalidRequestError(
             f"format={fmt[:16]!r} is not served: the service returns the stored frames "
             "undecoded (format=frame); decode them with r3_client.decode_rollout, or "
