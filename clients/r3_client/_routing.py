@@ -8,7 +8,7 @@ was recorded; trainers fall back to native routing there.  Padding is never 0.
 
 Within a row, order carries no meaning: a row is the *set* of experts the
 router picked.  The ``raw`` codec keeps whatever order it was given; the ``set``
-codecs return a canonical order (see ``_codec``).  Every consumer in this
+codecs return a canonical order (see :mod:`r3_client.codec`).  Every consumer in this
 project treats rows as sets.
 """
 

@@ -17,7 +17,7 @@ import zstandard
 from r3_client._exceptions import CodecError, FormatError
 from r3_client._routing import canonical_rows, index_dtype
 from r3_client._sortnet import sort_rows
-from r3_client.codec.frame import check_decoded_size, raw_dtype
+from r3_client.codec.frame import TRIAL_ROWS, check_decoded_size, raw_dtype
 from r3_client.codec.inflate import inflate_exact
 from r3_client.codec.setrank import pack_bits, ranker, unpack_bits
 
@@ -33,7 +33,9 @@ __all__ = [
     "raw_encode",
     "set_decode",
     "set_encode",
+    "set_no_larger",
     "set_ok",
+    "trial_rows",
     "zset_chunk",
     "zset_chunk_decode",
     "zset_chunk_payload",
@@ -99,6 +101,18 @@ def set_ok(e: int, k: int) -> bool:
     except CodecError:
         return False
     return True
+
+
+def trial_rows(rows: int, nl: int) -> int:
+    """Token rows ``auto``'s trial codes: :data:`TRIAL_ROWS` entries' worth (all layers),
+    at least one, at most ``rows``."""
+    return min(rows, max(1, TRIAL_ROWS // nl))
+
+
+def set_no_larger(zset_bytes: int, rows: int, nl: int, e: int, k: int) -> bool:
+    """``auto``'s choice: True when ``set``'s fixed width over ``rows x nl`` is no larger than
+    a set-zstd body of ``zset_bytes`` coding the same rows."""
+    return bool(zset_bytes >= rows * nl * ranker(e, k).bits / 8)
 
 
 # ---- the set-zstd entropy stage ----------------------------------------------------------------

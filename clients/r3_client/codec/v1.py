@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from r3_client._exceptions import CodecError, FormatError, FrameError
+from r3_client._exceptions import FormatError, FrameError
 from r3_client._routing import Segment, check_layer_ids, check_params
 from r3_client.codec.bodies import (
     gap_dtype,
@@ -24,11 +24,13 @@ from r3_client.codec.bodies import (
     raw_encode,
     set_decode,
     set_encode,
+    set_no_larger,
+    set_ok,
+    trial_rows,
 )
 from r3_client.codec.frame import (
     CODECS,
     CRC,
-    TRIAL_ROWS,
     CodecName,
     assemble_frame,
     check_decoded_size,
@@ -44,7 +46,6 @@ from r3_client.codec.header import (
     write_provenance,
 )
 from r3_client.codec.inflate import inflate_exact
-from r3_client.codec.setrank import ranker
 
 __all__ = ["decode_v1", "encode_v1", "parse_v1"]
 
@@ -98,20 +99,19 @@ def _auto_encode(
 ) -> tuple[str, dict[str, Any], bytes]:
     """``set`` or ``set-zstd``, whichever a trial says is smaller; ``raw`` if set cannot.
 
-    The trial compresses the first ``TRIAL_ROWS`` rows (contiguous tokens,
-    all layers) with ``set-zstd`` and compares with ``set``'s exact fixed width.
+    The trial compresses the first :func:`~r3_client.codec.bodies.trial_rows` rows
+    (contiguous tokens, all layers) with ``set-zstd`` and compares with ``set``'s exact
+    fixed width.
     When the trial is the whole input its body is reused.
     """
-    try:
-        bits = ranker(e, k).bits
-    except CodecError:
+    if not set_ok(e, k):
         return ("raw", *raw_encode(arr, e))
     rows, nl, _ = srt.shape
-    trial_rows = max(1, TRIAL_ROWS // nl)
-    params, zbody = _zset_encode(srt[:trial_rows], e, k, level)
-    if len(zbody) >= min(trial_rows, rows) * nl * bits / 8:
+    trial = trial_rows(rows, nl)
+    params, zbody = _zset_encode(srt[:trial], e, k, level)
+    if set_no_larger(len(zbody), trial, nl, e, k):
         return ("set", *set_encode(srt, e, k))
-    if trial_rows >= rows:
+    if trial == rows:
         return "set-zstd", params, zbody
     return ("set-zstd", *_zset_encode(srt, e, k, level))
 

@@ -10,7 +10,14 @@ import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
 from r3_client._routing import Segment
-from r3_client.codec.bodies import encode_chunk, popularity, set_ok, zset_chunk
+from r3_client.codec.bodies import (
+    encode_chunk,
+    popularity,
+    set_no_larger,
+    set_ok,
+    trial_rows,
+    zset_chunk,
+)
 from r3_client.codec.frame import (
     BLOCK_ROWS,
     CODECS,
@@ -18,11 +25,9 @@ from r3_client.codec.frame import (
     LAYER_GROUPS,
     MAX_TABLE_ENTRIES,
     MIN_GROUPED,
-    TRIAL_ROWS,
     assemble_frame,
 )
 from r3_client.codec.header import Context, content_digest, segment_fields, write_provenance
-from r3_client.codec.setrank import ranker
 
 __all__ = ["encode_context", "encode_v2"]
 
@@ -140,9 +145,8 @@ def _trial_says_set(
 ) -> bool:
     """``auto``'s choice: True when a set-zstd trial is no smaller than ``set``'s fixed width."""
     rows, nl, _ = srt.shape
-    trial_rows = min(rows, max(1, TRIAL_ROWS // nl))
-    body = zset_chunk(srt[:trial_rows], e, k, level, to_rank)
-    return bool(len(body) >= trial_rows * nl * ranker(e, k).bits / 8)
+    trial = trial_rows(rows, nl)
+    return set_no_larger(len(zset_chunk(srt[:trial], e, k, level, to_rank)), trial, nl, e, k)
 
 
 def encode_context(context: Context) -> bytes:
