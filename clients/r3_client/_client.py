@@ -1,6 +1,6 @@
 """``RoutingClient`` and ``AsyncRoutingClient``: one core, two thin shells.
 
-The core (``_Core`` in :mod:`r3_client._client_core`) does no I/O: it validates
+The core (``ClientCore`` in :mod:`r3_client._client_core`) does no I/O: it validates
 arguments, builds frames, decides on retries, decodes answers.  The shells only
 drive a transport (HTTP or gRPC, chosen by the URL scheme) and sleep between retries.
 
@@ -24,14 +24,14 @@ from tqdm import tqdm
 
 from r3_client._answers import PutResult, RolloutInfo
 from r3_client._client_core import (
-    _THREAD_DECODE_BYTES,
     RETRYABLE,
+    THREAD_DECODE_BYTES,
+    ClientCore,
+    Cursor,
     Result,
     T,
-    _async_transport,
-    _Core,
-    _Cursor,
-    _sync_transport,
+    async_transport,
+    sync_transport,
 )
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
@@ -68,8 +68,8 @@ class RoutingClient:
         transport: Transport | None = None,
         max_bytes: int = MAX_DECODED_BYTES,
     ) -> None:
-        self._t = transport or _sync_transport(url, api_key, timeout)
-        self._core = _Core(retry, max_bytes)
+        self._t = transport or sync_transport(url, api_key, timeout)
+        self._core = ClientCore(retry, max_bytes)
 
     def __enter__(self) -> RoutingClient:
         return self
@@ -210,7 +210,7 @@ class RoutingClient:
         try:
             with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
                 for chunk in chunks:
-                    cur = _Cursor(self._core, chunk, return_errors, (start, end, layers))
+                    cur = Cursor(self._core, chunk, return_errors, (start, end, layers))
                     while cur.remaining:
                         try:
                             with closing(
@@ -250,8 +250,8 @@ class AsyncRoutingClient:
         transport: AsyncTransport | None = None,
         max_bytes: int = MAX_DECODED_BYTES,
     ) -> None:
-        self._t = transport or _async_transport(url, api_key, timeout)
-        self._core = _Core(retry, max_bytes)
+        self._t = transport or async_transport(url, api_key, timeout)
+        self._core = ClientCore(retry, max_bytes)
 
     async def __aenter__(self) -> AsyncRoutingClient:
         return self
@@ -318,7 +318,7 @@ class AsyncRoutingClient:
     ) -> Routing:
         """See :meth:`RoutingClient.get`."""
         data = await self.get_frame(rollout_id, start=start, end=end, layers=layers)
-        if len(data) > _THREAD_DECODE_BYTES:
+        if len(data) > THREAD_DECODE_BYTES:
             return await asyncio.to_thread(self._core.decode, data, rollout_id, start, end, layers)
         return self._core.decode(data, rollout_id, start, end, layers)
 
@@ -350,14 +350,14 @@ class AsyncRoutingClient:
         layers: Sequence[int] | None,
         return_errors: bool,
     ) -> AsyncIterator[Result]:
-        cur = _Cursor(self._core, chunk, return_errors, (start, end, layers))
+        cur = Cursor(self._core, chunk, return_errors, (start, end, layers))
         while cur.remaining:
             try:
                 async with aclosing(self._t.batch_get(cur.remaining, start, end, layers)) as items:
                     async for item in items:
                         # Big frames decode in a worker thread (zstd and numpy release the
                         # GIL), so concurrent streams decode in parallel with the event loop.
-                        if item.frame is not None and len(item.frame) > _THREAD_DECODE_BYTES:
+                        if item.frame is not None and len(item.frame) > THREAD_DECODE_BYTES:
                             yield await asyncio.to_thread(cur.take, item)
                         else:
                             yield cur.take(item)

@@ -1,7 +1,7 @@
 """The no-I/O core both clients share: argument checks, frames, retry decisions, batch cursors.
 
-:class:`_Core` validates arguments, builds frames, decides on retries and decodes
-answers; :class:`_Cursor` keeps a ``get_many`` batch's place so every id is
+:class:`ClientCore` validates arguments, builds frames, decides on retries and decodes
+answers; :class:`Cursor` keeps a ``get_many`` batch's place so every id is
 answered exactly once.  The shells in :mod:`r3_client._client` drive a transport
 with them.
 """
@@ -42,10 +42,10 @@ T = TypeVar("T")
 RETRYABLE = (ConnectError, RequestTimeoutError, StoreUnavailableError)
 Result = tuple[str, Routing | R3Error]
 #: Frames above this size are decoded off the event loop (AsyncRoutingClient.get_many).
-_THREAD_DECODE_BYTES = 64 << 10
+THREAD_DECODE_BYTES = 64 << 10
 
 
-class _Core:
+class ClientCore:
     """Everything both clients share; no I/O."""
 
     def __init__(self, retry: Retry, max_bytes: int) -> None:
@@ -153,7 +153,7 @@ class _Core:
         return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
-class _Cursor:
+class Cursor:
     """Where one batch of ``get_many`` stands: which ids are answered, failures since.
 
     No I/O: the shells feed it each stream item (:meth:`take`) and each
@@ -165,7 +165,7 @@ class _Cursor:
 
     def __init__(
         self,
-        core: _Core,
+        core: ClientCore,
         ids: list[str],
         return_errors: bool,
         rows: tuple[int, int | None, Sequence[int] | None] = (0, None, None),
@@ -245,11 +245,11 @@ def _scheme(url: str) -> str:
     raise ValueError(f"unsupported URL {url!r}: use http://, https:// or grpc://")
 
 
-def _sync_transport(url: str, api_key: str | None, timeout: Timeout) -> Transport:
+def sync_transport(url: str, api_key: str | None, timeout: Timeout) -> Transport:
     cls = GrpcTransport if _scheme(url) == "grpc" else HTTPTransport
     return cls(url, api_key=api_key, timeout=timeout)
 
 
-def _async_transport(url: str, api_key: str | None, timeout: Timeout) -> AsyncTransport:
+def async_transport(url: str, api_key: str | None, timeout: Timeout) -> AsyncTransport:
     cls = AsyncGrpcTransport if _scheme(url) == "grpc" else AsyncHTTPTransport
     return cls(url, api_key=api_key, timeout=timeout)
