@@ -167,3 +167,27 @@ def _run_bench(script: str, *args: str) -> str:
         timeout=300,
         check=True,
     ).stdout
+
+
+def newcomer_map() -> dict[str, str]:
+    """The README's map: folder -> what it says is there."""
+    section = README.split("## A newcomer's map", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)` \| (.*) \|$", section, flags=re.M)
+    return dict(rows)
+
+
+def test_the_newcomers_map_matches_the_tree() -> None:
+    """Every folder the map names exists, every file it names is in that folder, and every
+    package folder of the product and of tests/ is on the map."""
+    rows = newcomer_map()
+    assert rows, "README has a newcomer's map"
+    for folder, text in rows.items():
+        assert (ROOT / folder).is_dir(), f"the map names {folder}, which does not exist"
+        for name in re.findall(r"`([\w/]+\.(?:py|sh|md))`", text):
+            assert (ROOT / folder / name).exists() or (ROOT / name).exists(), (folder, name)
+    packages = {
+        f"{init.parent.relative_to(ROOT)}/"
+        for top in ("clients/r3_client", "cache_service", "sglang_r3", "tests/support")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert packages - set(rows) == set(), "package folders missing from the README's map"
