@@ -228,7 +228,9 @@ def private_names_across_modules(package: str) -> list[str]:
             bad += [
                 f"{name} imports {target}.{n}"
                 for n in names
-                if n.startswith("_") and f"{target}.{n}" not in modules  # a module is no name
+                if n.startswith("_")
+                and not n.endswith("__")  # dunders are everyone's
+                and f"{target}.{n}" not in modules  # a module is no name
             ]
     return bad
 
