@@ -111,6 +111,17 @@ def test_codec_benchmark_runs_small() -> None:
     assert "frame set-zstd" in out
 
 
+def test_native_codec_baseline_benchmark_runs_small() -> None:
+    """bench/native_codec_bench.py on a 256-row rollout: every figure of issue 29 printed."""
+    out = _run_bench(
+        "native_codec_bench.py", "--tokens", "256", "--repeat", "1", "--threads", "2",
+        "--per-thread", "1",
+    )  # fmt: skip
+    assert "encode CPU / base64 CPU" in out
+    assert "decode, 2 threads / 1 thread" in out
+    assert "heartbeat longest gap, decode_frame" in out
+
+
 def test_service_benchmark_runs_small() -> None:
     """bench/service_bench.py end to end on a tiny batch (it starts its own Redis and service)."""
     out = _run_bench(
