@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -71,8 +72,7 @@ def start_service_process(
     wait until it is ready.
 
     Raises ``RuntimeError`` with the log's tail if it exits or is not ready within
-    ``timeout_s``; it is then stopped, as on any exception (Ctrl-C included) while
-    waiting, since nobody else holds it yet.
+    ``timeout_s`` (it is then stopped: :func:`wait_ready`).
     """
     http_port = http_port or free_port()
     grpc_port = grpc_port or free_port()
@@ -86,20 +86,43 @@ def start_service_process(
             argv, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ if env is None else env)
         )
     service = ServiceProcess(http_port, grpc_port, proc, log)
+    wait_ready(f"{service.url}/readyz", service, "cache service", timeout_s=timeout_s, poll_s=0.1)
+    return service
+
+
+class ManagedProcess(Protocol):
+    """A started server process with a log file, as :func:`wait_ready` watches it."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        """Stop the process and wait for it."""
+
+
+def wait_ready(
+    url: str, server: ManagedProcess, what: str, *, timeout_s: float, poll_s: float
+) -> None:
+    """Poll ``url`` until it answers 200, while ``server`` runs.
+
+    Raises ``RuntimeError`` naming ``what``, with the log's tail, if the process exits or
+    is not ready within ``timeout_s``; ``server`` is then stopped, as on any exception
+    (Ctrl-C included) while waiting, since nobody else holds it yet.
+    """
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"cache service exited {proc.returncode}:\n{tail}")
+            if server.proc.poll() is not None:
+                tail = server.log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{what} exited {server.proc.returncode}:\n{tail}")
             try:
-                if httpx.get(f"{service.url}/readyz", timeout=2).status_code == 200:
-                    return service
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.1)
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"cache service not ready after {timeout_s:.0f} s:\n{tail}")
+            time.sleep(poll_s)
+        tail = server.log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s:\n{tail}")
     except BaseException:
-        service.stop()
+        server.stop()
         raise

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_service.redis_proc import free_port
-from cache_service.service_process import ServiceProcess, start_service_process
+from cache_service.service_process import ServiceProcess, start_service_process, wait_ready
 from r3_client.synthetic import tiny_moe_config
 
 FAMILIES = ("qwen3_moe", "glm4_moe", "olmoe", "mixtral")
@@ -189,30 +189,6 @@ def start_cache(data_dir: Path, *, http_port: int, grpc_port: int) -> CacheServe
     )
 
 
-def _wait_ready(url: str, server: EngineServer, what: str, timeout_s: float, poll_s: float) -> None:
-    """Poll ``url`` until it answers 200; stop ``server`` and raise with its log otherwise."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
-                tail = server.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{what} exited with {server.proc.returncode}:\n{tail}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(poll_s)
-        tail = server.log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s:\n{tail}")
-    except BaseException:
-        # Also on Ctrl-C: nobody else holds this server yet, so nobody else stops it.
-        server.stop()
-        raise
-
-
 CPU_ARGS = (
     "--device",
     "cpu",
@@ -318,7 +294,7 @@ def start_engine(
             argv, stdout=fh, stderr=subprocess.STDOUT, env=run_env, start_new_session=True
         )
     server = EngineServer(f"http://127.0.0.1:{port}", proc, log, argv)
-    _wait_ready(f"{server.url}/health", server, "SGLang", timeout_s, poll_s=0.5)
+    wait_ready(f"{server.url}/health", server, "SGLang", timeout_s=timeout_s, poll_s=0.5)
     return server
 
 
@@ -350,7 +326,7 @@ def start_router(
     with open(log, "wb") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     router = EngineServer(f"http://127.0.0.1:{port}", proc, log, argv)
-    _wait_ready(f"{router.url}/liveness", router, "sglang-router", timeout_s, poll_s=0.3)
+    wait_ready(f"{router.url}/liveness", router, "sglang-router", timeout_s=timeout_s, poll_s=0.3)
     deadline = time.monotonic() + timeout_s
     while True:
         listed = httpx.get(f"{router.url}/workers", timeout=5).json().get("workers", [])

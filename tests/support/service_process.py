@@ -62,7 +62,7 @@ class Service(ServiceProcess):
 
 def url_of(svc: Service, transport: str) -> str:
     """The client URL of ``svc`` over ``transport`` (``"http"`` or ``"grpc"``)."""
-    return svc.http_url if transport == "http" else f"grpc://{svc.grpc_target}"
+    return svc.http_url if transport == "http" else svc.grpc_url
 
 
 def grpc_md(key: str | None = KEY_A) -> tuple[tuple[str, str], ...]:
