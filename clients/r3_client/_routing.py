@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from r3_client import _native
 from r3_client._exceptions import (
     DuplicateExpertError,
     ExpertIdError,
@@ -224,6 +225,10 @@ def canonical_rows(indices: npt.ArrayLike, num_experts: int) -> npt.NDArray[np.i
         raise ShapeError(f"routing must have a non-empty last (top-k) axis, got {arr.shape}")
     if arr.size == 0:
         return arr.astype(index_dtype(num_experts))
+    native = _native.canonical(arr, num_experts, index_dtype(num_experts))
+    if native is not None:
+        return native
+    # The reference (and, when the compiled pass refused the rows, the exact error).
     lo, hi = arr.min(), arr.max()
     if lo < -1 or hi >= num_experts:
         bad = np.argwhere((arr < -1) | (arr >= num_experts))[0]

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
+from r3_client import _native
 from r3_client._exceptions import CodecError, FormatError
 from r3_client._routing import canonical_rows, index_dtype
 from r3_client._sortnet import sort_rows
@@ -46,6 +47,9 @@ __all__ = [
 def raw_encode(arr: npt.NDArray[Any], e: int) -> tuple[dict[str, Any], bytes]:
     """``raw``: ids in :func:`raw_dtype`, token-major, the writer's within-row order kept."""
     dt = raw_dtype(e)
+    native = _native.raw_encode(arr, e, arr.size * dt.itemsize)
+    if native is not None:
+        return {}, bytes(native)
     # -1 wraps to the dtype's maximum, which is never a valid id (E <= max).
     return {}, np.ascontiguousarray(arr).astype(dt).tobytes()
 
@@ -53,6 +57,12 @@ def raw_encode(arr: npt.NDArray[Any], e: int) -> tuple[dict[str, Any], bytes]:
 def set_encode(srt: npt.NDArray[Any], e: int, k: int) -> tuple[dict[str, Any], bytes]:
     """``set``: each canonical row's rank, bit-packed at the ranker's width."""
     rk = ranker(e, k)
+    if srt.ndim == 3:
+        nbytes = chunk_body_size("set", srt.shape[0], srt.shape[1], e, k)
+        assert nbytes is not None
+        native = _native.set_encode(srt, e, k, rk.bits, nbytes)
+        if native is not None:
+            return {}, bytes(native)
     flat = srt.reshape(-1, k)
     lo, hi = rk.rank(flat, flat[:, 0] < 0)
     if hi is None:
@@ -60,10 +70,31 @@ def set_encode(srt: npt.NDArray[Any], e: int, k: int) -> tuple[dict[str, Any], b
     return {}, pack_bits(lo, 64) + pack_bits(hi, rk.bits - 64)
 
 
-def raw_decode(body: memoryview, shape: tuple[int, int, int], e: int) -> npt.NDArray[Any]:
-    """Inverse of :func:`raw_encode`; the rows are checked to be valid routing."""
-    dt = raw_dtype(e)
+def raw_decode(
+    body: memoryview, shape: tuple[int, int, int], e: int, out: npt.NDArray[Any] | None = None
+) -> npt.NDArray[Any]:
+    """Inverse of :func:`raw_encode`; the rows are checked to be valid routing.
+
+    Writes into ``out`` (``shape``, the index dtype) when given, and returns it."""
     check_decoded_size(shape[0], shape[1] * shape[2], "raw")
+    dest = np.empty(shape, dtype=index_dtype(e)) if out is None else out
+    if _native.raw_decode(body, e, dest):
+        return dest
+    return _place(_raw_reference(body, shape, e), out, "a raw body")
+
+
+def _place(decoded: npt.NDArray[Any], out: npt.NDArray[Any] | None, what: str) -> npt.NDArray[Any]:
+    """The reference's rows, written into ``out`` when given; notes a native refusal."""
+    if _native.backend() == "native":
+        _native.disagreed(what)
+    if out is None:
+        return decoded
+    out[...] = decoded
+    return out
+
+
+def _raw_reference(body: memoryview, shape: tuple[int, int, int], e: int) -> npt.NDArray[Any]:
+    dt = raw_dtype(e)
     want = shape[0] * shape[1] * shape[2] * dt.itemsize
     if len(body) != want:
         raise CodecError(f"raw body is {len(body)} bytes, expected {want}")
@@ -77,10 +108,21 @@ def raw_decode(body: memoryview, shape: tuple[int, int, int], e: int) -> npt.NDA
     return out
 
 
-def set_decode(body: memoryview, shape: tuple[int, int, int], e: int) -> npt.NDArray[Any]:
-    """Inverse of :func:`set_encode`: ascending rows."""
+def set_decode(
+    body: memoryview, shape: tuple[int, int, int], e: int, out: npt.NDArray[Any] | None = None
+) -> npt.NDArray[Any]:
+    """Inverse of :func:`set_encode`: ascending rows (into ``out`` when given)."""
     rows, nl, k = shape
     check_decoded_size(rows, nl, "set")
+    rk = ranker(e, k)
+    dest = np.empty(shape, dtype=index_dtype(e)) if out is None else out
+    if _native.set_decode(body, e, k, rk.bits, dest):
+        return dest
+    return _place(_set_reference(body, shape, e), out, "a set body")
+
+
+def _set_reference(body: memoryview, shape: tuple[int, int, int], e: int) -> npt.NDArray[Any]:
+    rows, nl, k = shape
     rk = ranker(e, k)
     n = rows * nl
     if rk.wide:
@@ -136,6 +178,9 @@ def gap_dtype(e: int, k: int) -> np.dtype[Any]:
 
 def popularity(srt: npt.NDArray[Any], e: int) -> npt.NDArray[Any]:
     """``[L, E]`` order table: each layer's experts by descending count (ties by id)."""
+    native = _native.popularity(srt, e, raw_dtype(e))
+    if native is not None:
+        return native
     nl = srt.shape[1]
     counts = np.empty((nl, e), dtype=np.int64)
     for layer in range(nl):
@@ -147,9 +192,14 @@ def popularity(srt: npt.NDArray[Any], e: int) -> npt.NDArray[Any]:
     return np.argsort(-counts, axis=1, kind="stable").astype(raw_dtype(e))
 
 
-def gap_payload(srt: npt.NDArray[Any], e: int, k: int, to_rank: npt.NDArray[Any] | None) -> bytes:
+def gap_payload(
+    srt: npt.NDArray[Any], e: int, k: int, to_rank: npt.NDArray[Any] | None
+) -> bytes | bytearray:
     """Gap planes of canonical rows ``[rows, layers, K]``, layer-major, relabelled by
     ``to_rank`` (``[layers, E]``) when given; a -1 row is the impossible first gap."""
+    native = _native.gap_payload(srt, e, k, to_rank, gap_dtype(e, k).itemsize)
+    if native is not None:
+        return native
     # Work layer-major ([L, R, K], contiguous) in the narrow index dtype: every pass
     # below is memory-bound, so fewer bytes is faster.
     ids = np.ascontiguousarray(srt.transpose(1, 0, 2), dtype=index_dtype(e))
@@ -264,11 +314,20 @@ def zset_chunk_payload(rows: int, nl: int, e: int, k: int) -> int:
 
 
 def zset_chunk_decode(
-    body: memoryview, shape: tuple[int, int, int], e: int, order: npt.NDArray[Any] | None
+    body: memoryview,
+    shape: tuple[int, int, int],
+    e: int,
+    order: npt.NDArray[Any] | None,
+    out: npt.NDArray[Any] | None = None,
 ) -> npt.NDArray[Any]:
-    """Inverse of :func:`zset_chunk` (``order``: the chunk's layers' relabel tables)."""
+    """Inverse of :func:`zset_chunk` (``order``: the chunk's layers' relabel tables); into
+    ``out`` when given."""
     rows, nl, k = shape
     gdt = gap_dtype(e, k)
     payload = inflate_exact(body, zset_chunk_payload(rows, nl, e, k), "set-zstd chunk")
     assert payload is not None
-    return gaps_to_ids(planes_to_gaps(payload, (nl, rows, k), gdt), e, k, order)
+    dest = np.empty(shape, dtype=index_dtype(e)) if out is None else out
+    if _native.zset_decode(payload, e, order, dest):
+        return dest
+    decoded = gaps_to_ids(planes_to_gaps(payload, (nl, rows, k), gdt), e, k, order)
+    return _place(decoded, out, "a set-zstd chunk")

@@ -265,13 +265,13 @@ def decode_v2(
                 raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
             lo, hi = gbounds[g], gbounds[g + 1]
             shape = (br, hi - lo, k)
+            dest = out[r0 : r0 + br, lo:hi]  # each decoder writes its chunk in place
             if hdr.codec == "raw":
-                sub = raw_decode(chunk, shape, e)
+                raw_decode(chunk, shape, e, dest)
             elif hdr.codec == "set":
-                sub = set_decode(chunk, shape, e)
+                set_decode(chunk, shape, e, dest)
             else:
                 order = ctx.table[ctx_pos[lo:hi]] if relabel else None  # type: ignore[index]
-                sub = zset_chunk_decode(chunk, shape, e, order)
-            out[r0 : r0 + br, lo:hi] = sub
+                zset_chunk_decode(chunk, shape, e, order, dest)
         r0 += br
     return out

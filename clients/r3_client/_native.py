@@ -1,0 +1,237 @@
+"""Which implementation runs the codec's hot loops: the compiled ``r3_client._r3codec`` or numpy.
+
+The numpy code in :mod:`r3_client.codec` is the reference and the fallback; the compiled
+module (``clients/r3_client/_r3codec.c``, built by ``pip install`` / ``make bootstrap`` with
+the system compiler) computes the same bytes and arrays with the GIL released.  Each wrapper
+here returns ``None`` (or False) when the compiled module cannot take the call (not built,
+switched off, an input it does not handle, or input it refuses): the caller then runs the
+numpy reference, which also raises the exact exception for bad input, so both backends fail
+with the same error.
+
+Chosen once at import:
+
+* ``R3_CODEC_BACKEND=numpy`` switches the compiled module off (``native``, the default, uses
+  it when it loads);
+* ``R3_NATIVE_LIBRARY=/path/to/_r3codec.so`` loads that build instead of the installed one
+  (the AddressSanitizer build the fuzz tests run).
+
+When the compiled module should load and does not, one line is logged at WARNING and the
+numpy code runs.  :func:`use` switches backends at run time (the differential tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "BACKEND_ENV",
+    "LIBRARY_ENV",
+    "backend",
+    "canonical",
+    "disagreed",
+    "gap_payload",
+    "popularity",
+    "raw_decode",
+    "raw_encode",
+    "set_decode",
+    "set_encode",
+    "unavailable_reason",
+    "use",
+    "zset_decode",
+]
+
+BACKEND_ENV = "R3_CODEC_BACKEND"
+LIBRARY_ENV = "R3_NATIVE_LIBRARY"
+
+_log = logging.getLogger("r3_client")
+
+#: dtypes the compiled kernels read as routing input (native byte order only).
+_INPUT_KINDS = {"i1", "i2", "i4", "i8", "u1", "u2", "u4"}
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    """The compiled module and "" or None and why not."""
+    wanted = os.environ.get(BACKEND_ENV, "native")
+    if wanted == "numpy":
+        return None, f"{BACKEND_ENV}=numpy"
+    if wanted != "native":
+        _log.warning("r3_client: %s=%r is not native or numpy; using native", BACKEND_ENV, wanted)
+    path = os.environ.get(LIBRARY_ENV)
+    try:
+        if path:
+            loader = importlib.machinery.ExtensionFileLoader("r3_client._r3codec", path)
+            spec = importlib.util.spec_from_file_location("r3_client._r3codec", path, loader=loader)
+            assert spec is not None
+            mod = importlib.util.module_from_spec(spec)
+            loader.exec_module(mod)
+        else:
+            mod = importlib.import_module("r3_client._r3codec")
+    except ImportError as exc:
+        reason = f"the compiled codec did not load ({exc})"
+        _log.warning("r3_client: %s; using the numpy codec (slower)", reason)
+        return None, reason
+    return mod, ""
+
+
+_lib, _reason = _load()
+_active: ModuleType | None = _lib
+
+
+def backend() -> str:
+    """``"native"`` or ``"numpy"``: what the codec's hot loops run on now."""
+    return "native" if _active is not None else "numpy"
+
+
+def unavailable_reason() -> str:
+    """Why the compiled module is not in use ("" when it is)."""
+    return "" if _active is not None else (_reason or "switched off by use('numpy')")
+
+
+@contextmanager
+def use(name: str) -> Iterator[None]:
+    """Run the block on ``"native"`` or ``"numpy"`` (tests; not thread-safe).
+
+    Raises :class:`RuntimeError` for ``"native"`` where the compiled module is not loaded.
+    """
+    global _active
+    if name not in ("native", "numpy"):
+        raise ValueError(f"backend must be native or numpy, not {name!r}")
+    if name == "native" and _lib is None:
+        raise RuntimeError(f"the native codec is not available: {_reason}")
+    before = _active
+    _active = _lib if name == "native" else None
+    try:
+        yield
+    finally:
+        _active = before
+
+
+def disagreed(what: str) -> None:
+    """Record that the compiled module refused input the reference accepted (a backend bug:
+    the reference's answer is used; tests assert this never happens)."""
+    global disagreements
+    disagreements += 1
+    _log.warning("r3_client: the native codec refused %s that the numpy reference accepts", what)
+
+
+#: How many times :func:`disagreed` was called in this process.
+disagreements = 0
+
+
+def _fits(arr: npt.NDArray[Any]) -> bool:
+    """An array the kernels read as it is: 3-D, native byte order, K axis contiguous."""
+    return arr.ndim == 3 and (arr.shape[2] == 1 or arr.strides[2] == arr.itemsize)
+
+
+def _k_ok(k: int) -> bool:
+    return _active is not None and 1 <= k <= int(_active.KMAX)
+
+
+@lru_cache(maxsize=8)
+def _tables(e: int, k: int) -> bytes:
+    assert _lib is not None
+    tables: bytes = _lib.set_tables(e, k)
+    return tables
+
+
+# ---- encode ------------------------------------------------------------------------------
+def canonical(arr: npt.NDArray[Any], e: int, out_dtype: np.dtype[Any]) -> npt.NDArray[Any] | None:
+    """Validated rows sorted ascending (``[..., K]``, ``out_dtype``), or None: the caller runs
+    the reference (also for invalid rows, to raise its exact error)."""
+    lib = _active
+    if lib is None or arr.ndim < 1 or not _k_ok(arr.shape[-1]) or arr.size == 0:
+        return None
+    if arr.dtype.str[1:] not in _INPUT_KINDS or not arr.dtype.isnative:
+        return None
+    src = arr if _fits(arr) else np.ascontiguousarray(arr).reshape(-1, 1, arr.shape[-1])
+    out = np.empty(src.shape, dtype=out_dtype)
+    code, _ = lib.canonical(src, out, e)
+    return None if code else out.reshape(arr.shape)
+
+
+def popularity(
+    srt: npt.NDArray[Any], e: int, table_dtype: np.dtype[Any]
+) -> npt.NDArray[Any] | None:
+    """The ``[L, E]`` popularity order table of canonical rows, or None (use the reference)."""
+    lib = _active
+    if lib is None or not _fits(srt) or not _k_ok(srt.shape[2]):
+        return None
+    table = np.empty((srt.shape[1], e), dtype=table_dtype)
+    lib.popularity(srt, e, table)
+    return table
+
+
+def gap_payload(
+    srt: npt.NDArray[Any], e: int, k: int, to_rank: npt.NDArray[Any] | None, gap_bytes: int
+) -> bytearray | None:
+    """Layer-major gap planes of canonical rows (relabelled by ``to_rank``), or None."""
+    lib = _active
+    if lib is None or not _fits(srt) or not _k_ok(k):
+        return None
+    out = bytearray(srt.size * gap_bytes)
+    rank = None if to_rank is None else np.ascontiguousarray(to_rank, dtype=np.int32)
+    lib.gap_payload(srt, e, rank, out)
+    return out
+
+
+def set_encode(srt: npt.NDArray[Any], e: int, k: int, bits: int, nbytes: int) -> bytearray | None:
+    """Canonical rows' set ranks packed at ``bits`` bits (``nbytes`` in all), or None."""
+    lib = _active
+    if lib is None or not _fits(srt) or not _k_ok(k):
+        return None
+    out = bytearray(nbytes)
+    lib.set_encode(srt, e, _tables(e, k), bits, out)
+    return out
+
+
+def raw_encode(arr: npt.NDArray[Any], e: int, nbytes: int) -> bytearray | None:
+    """Ids as written, as ``u1``/``<u2`` with -1 as the dtype's maximum, or None."""
+    lib = _active
+    if lib is None or not _fits(arr) or not _k_ok(arr.shape[2]):
+        return None
+    if arr.dtype.str[1:] not in _INPUT_KINDS or not arr.dtype.isnative:
+        return None
+    out = bytearray(nbytes)
+    lib.raw_encode(arr, e, out)
+    return out
+
+
+# ---- decode (into ``out``: a view of the frame's array) ----------------------------------
+def set_decode(body: Any, e: int, k: int, bits: int, out: npt.NDArray[Any]) -> bool:
+    """Unrank a ``set`` body into ``out``; False when the caller must run the reference."""
+    lib = _active
+    if lib is None or not _fits(out) or not _k_ok(k):
+        return False
+    return lib.set_decode(body, e, _tables(e, k), bits, out) == 0  # type: ignore[no-any-return]
+
+
+def zset_decode(
+    payload: Any, e: int, order: npt.NDArray[Any] | None, out: npt.NDArray[Any]
+) -> bool:
+    """Inflated set-zstd gap planes into ``out``; False when the caller must run the reference."""
+    lib = _active
+    if lib is None or not _fits(out) or not _k_ok(out.shape[2]):
+        return False
+    dtype = "u1" if e <= 255 else "<u2"
+    table = None if order is None else np.ascontiguousarray(order, dtype=dtype)
+    return lib.zset_decode(payload, e, table, out) == 0  # type: ignore[no-any-return]
+
+
+def raw_decode(body: Any, e: int, out: npt.NDArray[Any]) -> bool:
+    """A raw body into ``out``, every row checked; False when the caller must run the reference."""
+    lib = _active
+    if lib is None or not _fits(out) or not _k_ok(out.shape[2]):
+        return False
+    return lib.raw_decode(body, e, out) == 0  # type: ignore[no-any-return]
