@@ -19,11 +19,13 @@ default), skewed (Zipf 1.0, AR(1) 0.9) and uniform synthetic routing:
    longest gap between its wake-ups during one encode and one decode, and while
    idle (the floor the sleep itself costs).
 
-Times are the best of ``--repeat`` runs (encode and base64 interleaved); stalls
-are the median and worst of ``--repeat`` runs.
+Every figure is taken once per codec backend (``--backends``: the numpy reference and the
+compiled ``r3_client._r3codec``) in the same run, and the native/numpy speed-ups are
+printed after the table.  Times are the best of ``--repeat`` runs (encode and base64
+interleaved); stalls are the median and worst of ``--repeat`` runs.
 
     python bench/native_codec_bench.py [--tokens 16384] [--repeat 5] [--threads 4]
-        [--json bench/out/native_codec.json]
+        [--backends numpy,native] [--json bench/out/native_codec.json]
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import numpy.typing as npt
 import zstandard
 
 from r3_client import Segment, decode_frame, decode_rollout, encode_frame, read_header, token_digest
+from r3_client.codec import backend, use_backend
 from r3_client.synthetic import synthetic_routing
 
 DATA = {"skewed": {"skew": 1.0, "rho": 0.9}, "uniform": {"skew": 0.0, "rho": 0.0}}
@@ -299,6 +302,21 @@ def report(results: dict[str, dict[str, Any]], threads: int) -> None:
         print(f"| {label} | " + " | ".join(c[i][1] for c in columns) + " |")
 
 
+def speedups(results: dict[str, dict[str, Any]]) -> None:
+    """Native over numpy for each data set measured on both: CPU and throughput ratios."""
+    print("\n### native / numpy, same run")
+    for data in DATA:
+        ref, nat = results.get(f"{data}, numpy"), results.get(f"{data}, native")
+        if ref is None or nat is None:
+            continue
+        enc = ref["encode"]["encode_frame"]["cpu_s"] / nat["encode"]["encode_frame"]["cpu_s"]
+        dec = {k: nat["decode_mids_per_s"][k] / ref["decode_mids_per_s"][k] for k in nat["decode"]}
+        print(
+            f"- {data}: encode CPU {enc:.2f}x less; decode_frame {dec['decode_frame']:.2f}x, "
+            f"decode_rollout {dec['decode_rollout']:.2f}x faster on one thread (target >= 4x)"
+        )
+
+
 def main() -> None:
     """Measure skewed and uniform routing at one shape and print the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -310,6 +328,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--per-thread", type=int, default=4, help="calls per thread, scaling runs")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--backends", default="numpy,native", help="codec backends, in order")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     try:
@@ -328,8 +347,11 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for data, kw in DATA.items():
         idx = synthetic_routing(args.tokens, args.layers, args.experts, args.topk, seed=1, **kw)
-        results[data] = measure(idx, args.experts, args)
+        for name in args.backends.split(","):
+            with use_backend(name):
+                results[f"{data}, {backend()}"] = measure(idx, args.experts, args)
     report(results, args.threads)
+    speedups(results)
     if args.json:
         meta = {
             "command": sys.argv,

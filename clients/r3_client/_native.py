@@ -78,7 +78,7 @@ def _load() -> tuple[ModuleType | None, str]:
             loader.exec_module(mod)
         else:
             mod = importlib.import_module("r3_client._r3codec")
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:
         reason = f"the compiled codec did not load ({exc})"
         _log.warning("r3_client: %s; using the numpy codec (slower)", reason)
         return None, reason

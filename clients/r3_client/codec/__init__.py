@@ -1,8 +1,7 @@
 """The routing codec: the only code that knows the bytes (spec: docs/format.md).
 
-This package ``__init__`` is the codec's public surface, and the one place a native
-backend plugs in: it would pick the backend here and re-export the same names, as
-python-zstandard's ``__init__`` picks between its C and CFFI backends.  Everything
+This package ``__init__`` is the codec's public surface.  The compiled backend plugs in
+below the entry points: :mod:`r3_client._native` picks it or numpy per kernel call.  Everything
 above the codec (the clients, :mod:`r3_client`, :mod:`r3_client.wire`) imports the
 entry points from here, never from the modules below.
 
@@ -53,6 +52,11 @@ Version 2 cuts the body into chunks (token blocks x layer groups), each with its
 and CRC in the header, and names the rollout's context (E, K, layers, the relabel table)
 by digest; a rollout's first frame, or a context frame, carries it.
 
+The hot loops run in the compiled ``r3_client._r3codec`` when it is built, else in numpy
+(the reference; :func:`backend` says which, :func:`use_backend` switches for a block, and
+``R3_CODEC_BACKEND=numpy`` switches it off for a process): the same bytes either way
+(docs/notes/native-codec.md).
+
 ``codec="auto"`` (the default) picks ``set-zstd`` when a trial on the data says
 it is smaller than ``set``, else ``set``; it falls back to ``raw`` when
 ``C(E, K)`` needs more than 128 bits.
@@ -60,6 +64,8 @@ it is smaller than ``set``, else ``set``; it falls back to ``raw`` when
 
 from __future__ import annotations
 
+from r3_client._native import backend
+from r3_client._native import use as use_backend
 from r3_client.codec.entry import decode_frame, encode_frame, read_header
 from r3_client.codec.frame import CODECS, FORMAT_VERSION, MAGIC, MAX_DECODED_BYTES, CodecName
 from r3_client.codec.header import Context, Frame, FrameHeader, content_digest
@@ -75,6 +81,7 @@ __all__ = [
     "Context",
     "Frame",
     "FrameHeader",
+    "backend",
     "content_digest",
     "decode_frame",
     "decode_rollout",
@@ -83,4 +90,5 @@ __all__ = [
     "read_header",
     "slice_frame",
     "split_frames",
+    "use_backend",
 ]
