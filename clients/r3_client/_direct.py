@@ -66,6 +66,7 @@ class DirectReader:
         except (KeyError, TypeError) as exc:
             raise ProtocolError(f"read plan is incomplete: {exc}") from None
         self.max_bytes = max_bytes
+        self._cluster = cluster
         self._r: Any = (
             RedisCluster.from_url(url, **kw) if cluster else redis.Redis.from_url(url, **kw)
         )
@@ -115,11 +116,13 @@ class DirectReader:
         (no copy; ``b"".join(frames)`` is exactly what the service's whole-rollout GET
         returns, and :func:`~r3_client.decode_rollout` takes the list as it is).
 
-        Per chunk of ``chunk_size`` ids, two pipelined round trips: ``HGETALL`` of the
-        rollout hashes, then ``HGET`` of the shared (deduplicated) segments they
-        reference.  ``concurrency`` chunks are in flight at once, each on its own
-        pooled connection, so Redis sending one reply overlaps redis-py parsing
-        another; at most ``concurrency`` chunks wait for the consumer.
+        Per chunk of ``chunk_size`` ids, the ``HGETALL`` of the rollout hashes is
+        pipelined, and the ``HGET`` of the shared (deduplicated) segments a hash
+        references is sent as soon as that hash's reply is parsed, on the same
+        connection (on Redis Cluster, where the blobs live on other nodes, after the
+        chunk: a second pipelined round trip).  ``concurrency`` chunks are in flight at
+        once, each on its own pooled connection, so Redis sending one reply overlaps
+        redis-py parsing another; at most ``concurrency`` chunks wait for the consumer.
         """
         ids = [check_rollout_id(r) for r in rollout_ids]
         chunks = [ids[i : i + chunk_size] for i in range(0, len(ids), max(1, chunk_size))]
@@ -137,22 +140,7 @@ class DirectReader:
         import redis.exceptions as rexc
 
         try:
-            pipe = self._r.pipeline(transaction=False)
-            for rid in chunk:
-                pipe.hgetall(self.key(rid))
-            hashes = pipe.execute()
-            refs = [
-                (n, f, v[1:].decode())
-                for n, h in enumerate(hashes)
-                for f, v in h.items()
-                if f[:2] == b"s:" and v[:1] == b"@"
-            ]
-            if refs:
-                pipe = self._r.pipeline(transaction=False)
-                for _, _, blob in refs:
-                    pipe.hget(blob, "f")
-                for (n, f, _), frame in zip(refs, pipe.execute(), strict=True):
-                    hashes[n][f] = frame
+            hashes = self._read_pipelined(chunk) if self._cluster else self._read_streamed(chunk)
         except rexc.AuthenticationError as exc:
             raise AuthError(f"Redis refused the read plan's credentials: {exc}") from None
         except rexc.NoPermissionError as exc:
@@ -162,6 +150,63 @@ class DirectReader:
         return [
             (rid, self._assemble(rid, fields)) for rid, fields in zip(chunk, hashes, strict=True)
         ]
+
+    def _read_streamed(self, chunk: list[str]) -> list[dict[bytes, Any]]:
+        """One pooled connection: every ``HGETALL`` sent at once, and each reply's
+        shared-segment ``HGET`` commands sent as soon as that reply is parsed, so Redis
+        answers them while the rest of the chunk is still being read (no second
+        round trip after the chunk).  A dropped connection retries the chunk as
+        redis-py retries a pipeline (the reads are idempotent)."""
+        pool = self._r.connection_pool
+        conn = pool.get_connection()
+        try:
+            hashes: list[dict[bytes, Any]] = conn.retry.call_with_retry(
+                lambda: self._stream(conn, chunk), lambda _err: conn.disconnect()
+            )
+        except BaseException:
+            conn.disconnect()  # replies may still be on the wire: never reuse it
+            raise
+        finally:
+            pool.release(conn)
+        return hashes
+
+    def _stream(self, conn: Any, chunk: list[str]) -> list[dict[bytes, Any]]:
+        parse = self._r.parse_response  # reads one reply, applies redis-py's callback
+        conn.send_packed_command(conn.pack_commands([("HGETALL", self.key(r)) for r in chunk]))
+        hashes: list[dict[bytes, Any]] = []
+        refs: list[tuple[int, bytes]] = []
+        for n in range(len(chunk)):
+            fields: dict[bytes, Any] = parse(conn, "HGETALL")
+            hashes.append(fields)
+            mine = [(f, v[1:]) for f, v in fields.items() if f[:2] == b"s:" and v[:1] == b"@"]
+            if mine:
+                conn.send_packed_command(conn.pack_commands([("HGET", b, "f") for _, b in mine]))
+                refs.extend((n, f) for f, _ in mine)
+        for n, f in refs:
+            hashes[n][f] = parse(conn, "HGET")
+        return hashes
+
+    def _read_pipelined(self, chunk: list[str]) -> list[dict[bytes, Any]]:
+        """Redis Cluster: the blobs live in other slots, so two pipelined round trips
+        (the cluster pipeline routes each command to its node): ``HGETALL`` of the
+        chunk, then ``HGET`` of the shared segments it references."""
+        pipe = self._r.pipeline(transaction=False)
+        for rid in chunk:
+            pipe.hgetall(self.key(rid))
+        hashes: list[dict[bytes, Any]] = pipe.execute()
+        refs = [
+            (n, f, v[1:])
+            for n, h in enumerate(hashes)
+            for f, v in h.items()
+            if f[:2] == b"s:" and v[:1] == b"@"
+        ]
+        if refs:
+            pipe = self._r.pipeline(transaction=False)
+            for _, _, blob in refs:
+                pipe.hget(blob, "f")
+            for (n, f, _), frame in zip(refs, pipe.execute(), strict=True):
+                hashes[n][f] = frame
+        return hashes
 
     @staticmethod
     def _assemble(rollout_id: str, fields: dict[bytes, Any]) -> list[bytes] | R3Error:

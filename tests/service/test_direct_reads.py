@@ -20,6 +20,7 @@ from r3_client import (
     RolloutNotFoundError,
     RoutingClient,
     Segment,
+    StoreError,
     encode_frame,
     read_header,
 )
@@ -70,6 +71,64 @@ def test_direct_reads_match_the_relay(svc: Service) -> None:
         assert isinstance(got[missing], RolloutNotFoundError)
         with pytest.raises(RolloutNotFoundError):
             list(reader.get_many([missing]))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 16])
+def test_fetch_many_returns_what_the_whole_rollout_get_returns(
+    svc: Service, chunk_size: int
+) -> None:
+    ids = _rollouts(svc)
+    missing = rid()
+    asked = [ids[1], missing, *ids, ids[2]]  # shared-blob refs early, late and twice in a chunk
+    with (
+        RoutingClient(svc.http_url, api_key=KEY_A) as client,
+        DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader,
+    ):
+        got = list(reader.fetch_many(asked, chunk_size=chunk_size, concurrency=2))
+        assert [r for r, _ in got] == asked
+        for r, frames in got:
+            if r == missing:
+                assert isinstance(frames, RolloutNotFoundError)
+            else:
+                assert b"".join(frames) == client.get_frame(r), r  # type: ignore[arg-type]
+
+
+def test_a_refused_chunk_leaves_no_replies_behind_on_the_connection(svc: Service) -> None:
+    ids = _rollouts(svc)
+    with svc.http(key=KEY_B) as c:
+        plan_b = c.post("/v1/read-plan").json()
+    with DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader:
+        want = [b"".join(f) for _, f in reader.fetch_many(ids, concurrency=1)]  # type: ignore[arg-type]
+        mine = reader.key_prefix
+        reader.key_prefix = plan_b["key_prefix"]  # every HGETALL of the chunk is refused
+        with pytest.raises(AuthError, match="refused"):
+            list(reader.fetch_many(ids, concurrency=1))
+        reader.key_prefix = mine  # the same pool: a reused connection must be clean
+        for _ in range(3):
+            got = [b"".join(f) for _, f in reader.fetch_many(ids, concurrency=1)]  # type: ignore[arg-type]
+            assert got == want
+
+
+def test_an_expired_shared_segment_is_an_error_for_its_rollouts_only(
+    service_single: Service, redis_single: RedisProcess
+) -> None:
+    version = f"expiring-{rid()}"  # a blob no other test shares
+    a, b, plain = rid(), rid(), rid()
+    for r in (a, b):
+        _put(service_single, r, frame_for(TRAJ[:60], 0, version=version))
+        _put(service_single, r, frame_for(TRAJ[60:120], 60, version=version, digest=False))
+    _put(service_single, plain, frame_for(TRAJ[:40], 0, digest=False))
+    with (
+        DirectReader.from_service(service_single.http_url, api_key=KEY_A) as reader,
+        redis.Redis.from_url(redis_single.url) as admin,
+    ):
+        refs = {v for v in admin.hgetall(reader.key(a)).values() if v[:1] == b"@"}
+        assert len(refs) == 1
+        admin.delete(refs.pop()[1:])
+        got = dict(reader.fetch_many([a, plain, b], chunk_size=3))
+    assert isinstance(got[a], StoreError) and "expired" in str(got[a])
+    assert isinstance(got[b], StoreError)
+    assert isinstance(got[plain], list) and got[plain]
 
 
 def test_read_plan_credentials_read_only_their_namespace(svc: Service) -> None:
