@@ -109,7 +109,7 @@ class DirectReader:
         return f"{self.key_prefix}{{{check_rollout_id(rollout_id)}}}"
 
     def fetch_many(
-        self, rollout_ids: Sequence[str], *, chunk_size: int = 16, concurrency: int = 4
+        self, rollout_ids: Sequence[str], *, chunk_size: int = 16, concurrency: int = 2
     ) -> Iterator[tuple[str, list[bytes] | R3Error]]:
         """Each rollout's frames, in order: context frames (only those its continuation
         frames need), then its stored segment frames by start, as Redis returned them
@@ -121,8 +121,9 @@ class DirectReader:
         references is sent as soon as that hash's reply is parsed, on the same
         connection (on Redis Cluster, where the blobs live on other nodes, after the
         chunk: a second pipelined round trip).  ``concurrency`` chunks are in flight at
-        once, each on its own pooled connection, so Redis sending one reply overlaps
-        redis-py parsing another; at most ``concurrency`` chunks wait for the consumer.
+        once, each on its own pooled connection, so Redis sending one chunk overlaps
+        redis-py parsing another (parsing holds the GIL, so more threads than that
+        mostly wait for it); at most ``concurrency`` chunks wait for the consumer.
         """
         ids = [check_rollout_id(r) for r in rollout_ids]
         chunks = [ids[i : i + chunk_size] for i in range(0, len(ids), max(1, chunk_size))]
@@ -216,16 +217,28 @@ class DirectReader:
         if any(not isinstance(v, bytes) for _, v in segments):
             return StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
         frames: list[bytes] = [v for _, v in segments]
+        stored = {f[2:].decode(): raw for f, raw in fields.items() if f[:2] == b"c:"}
+        if not stored:
+            return frames
+        # Contexts travel only for continuation frames (a self-contained frame carries
+        # its own), as in the service's GET.  Only stored contexts can be sent, so the
+        # headers are read until every one of them is known to travel in its own frame
+        # (usually the first frame: agent turns and GRPO responses continue it).
+        carried: set[str] = set()
+        bases: set[str] = set()
         try:
-            # Contexts travel only for continuation frames (a self-contained frame
-            # carries its own), as in the service's GET; one such frame is returned as is.
-            heads = [read_header(v, verify=False) for v in frames]
-            carried = {h.context.digest for h in heads if h.context is not None and not h.base}
-            bases = {h.base for h in heads if h.base} - carried
+            for v in frames:
+                h = read_header(v, verify=False)
+                if h.base:
+                    bases.add(h.base)
+                elif h.context is not None:
+                    carried.add(h.context.digest)
+                    if carried >= stored.keys():
+                        return frames
             parts = [
                 encode_context(Context.parse(raw, tables=False))
-                for f, raw in fields.items()
-                if f[:2] == b"c:" and f[2:].decode() in bases
+                for d, raw in stored.items()
+                if d in bases - carried
             ]
         except FrameError:  # damaged: the decode of the whole names the segment
             parts = []
@@ -241,7 +254,7 @@ class DirectReader:
         chunk_size: int = 16,
         return_errors: bool = False,
         workers: int = 2,
-        concurrency: int = 4,
+        concurrency: int = 2,
     ) -> Iterator[Result]:
         """``(rollout_id, Routing)`` for each id, in order: :meth:`fetch_many`, decoded and
         trimmed to ``[start, end)`` / ``layers``.  A rollout that cannot be read or

@@ -21,6 +21,7 @@ from r3_client import (
     RoutingClient,
     Segment,
     StoreError,
+    encode_context,
     encode_frame,
     read_header,
 )
@@ -129,6 +130,30 @@ def test_an_expired_shared_segment_is_an_error_for_its_rollouts_only(
     assert isinstance(got[a], StoreError) and "expired" in str(got[a])
     assert isinstance(got[b], StoreError)
     assert isinstance(got[plain], list) and got[plain]
+
+
+def test_contexts_travel_only_for_continuations_whose_carrier_is_not_read() -> None:
+    first = frame_for(TRAJ[:100], 0)
+    ctx = Context.parse(read_header(first).context.raw)  # type: ignore[union-attr]
+    seg = Segment(100, 180, "tiny-moe", "v1")
+    cont = encode_frame(TRAJ[100:180], num_experts=E, layer_ids=LAYERS, segment=seg, base=ctx)
+    other = frame_for(TRAJ[:50], 180, e=2 * E, digest=False)  # another context
+    other_ctx = read_header(other).context
+    assert other_ctx is not None and other_ctx.digest != ctx.digest
+    c, c2 = f"c:{ctx.digest}".encode(), f"c:{other_ctx.digest}".encode()
+    ctx_frame = encode_context(Context.parse(ctx.raw, tables=False))
+    cases = [
+        ({b"s:0:100": first, b"s:100:180": cont, c: ctx.raw}, [first, cont]),
+        ({b"s:100:180": cont, c: ctx.raw}, [ctx_frame, cont]),  # its carrier is gone
+        ({b"s:0:100": first, b"s:100:180": cont}, [first, cont]),  # no context stored
+        (
+            {b"s:100:180": cont, b"s:180:230": other, c: ctx.raw, c2: other_ctx.raw},
+            [ctx_frame, cont, other],
+        ),
+        ({b"s:0:100": first, b"s:180:230": other, c: ctx.raw, c2: other_ctx.raw}, [first, other]),
+    ]
+    for fields, want in cases:
+        assert DirectReader._assemble("r", {b"m": b"", **fields}) == want
 
 
 def test_read_plan_credentials_read_only_their_namespace(svc: Service) -> None:
