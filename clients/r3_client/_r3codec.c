@@ -108,6 +108,7 @@ static void rel3(Arr3 *a) {
 
 #define HOT static inline __attribute__((always_inline))
 
+
 /* Call F(kind) with `kind` a constant, so each instance is compiled for one item type. */
 #define BY_KIND(kind, F)                  \
     switch (kind) {                       \
@@ -428,6 +429,14 @@ HOT int gaps_k(const Arr3 *s, int64_t e, const int32_t *rank, uint8_t *planes, c
     return 0;
 }
 
+static int gaps_any(const Arr3 *s, int64_t e, const int32_t *rank, uint8_t *planes,
+                           int gsz) {
+    if (s->kind == 2 && gsz == 1) return gaps_k(s, e, rank, planes, 2, 1);
+    if (s->kind == 2) return gaps_k(s, e, rank, planes, 2, 2);
+    if (gsz == 1) return gaps_k(s, e, rank, planes, 4, 1);
+    return gaps_k(s, e, rank, planes, 4, 2);
+}
+
 /* gap_payload(srt, e, to_rank (int32 [L, E] buffer) or None, out) : layer-major gaps. */
 static PyObject *py_gap_payload(PyObject *self, PyObject *args) {
     PyObject *so, *ro;
@@ -456,10 +465,7 @@ static PyObject *py_gap_payload(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     const int32_t *rank = have_rank ? (const int32_t *)rb.buf : NULL;
     uint8_t *planes = (uint8_t *)ob.buf;
-    if (s.kind == 2 && gsz == 1) bad = gaps_k(&s, e, rank, planes, 2, 1);
-    else if (s.kind == 2) bad = gaps_k(&s, e, rank, planes, 2, 2);
-    else if (gsz == 1) bad = gaps_k(&s, e, rank, planes, 4, 1);
-    else bad = gaps_k(&s, e, rank, planes, 4, 2);
+    bad = gaps_any(&s, e, rank, planes, (int)gsz);
     Py_END_ALLOW_THREADS
     rel3(&s); PyBuffer_Release(&ob);
     if (have_rank) PyBuffer_Release(&rb);
@@ -512,6 +518,15 @@ HOT int ids_k(Arr3 *o, int64_t e, const uint8_t *planes, const uint8_t *o8,
     return R3_OK;
 }
 
+static int ids_any(Arr3 *o, int64_t e, const uint8_t *planes, const void *o8,
+                          const void *o16, int gsz) {
+    const uint8_t *t8 = (const uint8_t *)o8;
+    const uint16_t *t16 = (const uint16_t *)o16;
+    if (o->kind == 2) return gsz == 1 ? ids_k(o, e, planes, t8, t16, 2, 1)
+                                      : ids_k(o, e, planes, t8, t16, 2, 2);
+    return gsz == 1 ? ids_k(o, e, planes, t8, t16, 4, 1) : ids_k(o, e, planes, t8, t16, 4, 2);
+}
+
 /* zset_decode(payload, e, order (u1/<u2 [L, E] buffer) or None, out) -> code
  * Layer-major gap planes to token-major ids, relabelled by `order` when given. */
 static PyObject *py_zset_decode(PyObject *self, PyObject *args) {
@@ -546,12 +561,7 @@ static PyObject *py_zset_decode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     const uint8_t *planes = (const uint8_t *)pb.buf;
     const void *order = have_order ? tb.buf : NULL;
-#define ZSET(OK, GSZ)                                                                  \
-    (tsz == 1 ? ids_k(&o, e, planes, (const uint8_t *)order, NULL, OK, GSZ)              \
-              : ids_k(&o, e, planes, NULL, (const uint16_t *)order, OK, GSZ))
-    if (o.kind == 2) code = gsz == 1 ? ZSET(2, 1) : ZSET(2, 2);
-    else code = gsz == 1 ? ZSET(4, 1) : ZSET(4, 2);
-#undef ZSET
+    code = ids_any(&o, e, planes, tsz == 1 ? order : NULL, tsz == 2 ? order : NULL, (int)gsz);
     Py_END_ALLOW_THREADS
     rel3(&o); PyBuffer_Release(&pb);
     if (have_order) PyBuffer_Release(&tb);
@@ -833,6 +843,12 @@ HOT int rank_k(const Arr3 *s, const Tables *t, u128 sentinel, int bits, BitW *lo
     return 0;
 }
 
+static int rank_any(const Arr3 *s, const Tables *t, u128 sentinel, int bits, BitW *lo,
+                           BitW *hi) {
+    if (s->kind == 2) return rank_k(s, t, sentinel, bits, lo, hi, 2);
+    return rank_k(s, t, sentinel, bits, lo, hi, 4);
+}
+
 /* set_encode(srt, e, tables, bits, out) : ranks of canonical rows, bit-packed. */
 static PyObject *py_set_encode(PyObject *self, PyObject *args) {
     PyObject *so;
@@ -858,8 +874,7 @@ static PyObject *py_set_encode(PyObject *self, PyObject *args) {
     }
     BitW lo = {(uint8_t *)ob.buf, 0, 0, 0};
     BitW hi = {(uint8_t *)ob.buf + n * 8, 0, 0, 0};
-    if (s.kind == 2) bad = rank_k(&s, &t, sentinel, bits, &lo, &hi, 2);
-    else bad = rank_k(&s, &t, sentinel, bits, &lo, &hi, 4);
+    bad = rank_any(&s, &t, sentinel, bits, &lo, &hi);
     bw_flush(&lo);
     if (bits > 64) bw_flush(&hi);
     Py_END_ALLOW_THREADS
@@ -872,34 +887,61 @@ fail:
 }
 
 /* Unrank ranks that fit 64 bits: for i = K..2 the largest c with C(c, i) <= r, from the
- * bucket table's start and a short scan up; then c_1 = r. */
+ * bucket table's start and a short scan up; then c_1 = r.  Eight rows at a time, each step
+ * of the eight chains side by side: the rows are independent, so the CPU overlaps them. */
+#define LANES 8
+
 HOT int unrank64_k(Arr3 *o, const Tables *t, uint64_t sentinel, int bits, BitR *in,
                    const int ok) {
     int k = (int)o->k, e = t->e;
-    for (Py_ssize_t r0 = 0; r0 < o->rows; r0++)
-        for (Py_ssize_t l = 0; l < o->layers; l++) {
-            uint64_t r = br_get(in, bits);
-            char *q = (char *)row_at(o, r0, l);
-            if (r > sentinel) return R3_RANK;
-            if (r == sentinel) {
+    Py_ssize_t n = o->rows * o->layers;
+    Pos pos = {0, 0};
+    for (Py_ssize_t base = 0; base < n; base += LANES) {
+        int m = (int)(n - base < LANES ? n - base : LANES);
+        uint64_t r[LANES] = {0};
+        int empty[LANES];
+        for (int g = 0; g < LANES; g++) empty[g] = 1;
+        int32_t cols[LANES][KMAX];
+        for (int g = 0; g < m; g++) {
+            r[g] = br_get(in, bits);
+            if (r[g] > sentinel) return R3_RANK;
+            empty[g] = r[g] == sentinel;
+            if (empty[g]) r[g] = 0;
+        }
+        for (int i = k; i >= 2; i--) {
+            const uint64_t *row = t->binom64 + i * (e + 1);
+            const uint16_t *bucket = t->bucket + i * NKEYS;
+            for (int g = 0; g < LANES; g++) {
+                uint64_t x = r[g];
+                int c = bucket[key_of64(x)];
+                /* row[E] is the saturated guard: row[c + 1] is always inside the table */
+                c += row[c + 1] <= x;
+                while (row[c + 1] <= x) c++;
+                if (c > e - 1) c = e - 1;
+                cols[g][i - 1] = c;
+                r[g] = x - row[c];
+            }
+        }
+        for (int g = 0; g < m; g++) {
+            char *q = (char *)row_at(o, pos.r, pos.l);
+            step(&pos, o->layers);
+            if (empty[g]) {
                 for (int j = 0; j < k; j++) store(q, ok, j, -1);
                 continue;
             }
-            int32_t cols[KMAX];
-            for (int i = k; i >= 2; i--) {
-                const uint64_t *row = t->binom64 + i * (e + 1);
-                int c = t->bucket[i * NKEYS + key_of64(r)];
-                while (c + 1 <= e - 1 && row[c + 1] <= r) c++;
-                cols[i - 1] = c;
-                r -= row[c];
-            }
-            if (r >= (uint64_t)e) return R3_RANK;
-            cols[0] = (int32_t)r;
+            if (r[g] >= (uint64_t)e) return R3_RANK;
+            cols[g][0] = (int32_t)r[g];
             for (int j = 1; j < k; j++)
-                if (cols[j - 1] >= cols[j]) return R3_RANK;
-            for (int j = 0; j < k; j++) store(q, ok, j, cols[j]);
+                if (cols[g][j - 1] >= cols[g][j]) return R3_RANK;
+            for (int j = 0; j < k; j++) store(q, ok, j, cols[g][j]);
         }
+    }
     return R3_OK;
+}
+
+static int unrank64_any(Arr3 *o, const Tables *t, uint64_t sentinel, int bits, BitR *in) {
+    if (o->kind == 2) return unrank64_k(o, t, sentinel, bits, in, 2);
+    return unrank64_k(o, t, sentinel, bits, in, 4);
 }
 
 /* The same for ranks of up to 128 bits (a 64-bit run, then a run of the high bits). */
@@ -969,8 +1011,7 @@ static PyObject *py_set_decode(PyObject *self, PyObject *args) {
     BitR rlo = {in, lo_len, 0, 0, 0};
     BitR rhi = {in + lo_len, bb.len - lo_len, 0, 0, 0};
     if (code == R3_OK) {
-        if (bits <= 64) code = o.kind == 2 ? unrank64_k(&o, &t, (uint64_t)sentinel, bits, &rlo, 2)
-                                           : unrank64_k(&o, &t, (uint64_t)sentinel, bits, &rlo, 4);
+        if (bits <= 64) code = unrank64_any(&o, &t, (uint64_t)sentinel, bits, &rlo);
         else code = unrank128(&o, &t, sentinel, bits, &rlo, &rhi);
     }
     Py_END_ALLOW_THREADS
