@@ -264,6 +264,17 @@ def _stitch(
     nbytes = (hi - start) * len(kept) * k * index_dtype(e).itemsize
     if nbytes > max_bytes:
         raise FrameError(f"{who}: rows [{start}, {hi}) decode to {nbytes} bytes, over {max_bytes}")
+    only = decoded[0]
+    if (
+        len(decoded) == 1
+        and (only.header.start, only.header.end) == (start, hi)
+        and only.routing.layer_ids == kept
+    ):
+        # One frame that is exactly the answer (a whole single-segment read): its
+        # decoded array, already read-only, is the result; no copy.
+        segs1 = only.routing.segments or (Segment(only.header.start, only.header.end),)
+        uniq1 = tuple(dict.fromkeys(s for s in segs1 if s.overlaps(start, hi)))
+        return Routing(only.routing.indices, e, kept, start, uniq1)
     out = np.full((hi - start, len(kept), k), -1, dtype=index_dtype(e))
     segs: list[Segment] = []
     for f in decoded:
@@ -278,9 +289,9 @@ def _stitch(
                 f"{who}: segment [{f.header.start}, {f.header.end}) lacks layers {missing}"
             )
         cols = layer_positions(have, kept)
-        out[a - start : b - start] = f.routing.indices[a - f.header.start : b - f.header.start][
-            :, cols
-        ]
+        rows = f.routing.indices[a - f.header.start : b - f.header.start]
+        # every layer in order: a view (one copy into out), not a fancy-indexed copy
+        out[a - start : b - start] = rows if cols == list(range(len(have))) else rows[:, cols]
     out.flags.writeable = False
     uniq = tuple(dict.fromkeys(s for s in segs if s.overlaps(start, hi)))
     return Routing(out, e, kept, start, uniq)
