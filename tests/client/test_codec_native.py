@@ -7,6 +7,7 @@ extension built under AddressSanitizer + UBSan, with more examples (``R3_FUZZ_EX
 from __future__ import annotations
 
 import os
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from r3_client import _native
+from r3_client._exceptions import CodecError
 from r3_client._routing import Segment
 from r3_client.codec import (
     Context,
@@ -35,6 +37,7 @@ from r3_client.codec.bodies import (
     set_ok,
     zset_chunk_decode,
 )
+from r3_client.codec.frame import CODECS, assemble_frame
 from r3_client.codec.setrank import pack_bits, ranker
 from r3_client.synthetic import synthetic_routing
 
@@ -306,3 +309,22 @@ def test_every_decoder_writes_only_its_own_chunk() -> None:
         with _native.use("numpy"):
             ref = decode_frame(frame).routing.indices
         assert np.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "native"])
+@pytest.mark.parametrize("codec", ["raw", "set"])
+def test_a_body_shorter_than_its_rows_is_refused_before_allocating(
+    backend: str, codec: str
+) -> None:
+    """A v1 frame declaring 2**28 rows (1 GiB decoded, under the default cap) over a 4-byte
+    body: refused with the reference's error, nothing of the declared size allocated."""
+    header = {"E": 8, "K": 2, "layers": [0], "start": 0, "end": 1 << 28, "params": {}}
+    frame = assemble_frame(1, CODECS[codec], header, [b"\x00\x01\x02\x03"])
+    tracemalloc.start()
+    try:
+        with _native.use(backend), pytest.raises(CodecError, match="bytes, expected"):
+            decode_frame(frame)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"peak {peak >> 20} MiB"

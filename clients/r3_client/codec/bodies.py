@@ -77,9 +77,11 @@ def raw_decode(
 
     Writes into ``out`` (``shape``, the index dtype) when given, and returns it."""
     check_decoded_size(shape[0], shape[1] * shape[2], "raw")
-    dest = np.empty(shape, dtype=index_dtype(e)) if out is None else out
-    if _native.raw_decode(body, e, dest):
-        return dest
+    # Any other length is refused by the reference before it allocates: so here too.
+    if len(body) == chunk_body_size("raw", shape[0], shape[1], e, shape[2]):
+        dest = np.empty(shape, dtype=index_dtype(e)) if out is None else out
+        if _native.raw_decode(body, e, dest):
+            return dest
     return _place(_raw_reference(body, shape, e), out, "a raw body")
 
 
@@ -115,9 +117,10 @@ def set_decode(
     rows, nl, k = shape
     check_decoded_size(rows, nl, "set")
     rk = ranker(e, k)
-    dest = np.empty(shape, dtype=index_dtype(e)) if out is None else out
-    if _native.set_decode(body, e, k, rk.bits, dest):
-        return dest
+    if len(body) == chunk_body_size("set", rows, nl, e, k):  # else refused before allocating
+        dest = np.empty(shape, dtype=index_dtype(e)) if out is None else out
+        if _native.set_decode(body, e, k, rk.bits, dest):
+            return dest
     return _place(_set_reference(body, shape, e), out, "a set body")
 
 
