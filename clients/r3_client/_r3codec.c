@@ -674,25 +674,20 @@ static Py_ssize_t tables_size(int e, int k) {
            (Py_ssize_t)(k + 1) * NKEYS * (Py_ssize_t)sizeof(uint16_t);
 }
 
-static inline int clz128(u128 x) {
-    uint64_t hi = (uint64_t)(x >> 64), lo = (uint64_t)x;
-    return hi ? __builtin_clzll(hi) : 64 + __builtin_clzll(lo);
-}
-
-static inline int key_of(u128 r) {
-    if (r == 0) return 0;
-    int b = 127 - clz128(r);
-    unsigned m = b >= MBITS ? (unsigned)(r >> (b - MBITS)) & ((1u << MBITS) - 1)
-                            : (unsigned)(r << (MBITS - b)) & ((1u << MBITS) - 1);
-    return 1 + b * (1 << MBITS) + (int)m;
-}
-
 static inline int key_of64(uint64_t r) {
     if (r == 0) return 0;
     int b = 63 - __builtin_clzll(r);
     unsigned m = b >= MBITS ? (unsigned)(r >> (b - MBITS)) & ((1u << MBITS) - 1)
                             : (unsigned)(r << (MBITS - b)) & ((1u << MBITS) - 1);
     return 1 + b * (1 << MBITS) + (int)m;
+}
+
+/* The same key for a rank of up to 128 bits (its leading bit is then past MBITS). */
+static inline int key_of(u128 r) {
+    uint64_t hi = (uint64_t)(r >> 64);
+    if (hi == 0) return key_of64((uint64_t)r);
+    int b = 127 - __builtin_clzll(hi);
+    return 1 + b * (1 << MBITS) + (int)((unsigned)(r >> (b - MBITS)) & ((1u << MBITS) - 1));
 }
 
 static inline u128 key_min(int key) {
