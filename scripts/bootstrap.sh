@@ -43,9 +43,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 
-# The stamp names pyproject.toml and the compiled codec's source: a change to either
+# The stamp names pyproject.toml, setup.py and the compiled codec's source: a change to any
 # reinstalls (the editable install builds r3_client._r3codec in place).
-stamp=".venv/.installed-$(cat pyproject.toml clients/r3_client/_r3codec.c | sha256sum | cut -c1-16)-${EXTRAS//,/_}-${TORCH}"
+stamp=".venv/.installed-$(cat pyproject.toml setup.py clients/r3_client/_r3codec.c | sha256sum | cut -c1-16)-${EXTRAS//,/_}-${TORCH}"
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing sglang-r3[$EXTRAS] into .venv" >&2
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
