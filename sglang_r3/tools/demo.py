@@ -115,12 +115,8 @@ class Stages:
         print(f"      done in {time.monotonic() - t:.1f} s", flush=True)
         if self.k == self.hold_after:
             print(f"      holding after stage {self.k} until interrupted ({HOLD_ENV})", flush=True)
-            # Short sleeps: a signal the kernel hands to another of the process's threads
-            # (torch's, gRPC's) does not interrupt the main thread's sleep; Python runs its
-            # handler, which raises KeyboardInterrupt, only once the sleep returns.  A 60 s
-            # sleep delayed a CI run's Ctrl-C by ~100 s.
-            while True:
-                time.sleep(0.2)
+            while True:  # SIGINT / SIGTERM raise KeyboardInterrupt out of the sleep
+                time.sleep(60)
 
     def note(self, msg: str) -> None:
         print(f"      {msg}", flush=True)

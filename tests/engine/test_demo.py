@@ -106,6 +106,10 @@ def test_demo_quick(tmp_path: Path) -> None:
     assert not _wait_gone(lambda: _procs_in_group(pgid))
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_demo_interrupted_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
     """Interrupted with SGLang up: the cache, Redis and SGLang (and its children) all go.
@@ -122,6 +126,10 @@ def test_demo_interrupted_stops_everything(tmp_path: Path, sig: signal.Signals) 
         text=True,
         start_new_session=True,  # a terminal's Ctrl-C reaches only the demo's own group
         env={**os.environ, "R3_DEMO_HOLD_AFTER_STAGE": "3"},
+        # As from a terminal: SIGINT at its default.  A test run started in the background
+        # by a non-interactive shell inherits SIGINT ignored, and Python keeps it ignored
+        # (the demo then never saw the Ctrl-C and stopped only at the test's SIGTERM).
+        preexec_fn=_sigint_default,
     )
     assert proc.stdout is not None
     watchdog = threading.Timer(600, proc.kill)  # a demo that never holds fails, not hangs
