@@ -179,7 +179,7 @@ class DirectReader:
         for n in range(len(chunk)):
             fields: dict[bytes, Any] = parse(conn, "HGETALL")
             hashes.append(fields)
-            mine = [(f, v[1:]) for f, v in fields.items() if f[:2] == b"s:" and v[:1] == b"@"]
+            mine = _shared_refs(fields)
             if mine:
                 conn.send_packed_command(conn.pack_commands([("HGET", b, "f") for _, b in mine]))
                 refs.extend((n, f) for f, _ in mine)
@@ -195,12 +195,7 @@ class DirectReader:
         for rid in chunk:
             pipe.hgetall(self.key(rid))
         hashes: list[dict[bytes, Any]] = pipe.execute()
-        refs = [
-            (n, f, v[1:])
-            for n, h in enumerate(hashes)
-            for f, v in h.items()
-            if f[:2] == b"s:" and v[:1] == b"@"
-        ]
+        refs = [(n, f, blob) for n, h in enumerate(hashes) for f, blob in _shared_refs(h)]
         if refs:
             pipe = self._r.pipeline(transaction=False)
             for _, _, blob in refs:
@@ -297,3 +292,9 @@ class DirectReader:
         if isinstance(res, R3Error) and not return_errors:
             raise res
         return rid, res
+
+
+def _shared_refs(fields: dict[bytes, Any]) -> list[tuple[bytes, bytes]]:
+    """``(field, blob key)`` of a rollout hash's segments stored as shared blobs
+    (``s:<start>`` fields holding ``@<key>``)."""
+    return [(f, v[1:]) for f, v in fields.items() if f[:2] == b"s:" and v[:1] == b"@"]

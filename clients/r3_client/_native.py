@@ -131,12 +131,22 @@ disagreements = 0
 
 
 def _fits(arr: npt.NDArray[Any]) -> bool:
-    """An array the kernels read as it is: 3-D, native byte order, K axis contiguous."""
+    """An array the kernels read as it is: 3-D, K axis contiguous."""
     return arr.ndim == 3 and (arr.shape[2] == 1 or arr.strides[2] == arr.itemsize)
 
 
-def _k_ok(k: int) -> bool:
-    return _active is not None and 1 <= k <= int(_active.KMAX)
+def _taking(arr: npt.NDArray[Any], k: int) -> ModuleType | None:
+    """The compiled module when it is active and takes ``arr`` (3-D, K contiguous) with
+    top-k ``k``; None: the caller runs the reference."""
+    lib = _active
+    if lib is None or not _fits(arr) or not 1 <= k <= int(lib.KMAX):
+        return None
+    return lib
+
+
+def _input_dtype(arr: npt.NDArray[Any]) -> bool:
+    """Routing the kernels read as given: a native-order integer dtype of theirs."""
+    return arr.dtype.str[1:] in _INPUT_KINDS and arr.dtype.isnative
 
 
 @lru_cache(maxsize=8)
@@ -150,12 +160,12 @@ def _tables(e: int, k: int) -> bytes:
 def canonical(arr: npt.NDArray[Any], e: int, out_dtype: np.dtype[Any]) -> npt.NDArray[Any] | None:
     """Validated rows sorted ascending (``[..., K]``, ``out_dtype``), or None: the caller runs
     the reference (also for invalid rows, to raise its exact error)."""
-    lib = _active
-    if lib is None or arr.ndim < 1 or not _k_ok(arr.shape[-1]) or arr.size == 0:
-        return None
-    if arr.dtype.str[1:] not in _INPUT_KINDS or not arr.dtype.isnative:
+    if arr.ndim < 1 or arr.size == 0 or not _input_dtype(arr):
         return None
     src = arr if _fits(arr) else np.ascontiguousarray(arr).reshape(-1, 1, arr.shape[-1])
+    lib = _taking(src, arr.shape[-1])
+    if lib is None:
+        return None
     out = np.empty(src.shape, dtype=out_dtype)
     code, _ = lib.canonical(src, out, e)
     return None if code else out.reshape(arr.shape)
@@ -165,8 +175,8 @@ def popularity(
     srt: npt.NDArray[Any], e: int, table_dtype: np.dtype[Any]
 ) -> npt.NDArray[Any] | None:
     """The ``[L, E]`` popularity order table of canonical rows, or None (use the reference)."""
-    lib = _active
-    if lib is None or not _fits(srt) or not _k_ok(srt.shape[2]):
+    lib = _taking(srt, srt.shape[-1])
+    if lib is None:
         return None
     table = np.empty((srt.shape[1], e), dtype=table_dtype)
     lib.popularity(srt, e, table)
@@ -177,8 +187,8 @@ def gap_payload(
     srt: npt.NDArray[Any], e: int, k: int, to_rank: npt.NDArray[Any] | None, gap_bytes: int
 ) -> bytearray | None:
     """Layer-major gap planes of canonical rows (relabelled by ``to_rank``), or None."""
-    lib = _active
-    if lib is None or not _fits(srt) or not _k_ok(k):
+    lib = _taking(srt, k)
+    if lib is None:
         return None
     out = bytearray(srt.size * gap_bytes)
     rank = None if to_rank is None else np.ascontiguousarray(to_rank, dtype=np.int32)
@@ -188,8 +198,8 @@ def gap_payload(
 
 def set_encode(srt: npt.NDArray[Any], e: int, k: int, bits: int, nbytes: int) -> bytearray | None:
     """Canonical rows' set ranks packed at ``bits`` bits (``nbytes`` in all), or None."""
-    lib = _active
-    if lib is None or not _fits(srt) or not _k_ok(k):
+    lib = _taking(srt, k)
+    if lib is None:
         return None
     out = bytearray(nbytes)
     lib.set_encode(srt, e, _tables(e, k), bits, out)
@@ -198,10 +208,8 @@ def set_encode(srt: npt.NDArray[Any], e: int, k: int, bits: int, nbytes: int) ->
 
 def raw_encode(arr: npt.NDArray[Any], e: int, nbytes: int) -> bytearray | None:
     """Ids as written, as ``u1``/``<u2`` with -1 as the dtype's maximum, or None."""
-    lib = _active
-    if lib is None or not _fits(arr) or not _k_ok(arr.shape[2]):
-        return None
-    if arr.dtype.str[1:] not in _INPUT_KINDS or not arr.dtype.isnative:
+    lib = _taking(arr, arr.shape[-1])
+    if lib is None or not _input_dtype(arr):
         return None
     out = bytearray(nbytes)
     lib.raw_encode(arr, e, out)
@@ -211,8 +219,8 @@ def raw_encode(arr: npt.NDArray[Any], e: int, nbytes: int) -> bytearray | None:
 # ---- decode (into ``out``: a view of the frame's array) ----------------------------------
 def set_decode(body: Any, e: int, k: int, bits: int, out: npt.NDArray[Any]) -> bool:
     """Unrank a ``set`` body into ``out``; False when the caller must run the reference."""
-    lib = _active
-    if lib is None or not _fits(out) or not _k_ok(k):
+    lib = _taking(out, k)
+    if lib is None:
         return False
     return lib.set_decode(body, e, _tables(e, k), bits, out) == 0  # type: ignore[no-any-return]
 
@@ -221,8 +229,8 @@ def zset_decode(
     payload: Any, e: int, order: npt.NDArray[Any] | None, out: npt.NDArray[Any]
 ) -> bool:
     """Inflated set-zstd gap planes into ``out``; False when the caller must run the reference."""
-    lib = _active
-    if lib is None or not _fits(out) or not _k_ok(out.shape[2]):
+    lib = _taking(out, out.shape[-1])
+    if lib is None:
         return False
     dtype = "u1" if e <= 255 else "<u2"
     table = None if order is None else np.ascontiguousarray(order, dtype=dtype)
@@ -231,7 +239,7 @@ def zset_decode(
 
 def raw_decode(body: Any, e: int, out: npt.NDArray[Any]) -> bool:
     """A raw body into ``out``, every row checked; False when the caller must run the reference."""
-    lib = _active
-    if lib is None or not _fits(out) or not _k_ok(out.shape[2]):
+    lib = _taking(out, out.shape[-1])
+    if lib is None:
         return False
     return lib.raw_decode(body, e, out) == 0  # type: ignore[no-any-return]

@@ -264,6 +264,10 @@ def _stitch(
     nbytes = (hi - start) * len(kept) * k * index_dtype(e).itemsize
     if nbytes > max_bytes:
         raise FrameError(f"{who}: rows [{start}, {hi}) decode to {nbytes} bytes, over {max_bytes}")
+    # Every returned frame's segments (a frame outside the range included), kept where
+    # they touch [start, hi): the provenance of either answer below.
+    segs = (f.routing.segments or (Segment(f.header.start, f.header.end),) for f in decoded)
+    uniq = tuple(dict.fromkeys(s for ss in segs for s in ss if s.overlaps(start, hi)))
     only = decoded[0]
     if (
         len(decoded) == 1
@@ -272,14 +276,10 @@ def _stitch(
     ):
         # One frame that is exactly the answer (a whole single-segment read): its
         # decoded array, already read-only, is the result; no copy.
-        segs1 = only.routing.segments or (Segment(only.header.start, only.header.end),)
-        uniq1 = tuple(dict.fromkeys(s for s in segs1 if s.overlaps(start, hi)))
-        return Routing(only.routing.indices, e, kept, start, uniq1)
+        return Routing(only.routing.indices, e, kept, start, uniq)
     out = np.full((hi - start, len(kept), k), -1, dtype=index_dtype(e))
-    segs: list[Segment] = []
     for f in decoded:
         a, b = max(start, f.header.start), min(hi, f.header.end)
-        segs.extend(f.routing.segments or (Segment(f.header.start, f.header.end),))
         if a >= b:
             continue
         have = f.routing.layer_ids
@@ -293,5 +293,4 @@ def _stitch(
         # every layer in order: a view (one copy into out), not a fancy-indexed copy
         out[a - start : b - start] = rows if cols == list(range(len(have))) else rows[:, cols]
     out.flags.writeable = False
-    uniq = tuple(dict.fromkeys(s for s in segs if s.overlaps(start, hi)))
     return Routing(out, e, kept, start, uniq)
