@@ -759,6 +759,13 @@ static int tables_from(Py_buffer *tb, int e, int k, Tables *t) {
     return 0;
 }
 
+/* C(E, K), the "-1 row" rank: the table's C(E, i) entries are guards, so it is summed from
+ * C(E-1, K-1) + C(E-1, K) (both below it, so never saturated when it fits 128 bits). */
+static u128 sentinel_of(const Tables *t) {
+    int e = t->e, k = t->k;
+    return t->binom[(k - 1) * (e + 1) + e - 1] + t->binom[k * (e + 1) + e - 1];
+}
+
 static Py_ssize_t packed_len(Py_ssize_t n, int bits) {
     if (bits > 64) return n * 8 + (n * (bits - 64) + 7) / 8;
     return (n * bits + 7) / 8;
@@ -861,12 +868,7 @@ static PyObject *py_set_encode(PyObject *self, PyObject *args) {
     }
     int bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    int k = (int)s.k;
-    u128 sentinel = 1;
-    { /* C(E, K): the un-guarded value, from C(E-1, K-1) + C(E-1, K) */
-        u128 a = t.binom[(k - 1) * (e + 1) + e - 1], b = t.binom[k * (e + 1) + e - 1];
-        sentinel = a + b;
-    }
+    u128 sentinel = sentinel_of(&t);
     BitW lo = {(uint8_t *)ob.buf, 0, 0, 0};
     BitW hi = {(uint8_t *)ob.buf + n * 8, 0, 0, 0};
     bad = rank_any(&s, &t, sentinel, bits, &lo, &hi);
@@ -990,9 +992,7 @@ static PyObject *py_set_decode(PyObject *self, PyObject *args) {
     }
     int code = R3_OK;
     Py_BEGIN_ALLOW_THREADS
-    int k = (int)o.k;
-    const u128 *B = t.binom;
-    u128 sentinel = B[(k - 1) * (e + 1) + e - 1] + B[k * (e + 1) + e - 1];
+    u128 sentinel = sentinel_of(&t);
     Py_ssize_t lo_len = bits > 64 ? n * 8 : bb.len;
     /* padding: the bits after the last field, in the last byte of each packed run */
     const uint8_t *in = (const uint8_t *)bb.buf;
