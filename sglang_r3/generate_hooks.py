@@ -106,7 +106,10 @@ async def around_generate_request(
     LOOP_PROBE.ensure_started()
     sampling_params = getattr(obj, "sampling_params", None)
     tagged = sampling_params_tagged(sampling_params)
-    if not tagged and misplaced_tag(sampling_params) is None:
+    # A custom_params that is a JSON string naming r3 is refused only where the extension
+    # ships routing: elsewhere (no --routing-cache, or plain sglang.launch_server with the
+    # package installed) the plugin is inert and upstream answers such a request with 200.
+    if not tagged and (misplaced_tag(sampling_params) is None or not engine_config().enabled):
         if engine_config().require_tag and not _is_own_probe(self, obj):
             exc = _untagged_refusal()
             remember_error(request, exc)
