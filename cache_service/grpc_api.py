@@ -164,7 +164,8 @@ class RoutingCacheServicer:
         """See the .proto."""
 
         async def run(ns: str, request: pb.PutSegmentRequest) -> pb.PutSegmentResponse:
-            r = await self.service.put_segment(ns, request.rollout_id, request.frame)
+            view = request.view if request.HasField("view") else None
+            r = await self.service.put_segment(ns, request.rollout_id, request.frame, view=view)
             return _message(r, pb.PutSegmentResponse)
 
         return await self._call("PutSegment", pb.PutSegmentRequest, context, run)
@@ -181,6 +182,7 @@ class RoutingCacheServicer:
                 start=request.start,
                 end=request.end if request.HasField("end") else None,
                 layers=list(request.layers) or None,
+                view=request.view if request.HasField("view") else None,
             )
             self.metrics.bytes_out.labels("grpc").inc(len(frame))
             return pb.RolloutFrame(frame=frame)

@@ -107,6 +107,10 @@ ServiceDep = Annotated[RoutingService, Depends(_service)]
 NamespaceDep = Annotated[str, Depends(_namespace)]
 StartQ = Annotated[int, Query(ge=0, description="first token row")]
 EndQ = Annotated[int | None, Query(ge=1, description="one past the last token row")]
+ViewQ = Annotated[
+    int | None,
+    Query(ge=0, le=(1 << 40) - 1, description="the view serving this row (docs/store.md, Views)"),
+]
 LayersQ = Annotated[
     str | None, Query(description="comma-separated absolute MoE layer ids", max_length=8192)
 ]
@@ -143,11 +147,12 @@ operations = APIRouter(tags=["operations"])
     },
 )
 async def put_segment(
-    rollout_id: str, request: Request, svc: ServiceDep, ns: NamespaceDep
+    rollout_id: str, request: Request, svc: ServiceDep, ns: NamespaceDep, view: ViewQ = None
 ) -> JSONResponse:
-    """Store one segment of a rollout. Idempotent; a differing overlap is a 409."""
+    """Store one segment of a rollout (``view``: of its view serving that row). Idempotent;
+    a differing overlap is a 409."""
     body = await request.body()  # bounded by RequestGuard while it streamed in
-    res = await svc.put_segment(ns, rollout_id, body)
+    res = await svc.put_segment(ns, rollout_id, body, view=view)
     return JSONResponse(to_plain(res), status_code=201 if res.status == "stored" else 200)
 
 
@@ -173,6 +178,7 @@ async def get_rollout(
     end: EndQ = None,
     layers: LayersQ = None,
     fmt: Annotated[str, Query(alias="format", max_length=16)] = "frame",
+    view: ViewQ = None,
 ) -> Response:
     """A rollout's stored frames, whole or cut to a token range / layer subset."""
     if fmt != "frame":
@@ -183,7 +189,7 @@ async def get_rollout(
             "write a .npy with `r3 get <id> -o out.npy`"
         )
     lay = _parse_layers(layers)
-    data = await svc.get_frame(ns, rollout_id, start=start, end=end, layers=lay)
+    data = await svc.get_frame(ns, rollout_id, start=start, end=end, layers=lay, view=view)
     return Response(data, media_type=FRAME_MEDIA_TYPE)
 
 

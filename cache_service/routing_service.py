@@ -81,8 +81,11 @@ class RoutingService:
             view = self._views[namespace] = self.store.for_namespace(namespace)
         return view
 
-    async def put_segment(self, namespace: str, rollout_id: str, frame: bytes) -> PutResult:
-        """Validate limits, then store one segment frame (see :meth:`SegmentStore.put_segment`)."""
+    async def put_segment(
+        self, namespace: str, rollout_id: str, frame: bytes, *, view: int | None = None
+    ) -> PutResult:
+        """Validate limits, then store one segment frame (see :meth:`SegmentStore.put_segment`;
+        ``view``: as the rows of the rollout's view serving that row)."""
         if len(frame) > self.settings.max_body_bytes:
             raise LimitExceededError(
                 f"frame is {len(frame)} bytes; the limit is {self.settings.max_body_bytes}"
@@ -93,7 +96,7 @@ class RoutingService:
                 f"segment has {hdr.num_rows} token rows; the limit is "
                 f"{self.settings.max_tokens_per_segment} per segment"
             )
-        res = await self._ns(namespace).put_segment(rollout_id, frame)
+        res = await self._ns(namespace).put_segment(rollout_id, frame, view=view)
         if res.dedupe_hit:
             self.metrics.dedupe_hits.inc()
             self.metrics.dedupe_bytes.inc(res.nbytes)
@@ -107,11 +110,15 @@ class RoutingService:
         start: int = 0,
         end: int | None = None,
         layers: Sequence[int] | None = None,
+        view: int | None = None,
     ) -> bytes:
-        """The rollout's stored frames (or slices of them), concatenated, undecoded."""
+        """The rollout's stored frames (or slices of them), concatenated, undecoded
+        (``view``: those of its view serving that row)."""
         _check_layer_subset(layers)
         return await _bounded(
-            self._ns(namespace).get_frame(rollout_id, start=start, end=end, layers=layers)
+            self._ns(namespace).get_frame(
+                rollout_id, start=start, end=end, layers=layers, view=view
+            )
         )
 
     async def check_direct_reads(self) -> None:

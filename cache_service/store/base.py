@@ -19,15 +19,23 @@ from redis.asyncio.cluster import RedisCluster
 
 from cache_service.store.settings import StoreSettings, check_namespace
 from r3_client import (
+    InvalidRequestError,
     Segment,
     StoreError,
     StoreUnavailableError,
     check_rollout_id,
 )
 
-__all__ = ["RedisClient", "StoreBase"]
+__all__ = ["RedisClient", "StoreBase", "check_serves"]
 
 RedisClient = aioredis.Redis | RedisCluster
+
+
+def check_serves(serves: int) -> int:
+    """A view's ``serves`` row: a non-negative int (:class:`InvalidRequestError` otherwise)."""
+    if isinstance(serves, bool) or not isinstance(serves, int) or not 0 <= serves < 1 << 40:
+        raise InvalidRequestError(f"view must be a row number >= 0, got {serves!r}")
+    return serves
 
 
 def _load(name: str) -> str:
@@ -47,7 +55,9 @@ class StoreBase:
         self._rewind = client.register_script(_load("rewind_rollout.lua"))
         self._put_blob = client.register_script(_load("put_blob.lua"))
         self._keep_blob = client.register_script(_load("keep_blob.lua"))
-        self._delete = client.register_script("return redis.call('DEL', KEYS[1])")
+        self._delete = client.register_script(_load("delete_rollout.lua"))
+        self._put_view_ref = client.register_script(_load("put_view_ref.lua"))
+        self._clear_view = client.register_script(_load("clear_view.lua"))
         self._namespace = ""
         self._limit = asyncio.Semaphore(settings.max_connections)
 
@@ -70,6 +80,11 @@ class StoreBase:
     def key(self, rollout_id: str) -> str:
         """The Redis key of a rollout (hash-tagged for Cluster)."""
         return f"{self._prefix}:{{{check_rollout_id(rollout_id)}}}"
+
+    def view_key(self, rollout_id: str, serves: int) -> str:
+        """The Redis key of a rollout's view serving row ``serves``: a hash like a rollout's,
+        in the rollout's slot (same hash tag), matched by the namespace's key pattern."""
+        return f"{self.key(rollout_id)}:v:{check_serves(serves)}"
 
     def _blob_key(self, meta: bytes, segment: Segment) -> str:
         share = hashlib.sha256(meta + msgpack.packb(segment.to_dict())).hexdigest()

@@ -133,9 +133,16 @@ class DurableWrites(StoreBase):
         return msg
 
     async def _write(
-        self, key: str, script: Any, args: Sequence[Any], acked: Callable[[Any], bool]
+        self,
+        key: str,
+        script: Any,
+        args: Sequence[Any],
+        acked: Callable[[Any], bool],
+        *,
+        keys: Sequence[str] = (),
     ) -> Any:
-        """Run ``script`` on ``key``; in a durable mode, then wait on the same connection.
+        """Run ``script`` on ``key`` (and ``keys``, in its slot); in a durable mode, then wait
+        on the same connection.
 
         The caller is inside :meth:`_guarded` (holds a ``max_connections`` slot).  ``acked(result)``
         tells whether the result acknowledges stored data (only then does an
@@ -143,8 +150,8 @@ class DurableWrites(StoreBase):
         """
         waits = self._wait_commands()
         if not waits:
-            return await script(keys=[key], args=list(args))
-        command = ("EVALSHA", script.sha, 1, key, *args)
+            return await script(keys=[key, *keys], args=list(args))
+        command = ("EVALSHA", script.sha, 1 + len(keys), key, *keys, *args)
         asking: Any = None
         for _ in range(4):
             try:

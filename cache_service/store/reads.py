@@ -26,6 +26,7 @@ from r3_client.wire import (
     Context,
     RolloutInfo,
     SegmentInfo,
+    ViewInfo,
     decode_rollout,
     encode_context,
     layer_positions,
@@ -41,7 +42,7 @@ class StoreReads(StoreBase):
 
     # ---- reads -------------------------------------------------------------------------
     async def _fetch(
-        self, rollout_id: str, start: int, end: int | None
+        self, rollout_id: str, start: int, end: int | None, view: int | None = None
     ) -> tuple[
         tuple[int, int, tuple[int, ...]], int, list[tuple[int, int, bytes]], dict[str, bytes]
     ]:
@@ -54,10 +55,14 @@ class StoreReads(StoreBase):
         (segments are never rewritten in place, so the two steps cannot mix
         versions; a rollout deleted in between reads as not found).
         """
-        key = self.key(rollout_id)
+        key = self.key(rollout_id) if view is None else self.view_key(rollout_id, view)
         if start < 0 or (end is not None and end <= start):
             raise InvalidRequestError(f"token range [{start}, {end}) is empty or negative")
-        missing = RolloutNotFoundError(f"rollout {rollout_id} not found")
+        missing = RolloutNotFoundError(
+            f"rollout {rollout_id} not found"
+            if view is None
+            else f"rollout {rollout_id} has no view serving row {view} (its stat lists views)"
+        )
         async with self._guarded():
             if start == 0 and end is None:
                 fields: dict[Any, Any] = await self._r.hgetall(key)
@@ -102,8 +107,12 @@ class StoreReads(StoreBase):
         start: int = 0,
         end: int | None = None,
         layers: Sequence[int] | None = None,
+        view: int | None = None,
     ) -> bytes:
         """The rollout's stored frames overlapping the request, concatenated: nothing decoded.
+
+        ``view``: the frames of the rollout's view serving row ``view`` instead (rows
+        outside the view's range read as a gap).
 
         Whole segments come back byte for byte; a segment the range or ``layers``
         cuts comes back as a :func:`~r3_client.slice_frame` of it (the blocks and
@@ -114,7 +123,7 @@ class StoreReads(StoreBase):
         range outside ``[0, num_rows)`` or an unknown layer id.
         """
         (_, _, layer_ids), stored_end, segments, contexts = await self._fetch(
-            rollout_id, start, end
+            rollout_id, start, end, view
         )
         if end is None and start >= stored_end:
             raise InvalidRequestError(
@@ -211,8 +220,15 @@ class StoreReads(StoreBase):
             except rexc.ResponseError:  # MEMORY disabled by the operator
                 mem = None
         e, k, layer_ids = msgpack.unpackb(res[0])
+        nviews = int(res[4])
+        views = []
+        pairs = res[5 : 5 + 2 * nviews]
+        for serves, raw in zip(pairs[::2], pairs[1::2], strict=True):
+            a, b, wv, nbytes = msgpack.unpackb(raw)
+            views.append(ViewInfo(int(serves), a, b, wv, nbytes))
+        views.sort(key=lambda v: v.serves)
         infos = []
-        for raw in res[4:]:
+        for raw in res[5 + 2 * nviews :]:
             seg, codec, nbytes, shared = msgpack.unpackb(raw)
             infos.append(SegmentInfo(Segment.from_dict(seg), codec, nbytes, shared))
         infos.sort(key=lambda i: i.segment.start)
@@ -228,6 +244,7 @@ class StoreReads(StoreBase):
             memory_bytes=None if mem is None else int(mem),
             ttl_s=None if pttl < 0 else pttl / 1000,
             segments=tuple(infos),
+            views=tuple(views),
         )
 
     async def memory(self) -> dict[str, int]:

@@ -242,7 +242,7 @@ class SegmentStore(DurableWrites, StoreReads):
 
     # ---- writes ------------------------------------------------------------------------
     async def put_segment(
-        self, rollout_id: str, frame: bytes, *, ttl_s: int | None = None
+        self, rollout_id: str, frame: bytes, *, ttl_s: int | None = None, view: int | None = None
     ) -> PutResult:
         """Check ``frame``'s header and store it unchanged as one segment of ``rollout_id``.
 
@@ -255,11 +255,23 @@ class SegmentStore(DurableWrites, StoreReads):
         frame whose context the rollout does not hold, and
         :class:`InvalidRequestError` when the rollout has too many segments or the
         segment starts too far past the stored rows.
+
+        ``view``: store the frame as rows of the rollout's *view* serving row ``view``
+        (docs/store.md, "Views"): rows the engine recomputed, at or below ``view``, that
+        the tokens of the segment starting at ``view`` attended to.
         """
+        if view is not None:
+            return await self._put_view(rollout_id, frame, view, ttl_s)
         key = self.key(rollout_id)
         ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
         if ttl < 0:
             raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
+        return await self._put_at(rollout_id, key, frame, ttl, self.settings.max_gap_rows)
+
+    async def _put_at(
+        self, rollout_id: str, key: str, frame: bytes, ttl: int, max_gap: int
+    ) -> PutResult:
+        """Store ``frame`` as one segment of the hash at ``key`` (a rollout's or a view's)."""
         hdr, context = await self._checked_header(rollout_id, key, frame)
         assert hdr.segment is not None
         segment = hdr.segment
@@ -278,7 +290,7 @@ class SegmentStore(DurableWrites, StoreReads):
             )
             args = [meta, segment.start, segment.end, value, hdr.digest, info, ttl * 1000]
             args += [self.settings.max_segments, len(frame), ref, *context]
-            args += [self.settings.max_gap_rows, self.settings.max_rollout_gap_rows]
+            args += [max_gap, self.settings.max_rollout_gap_rows]
             res = await self._write(key, self._put, args, lambda r: r[0] in _PUT_ACKED)
             if res[0] in (b"stored", b"duplicate"):
                 await self._keep_blobs(res[1:], ttl * 1000)
@@ -287,6 +299,53 @@ class SegmentStore(DurableWrites, StoreReads):
             hit = dedupe_hit and status == "stored"
             return PutResult(status, rollout_id, segment, len(frame), bool(ref), hit)
         raise self._put_refusal(status, res, rollout_id, hdr)
+
+    async def _put_view(
+        self, rollout_id: str, frame: bytes, serves: int, ttl_s: int | None
+    ) -> PutResult:
+        """Store a view's frame in the view's hash and register it in the rollout's.
+
+        The view must end at or before ``serves`` and have the rollout's geometry.  A view
+        that differs from one stored for the same ``serves`` replaces it only while no
+        segment starts at ``serves`` (its call's own rows were never stored, so nothing
+        was read against it); after that a view is fixed, like a segment.
+        """
+        key, vkey = self.key(rollout_id), self.view_key(rollout_id, serves)
+        ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
+        if ttl < 0:
+            raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
+        hdr = read_header(frame, verify=False)
+        if hdr.segment is not None and hdr.segment.end > serves:
+            raise InvalidRequestError(
+                f"a view serving row {serves} holds rows below it; this frame holds rows "
+                f"[{hdr.segment.start}, {hdr.segment.end})"
+            )
+        async with self._guarded():
+            meta = await self._r.hget(key, "m")
+        if meta is not None and meta != _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids):
+            e, k, layers = msgpack.unpackb(meta)
+            raise SegmentConflictError(
+                f"rollout {rollout_id} holds routing with E={e}, K={k}, "
+                f"layers={quote_items(layers)}; this view has E={hdr.num_experts}, "
+                f"K={hdr.topk}, layers={quote_items(hdr.layer_ids)}"
+            )
+        # A view may start anywhere below the rows it serves: no gap bound past row 0.
+        max_gap = self.settings.max_rollout_rows
+        try:
+            res = await self._put_at(rollout_id, vkey, frame, ttl, max_gap)
+        except SegmentConflictError:
+            async with self._guarded():
+                cleared = await self._write(key, self._clear_view, [serves], bool, keys=[vkey])
+            if cleared[0] != b"cleared":
+                raise
+            res = await self._put_at(rollout_id, vkey, frame, ttl, max_gap)
+        assert res.segment is not None
+        seg = res.segment
+        info = msgpack.packb([seg.start, seg.end, seg.weight_version, res.nbytes])
+        async with self._guarded():
+            args = [serves, info, ttl * 1000]
+            await self._write(key, self._put_view_ref, args, bool, keys=[vkey])
+        return res
 
     async def _checked_header(
         self, rollout_id: str, key: str, frame: bytes
@@ -410,8 +469,6 @@ class SegmentStore(DurableWrites, StoreReads):
         """Delete a rollout; True if it existed."""
         key = self.key(rollout_id)
         async with self._guarded():
-            if not self._wait_commands():
-                return bool(await self._r.delete(key))
             return bool(await self._write(key, self._delete, [], bool))
 
     async def rewind(self, rollout_id: str, rows: int, *, ttl_s: int | None = None) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from r3_client._answers import PutResult, RolloutInfo, SegmentInfo
+from r3_client._answers import PutResult, RolloutInfo, SegmentInfo, ViewInfo
 from r3_client._config import Retry, Timeout
 from r3_client._direct import DirectReader
 from r3_client._exceptions import (
@@ -57,6 +57,7 @@ from r3_client._routing import (
     token_digest,
     validate_indices,
 )
+from r3_client._views import ServedRouting, ViewPolicy
 from r3_client.codec import (
     CODECS,
     FORMAT_VERSION,
@@ -124,6 +125,7 @@ __all__ = [
     "Segment",
     "SegmentConflictError",
     "SegmentInfo",
+    "ServedRouting",
     "ServiceError",
     "ShapeError",
     "StoreError",
@@ -132,6 +134,8 @@ __all__ = [
     "TransportError",
     "TruncatedFrameError",
     "UnsupportedFrameError",
+    "ViewInfo",
+    "ViewPolicy",
     "canonical_rows",
     "check_rollout_id",
     "check_text",

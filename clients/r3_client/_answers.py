@@ -14,7 +14,7 @@ from typing import Any, Literal
 from r3_client._answer_forms import from_plain, to_plain
 from r3_client._routing import Segment
 
-__all__ = ["PROTO_MESSAGES", "PutResult", "RolloutInfo", "SegmentInfo"]
+__all__ = ["PROTO_MESSAGES", "PutResult", "RolloutInfo", "SegmentInfo", "ViewInfo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,19 @@ class SegmentInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ViewInfo:
+    """A stored view: rows ``[start, end)`` the engine *recomputed* (they already had rows)
+    in the forward whose KV the tokens of the segment starting at row ``serves`` attended
+    to, under ``weight_version`` (docs/store.md, "Views")."""
+
+    serves: int
+    start: int
+    end: int
+    weight_version: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class RolloutInfo:
     """What the service stores for a rollout, without its rows."""
 
@@ -58,6 +71,8 @@ class RolloutInfo:
     memory_bytes: int | None  # Redis MEMORY USAGE of the rollout's key, when available
     ttl_s: float | None  # None = no expiry
     segments: tuple[SegmentInfo, ...]
+    #: recomputed prefixes, by the row they serve (empty: every row computed once)
+    views: tuple[ViewInfo, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form (the service's answers); inverse of :meth:`from_dict`."""
@@ -75,5 +90,6 @@ PROTO_MESSAGES: dict[type, str] = {
     Segment: "Segment",
     SegmentInfo: "SegmentInfo",
     RolloutInfo: "RolloutStat",
+    ViewInfo: "ViewInfo",
     PutResult: "PutSegmentResponse",
 }

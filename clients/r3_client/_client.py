@@ -22,7 +22,7 @@ from contextlib import aclosing, closing
 import numpy.typing as npt
 from tqdm import tqdm
 
-from r3_client._answers import PutResult, RolloutInfo
+from r3_client._answers import PutResult, RolloutInfo, ViewInfo
 from r3_client._client_core import (
     RETRYABLE,
     THREAD_DECODE_BYTES,
@@ -35,6 +35,7 @@ from r3_client._client_core import (
 )
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
+    InvalidRequestError,
     R3Error,
 )
 from r3_client._routing import Routing, Segment, check_rollout_id
@@ -42,9 +43,34 @@ from r3_client._transports import (
     AsyncTransport,
     Transport,
 )
+from r3_client._views import (
+    ServedRouting,
+    ViewPolicy,
+    applicable_views,
+    check_policy,
+    overlay,
+    served_states,
+)
 from r3_client.codec import MAX_DECODED_BYTES, CodecName
 
 __all__ = ["AsyncRoutingClient", "RoutingClient"]
+
+
+def _served(
+    info: RolloutInfo, base: Routing, rows: dict[int, Routing], policy: str
+) -> list[ServedRouting]:
+    """The answer of ``get_served``: ``base`` (every row, first computations) with the views'
+    ``rows`` applied per state (``exact``), all of them (``latest``) or none."""
+    if policy == "exact":
+        states = served_states(info)
+    else:
+        applied = applicable_views(info) if policy == "latest" else ()
+        states = [(0, base.end, applied)]
+    out = []
+    for a, b, views in states:
+        routing = overlay(base, [rows[v.serves] for v in views]).select(start=0, end=b)
+        out.append(ServedRouting(a, b, routing, views))
+    return out
 
 
 class RoutingClient:
@@ -100,9 +126,14 @@ class RoutingClient:
         start: int | None = None,
         segment: Segment | None = None,
         codec: CodecName = "auto",
+        view: int | None = None,
     ) -> PutResult:
         """Store one segment: a :class:`Routing`, an array ``[rows, L, K]`` (with
-        ``num_experts`` and ``layer_ids``), or an encoded frame."""
+        ``num_experts`` and ``layer_ids``), or an encoded frame.
+
+        ``view``: store it as (part of) the rollout's view serving row ``view``: rows the
+        engine recomputed below that row, which the tokens from that row on attended to
+        (what the SGLang extension writes; docs/store.md, "Views")."""
         check_rollout_id(rollout_id)
         frame = self._core.frame(
             routing,
@@ -112,7 +143,11 @@ class RoutingClient:
             segment=segment,
             codec=codec,
         )
-        return PutResult.from_dict(self._retrying(lambda: self._t.put(rollout_id, frame)))
+        if view is None:
+            return PutResult.from_dict(self._retrying(lambda: self._t.put(rollout_id, frame)))
+        return PutResult.from_dict(
+            self._retrying(lambda: self._t.put(rollout_id, frame, view=view))
+        )
 
     def get_frame(
         self,
@@ -121,13 +156,17 @@ class RoutingClient:
         start: int = 0,
         end: int | None = None,
         layers: Sequence[int] | None = None,
+        view: int | None = None,
     ) -> bytes:
         """The stored frames for the rollout, or for rows ``[start, end)`` of absolute MoE
         ``layers``, concatenated as the service returns them (decode with
-        :func:`r3_client.decode_rollout` and the same arguments)."""
+        :func:`r3_client.decode_rollout` and the same arguments).  ``view``: the frames of
+        the rollout's view serving that row instead."""
         check_rollout_id(rollout_id)
         self._core.check_range(start, end)
-        return self._retrying(lambda: self._t.get(rollout_id, start, end, layers))
+        if view is None:
+            return self._retrying(lambda: self._t.get(rollout_id, start, end, layers))
+        return self._retrying(lambda: self._t.get(rollout_id, start, end, layers, view=view))
 
     def get(
         self,
@@ -136,11 +175,56 @@ class RoutingClient:
         start: int = 0,
         end: int | None = None,
         layers: Sequence[int] | None = None,
+        view: ViewPolicy = "generated",
     ) -> Routing:
         """The rollout's routing, cut on the server to the blocks and layer groups that
-        ``start``/``end``/``layers`` need, decoded and trimmed here."""
+        ``start``/``end``/``layers`` need, decoded and trimmed here.
+
+        ``view``: ``"generated"`` (each position's first computation) or ``"latest"``
+        (what the rollout's last call attended to: its views applied; one ``stat`` and
+        one read per view more).  ``"exact"`` answers several routings:
+        :meth:`get_served`.
+        """
+        if check_policy(view) == "exact":
+            raise InvalidRequestError(
+                'view="exact" is one routing per state of the rollout: call get_served()'
+            )
         data = self.get_frame(rollout_id, start=start, end=end, layers=layers)
-        return self._core.decode(data, rollout_id, start, end, layers)
+        base = self._core.decode(data, rollout_id, start, end, layers)
+        if view == "generated":
+            return base
+        views = applicable_views(self.stat(rollout_id))
+        return overlay(base, [self._view_rows(rollout_id, v, base, layers) for v in views])
+
+    def _view_rows(
+        self, rollout_id: str, v: ViewInfo, base: Routing, layers: Sequence[int] | None
+    ) -> Routing:
+        """The rows of view ``v`` that fall in ``base``'s range (maybe none)."""
+        a, b = max(v.start, base.start), min(v.end, base.end)
+        if a >= b:
+            return Routing(base.indices[:0], base.num_experts, base.layer_ids, a)
+        data = self.get_frame(rollout_id, start=a, end=b, layers=layers, view=v.serves)
+        return self._core.decode(data, rollout_id, a, b, layers)
+
+    def get_served(
+        self,
+        rollout_id: str,
+        *,
+        view: ViewPolicy = "exact",
+        layers: Sequence[int] | None = None,
+    ) -> list[ServedRouting]:
+        """The routing each span of the rollout's tokens attended to (docs/store.md, "Views").
+
+        ``"exact"``: one :class:`ServedRouting` per state (one for a rollout without
+        views); ``"latest"`` / ``"generated"``: one, over every row, as :meth:`get`
+        answers it.  Reads the rollout once and each view once.
+        """
+        policy = check_policy(view)
+        info = self.stat(rollout_id)
+        base = self.get(rollout_id, layers=layers)
+        views = applicable_views(info)
+        rows = {v.serves: self._view_rows(rollout_id, v, base, layers) for v in views}
+        return _served(info, base, rows, policy)
 
     def stat(self, rollout_id: str) -> RolloutInfo:
         """What is stored for the rollout (no rows)."""
@@ -282,6 +366,7 @@ class AsyncRoutingClient:
         start: int | None = None,
         segment: Segment | None = None,
         codec: CodecName = "auto",
+        view: int | None = None,
     ) -> PutResult:
         """See :meth:`RoutingClient.put`."""
         check_rollout_id(rollout_id)
@@ -293,7 +378,11 @@ class AsyncRoutingClient:
             segment=segment,
             codec=codec,
         )
-        return PutResult.from_dict(await self._retrying(lambda: self._t.put(rollout_id, frame)))
+        if view is None:
+            return PutResult.from_dict(await self._retrying(lambda: self._t.put(rollout_id, frame)))
+        return PutResult.from_dict(
+            await self._retrying(lambda: self._t.put(rollout_id, frame, view=view))
+        )
 
     async def get_frame(
         self,
@@ -302,11 +391,27 @@ class AsyncRoutingClient:
         start: int = 0,
         end: int | None = None,
         layers: Sequence[int] | None = None,
+        view: int | None = None,
     ) -> bytes:
         """See :meth:`RoutingClient.get_frame`."""
         check_rollout_id(rollout_id)
         self._core.check_range(start, end)
-        return await self._retrying(lambda: self._t.get(rollout_id, start, end, layers))
+        if view is None:
+            return await self._retrying(lambda: self._t.get(rollout_id, start, end, layers))
+        return await self._retrying(lambda: self._t.get(rollout_id, start, end, layers, view=view))
+
+    async def _decoded(
+        self,
+        rollout_id: str,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        view: int | None = None,
+    ) -> Routing:
+        data = await self.get_frame(rollout_id, start=start, end=end, layers=layers, view=view)
+        if len(data) > THREAD_DECODE_BYTES:
+            return await asyncio.to_thread(self._core.decode, data, rollout_id, start, end, layers)
+        return self._core.decode(data, rollout_id, start, end, layers)
 
     async def get(
         self,
@@ -315,12 +420,43 @@ class AsyncRoutingClient:
         start: int = 0,
         end: int | None = None,
         layers: Sequence[int] | None = None,
+        view: ViewPolicy = "generated",
     ) -> Routing:
         """See :meth:`RoutingClient.get`."""
-        data = await self.get_frame(rollout_id, start=start, end=end, layers=layers)
-        if len(data) > THREAD_DECODE_BYTES:
-            return await asyncio.to_thread(self._core.decode, data, rollout_id, start, end, layers)
-        return self._core.decode(data, rollout_id, start, end, layers)
+        if check_policy(view) == "exact":
+            raise InvalidRequestError(
+                'view="exact" is one routing per state of the rollout: call get_served()'
+            )
+        base = await self._decoded(rollout_id, start, end, layers)
+        if view == "generated":
+            return base
+        views = applicable_views(await self.stat(rollout_id))
+        parts = [await self._view_rows(rollout_id, v, base, layers) for v in views]
+        return overlay(base, parts)
+
+    async def _view_rows(
+        self, rollout_id: str, v: ViewInfo, base: Routing, layers: Sequence[int] | None
+    ) -> Routing:
+        """See :meth:`RoutingClient._view_rows`."""
+        a, b = max(v.start, base.start), min(v.end, base.end)
+        if a >= b:
+            return Routing(base.indices[:0], base.num_experts, base.layer_ids, a)
+        return await self._decoded(rollout_id, a, b, layers, v.serves)
+
+    async def get_served(
+        self,
+        rollout_id: str,
+        *,
+        view: ViewPolicy = "exact",
+        layers: Sequence[int] | None = None,
+    ) -> list[ServedRouting]:
+        """See :meth:`RoutingClient.get_served`."""
+        policy = check_policy(view)
+        info = await self.stat(rollout_id)
+        base = await self.get(rollout_id, layers=layers)
+        views = applicable_views(info)
+        rows = {v.serves: await self._view_rows(rollout_id, v, base, layers) for v in views}
+        return _served(info, base, rows, policy)
 
     async def stat(self, rollout_id: str) -> RolloutInfo:
         """See :meth:`RoutingClient.stat`."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from r3_client._answer_forms import proto_messages, to_message, to_plain
-from r3_client._answers import PROTO_MESSAGES, PutResult, RolloutInfo, SegmentInfo
+from r3_client._answers import PROTO_MESSAGES, PutResult, RolloutInfo, SegmentInfo, ViewInfo
 from r3_client._exceptions import quote_items
 from r3_client._lazy import lazy_attributes
 from r3_client._routing import MAX_LAYER_ID, layer_positions
@@ -100,6 +100,7 @@ __all__ = [
     "RolloutInfo",
     "SegmentInfo",
     "StreamDecoder",
+    "ViewInfo",
     "check_chunks",
     "decode_rollout",
     "encode_context",

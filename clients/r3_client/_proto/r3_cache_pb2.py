@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0er3_cache.proto\x12\x0br3.cache.v1\"6\n\x11PutSegmentRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\r\n\x05\x66rame\x18\x02 \x01(\x0c\"`\n\x11GetRolloutRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x10\n\x03\x65nd\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x0e\n\x06layers\x18\x04 \x03(\x05\x42\x06\n\x04_end\"\x1d\n\x0cRolloutFrame\x12\r\n\x05\x66rame\x18\x01 \x01(\x0c\" \n\nRolloutRef\x12\x12\n\nrollout_id\x18\x01 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"@\n\x0cTouchRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x12\n\x05ttl_s\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_ttl_s\"\x0f\n\rTouchResponse\"1\n\rRewindRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\"_\n\x0f\x42\x61tchGetRequest\x12\x13\n\x0brollout_ids\x18\x01 \x03(\t\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x10\n\x03\x65nd\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x0e\n\x06layers\x18\x04 \x03(\x05\x42\x06\n\x04_end\";\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0bhttp_status\x18\x03 \x01(\x05\"_\n\tBatchItem\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0f\n\x05\x66rame\x18\x02 \x01(\x0cH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.r3.cache.v1.ErrorH\x00\x42\x08\n\x06result\"f\n\x07Segment\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x03\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x16\n\x0eweight_version\x18\x04 \x01(\t\x12\x15\n\rtokens_digest\x18\x05 \x01(\t\"c\n\x0bSegmentInfo\x12%\n\x07segment\x18\x01 \x01(\x0b\x32\x14.r3.cache.v1.Segment\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0e\n\x06shared\x18\x04 \x01(\x08\"\x8b\x02\n\x0bRolloutStat\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_experts\x18\x02 \x01(\x03\x12\x0c\n\x04topk\x18\x03 \x01(\x03\x12\x11\n\tlayer_ids\x18\x04 \x03(\x03\x12\x10\n\x08num_rows\x18\x05 \x01(\x03\x12\x14\n\x0cstored_bytes\x18\x06 \x01(\x03\x12\x14\n\x0cshared_bytes\x18\x07 \x01(\x03\x12\x19\n\x0cmemory_bytes\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\x05ttl_s\x18\t \x01(\x01H\x01\x88\x01\x01\x12*\n\x08segments\x18\n \x03(\x0b\x32\x18.r3.cache.v1.SegmentInfoB\x0f\n\r_memory_bytesB\x08\n\x06_ttl_s\"\x93\x01\n\x12PutSegmentResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12%\n\x07segment\x18\x03 \x01(\x0b\x32\x14.r3.cache.v1.Segment\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x0e\n\x06shared\x18\x05 \x01(\x08\x12\x12\n\ndedupe_hit\x18\x06 \x01(\x08\x32\x81\x04\n\x0cRoutingCache\x12M\n\nPutSegment\x12\x1e.r3.cache.v1.PutSegmentRequest\x1a\x1f.r3.cache.v1.PutSegmentResponse\x12G\n\nGetRollout\x12\x1e.r3.cache.v1.GetRolloutRequest\x1a\x19.r3.cache.v1.RolloutFrame\x12@\n\x0bStatRollout\x12\x17.r3.cache.v1.RolloutRef\x1a\x18.r3.cache.v1.RolloutStat\x12\x45\n\rDeleteRollout\x12\x17.r3.cache.v1.RolloutRef\x1a\x1b.r3.cache.v1.DeleteResponse\x12\x45\n\x0cTouchRollout\x12\x19.r3.cache.v1.TouchRequest\x1a\x1a.r3.cache.v1.TouchResponse\x12\x45\n\rRewindRollout\x12\x1a.r3.cache.v1.RewindRequest\x1a\x18.r3.cache.v1.RolloutStat\x12\x42\n\x08\x42\x61tchGet\x12\x1c.r3.cache.v1.BatchGetRequest\x1a\x16.r3.cache.v1.BatchItem0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0er3_cache.proto\x12\x0br3.cache.v1\"R\n\x11PutSegmentRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\r\n\x05\x66rame\x18\x02 \x01(\x0c\x12\x11\n\x04view\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_view\"|\n\x11GetRolloutRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x10\n\x03\x65nd\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x0e\n\x06layers\x18\x04 \x03(\x05\x12\x11\n\x04view\x18\x05 \x01(\x03H\x01\x88\x01\x01\x42\x06\n\x04_endB\x07\n\x05_view\"\x1d\n\x0cRolloutFrame\x12\r\n\x05\x66rame\x18\x01 \x01(\x0c\" \n\nRolloutRef\x12\x12\n\nrollout_id\x18\x01 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"@\n\x0cTouchRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x12\n\x05ttl_s\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_ttl_s\"\x0f\n\rTouchResponse\"1\n\rRewindRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\"_\n\x0f\x42\x61tchGetRequest\x12\x13\n\x0brollout_ids\x18\x01 \x03(\t\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x10\n\x03\x65nd\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x0e\n\x06layers\x18\x04 \x03(\x05\x42\x06\n\x04_end\";\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0bhttp_status\x18\x03 \x01(\x05\"_\n\tBatchItem\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0f\n\x05\x66rame\x18\x02 \x01(\x0cH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.r3.cache.v1.ErrorH\x00\x42\x08\n\x06result\"f\n\x07Segment\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x03\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x16\n\x0eweight_version\x18\x04 \x01(\t\x12\x15\n\rtokens_digest\x18\x05 \x01(\t\"c\n\x0bSegmentInfo\x12%\n\x07segment\x18\x01 \x01(\x0b\x32\x14.r3.cache.v1.Segment\x12\r\n\x05\x63odec\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0e\n\x06shared\x18\x04 \x01(\x08\"\xb1\x02\n\x0bRolloutStat\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_experts\x18\x02 \x01(\x03\x12\x0c\n\x04topk\x18\x03 \x01(\x03\x12\x11\n\tlayer_ids\x18\x04 \x03(\x03\x12\x10\n\x08num_rows\x18\x05 \x01(\x03\x12\x14\n\x0cstored_bytes\x18\x06 \x01(\x03\x12\x14\n\x0cshared_bytes\x18\x07 \x01(\x03\x12\x19\n\x0cmemory_bytes\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\x05ttl_s\x18\t \x01(\x01H\x01\x88\x01\x01\x12*\n\x08segments\x18\n \x03(\x0b\x32\x18.r3.cache.v1.SegmentInfo\x12$\n\x05views\x18\x0b \x03(\x0b\x32\x15.r3.cache.v1.ViewInfoB\x0f\n\r_memory_bytesB\x08\n\x06_ttl_s\"^\n\x08ViewInfo\x12\x0e\n\x06serves\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x03\x12\x16\n\x0eweight_version\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\x93\x01\n\x12PutSegmentResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x12\n\nrollout_id\x18\x02 \x01(\t\x12%\n\x07segment\x18\x03 \x01(\x0b\x32\x14.r3.cache.v1.Segment\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x0e\n\x06shared\x18\x05 \x01(\x08\x12\x12\n\ndedupe_hit\x18\x06 \x01(\x08\x32\x81\x04\n\x0cRoutingCache\x12M\n\nPutSegment\x12\x1e.r3.cache.v1.PutSegmentRequest\x1a\x1f.r3.cache.v1.PutSegmentResponse\x12G\n\nGetRollout\x12\x1e.r3.cache.v1.GetRolloutRequest\x1a\x19.r3.cache.v1.RolloutFrame\x12@\n\x0bStatRollout\x12\x17.r3.cache.v1.RolloutRef\x1a\x18.r3.cache.v1.RolloutStat\x12\x45\n\rDeleteRollout\x12\x17.r3.cache.v1.RolloutRef\x1a\x1b.r3.cache.v1.DeleteResponse\x12\x45\n\x0cTouchRollout\x12\x19.r3.cache.v1.TouchRequest\x1a\x1a.r3.cache.v1.TouchResponse\x12\x45\n\rRewindRollout\x12\x1a.r3.cache.v1.RewindRequest\x1a\x18.r3.cache.v1.RolloutStat\x12\x42\n\x08\x42\x61tchGet\x12\x1c.r3.cache.v1.BatchGetRequest\x1a\x16.r3.cache.v1.BatchItem0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,35 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'r3_cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PUTSEGMENTREQUEST']._serialized_start=31
-  _globals['_PUTSEGMENTREQUEST']._serialized_end=85
-  _globals['_GETROLLOUTREQUEST']._serialized_start=87
-  _globals['_GETROLLOUTREQUEST']._serialized_end=183
-  _globals['_ROLLOUTFRAME']._serialized_start=185
-  _globals['_ROLLOUTFRAME']._serialized_end=214
-  _globals['_ROLLOUTREF']._serialized_start=216
-  _globals['_ROLLOUTREF']._serialized_end=248
-  _globals['_DELETERESPONSE']._serialized_start=250
-  _globals['_DELETERESPONSE']._serialized_end=283
-  _globals['_TOUCHREQUEST']._serialized_start=285
-  _globals['_TOUCHREQUEST']._serialized_end=349
-  _globals['_TOUCHRESPONSE']._serialized_start=351
-  _globals['_TOUCHRESPONSE']._serialized_end=366
-  _globals['_REWINDREQUEST']._serialized_start=368
-  _globals['_REWINDREQUEST']._serialized_end=417
-  _globals['_BATCHGETREQUEST']._serialized_start=419
-  _globals['_BATCHGETREQUEST']._serialized_end=514
-  _globals['_ERROR']._serialized_start=516
-  _globals['_ERROR']._serialized_end=575
-  _globals['_BATCHITEM']._serialized_start=577
-  _globals['_BATCHITEM']._serialized_end=672
-  _globals['_SEGMENT']._serialized_start=674
-  _globals['_SEGMENT']._serialized_end=776
-  _globals['_SEGMENTINFO']._serialized_start=778
-  _globals['_SEGMENTINFO']._serialized_end=877
-  _globals['_ROLLOUTSTAT']._serialized_start=880
-  _globals['_ROLLOUTSTAT']._serialized_end=1147
-  _globals['_PUTSEGMENTRESPONSE']._serialized_start=1150
-  _globals['_PUTSEGMENTRESPONSE']._serialized_end=1297
-  _globals['_ROUTINGCACHE']._serialized_start=1300
-  _globals['_ROUTINGCACHE']._serialized_end=1813
+  _globals['_PUTSEGMENTREQUEST']._serialized_end=113
+  _globals['_GETROLLOUTREQUEST']._serialized_start=115
+  _globals['_GETROLLOUTREQUEST']._serialized_end=239
+  _globals['_ROLLOUTFRAME']._serialized_start=241
+  _globals['_ROLLOUTFRAME']._serialized_end=270
+  _globals['_ROLLOUTREF']._serialized_start=272
+  _globals['_ROLLOUTREF']._serialized_end=304
+  _globals['_DELETERESPONSE']._serialized_start=306
+  _globals['_DELETERESPONSE']._serialized_end=339
+  _globals['_TOUCHREQUEST']._serialized_start=341
+  _globals['_TOUCHREQUEST']._serialized_end=405
+  _globals['_TOUCHRESPONSE']._serialized_start=407
+  _globals['_TOUCHRESPONSE']._serialized_end=422
+  _globals['_REWINDREQUEST']._serialized_start=424
+  _globals['_REWINDREQUEST']._serialized_end=473
+  _globals['_BATCHGETREQUEST']._serialized_start=475
+  _globals['_BATCHGETREQUEST']._serialized_end=570
+  _globals['_ERROR']._serialized_start=572
+  _globals['_ERROR']._serialized_end=631
+  _globals['_BATCHITEM']._serialized_start=633
+  _globals['_BATCHITEM']._serialized_end=728
+  _globals['_SEGMENT']._serialized_start=730
+  _globals['_SEGMENT']._serialized_end=832
+  _globals['_SEGMENTINFO']._serialized_start=834
+  _globals['_SEGMENTINFO']._serialized_end=933
+  _globals['_ROLLOUTSTAT']._serialized_start=936
+  _globals['_ROLLOUTSTAT']._serialized_end=1241
+  _globals['_VIEWINFO']._serialized_start=1243
+  _globals['_VIEWINFO']._serialized_end=1337
+  _globals['_PUTSEGMENTRESPONSE']._serialized_start=1340
+  _globals['_PUTSEGMENTRESPONSE']._serialized_end=1487
+  _globals['_ROUTINGCACHE']._serialized_start=1490
+  _globals['_ROUTINGCACHE']._serialized_end=2003
 # @@protoc_insertion_point(module_scope)

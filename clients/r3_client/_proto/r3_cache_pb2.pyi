@@ -7,24 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PutSegmentRequest(_message.Message):
-    __slots__ = ("rollout_id", "frame")
+    __slots__ = ("rollout_id", "frame", "view")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     frame: bytes
-    def __init__(self, rollout_id: _Optional[str] = ..., frame: _Optional[bytes] = ...) -> None: ...
+    view: int
+    def __init__(self, rollout_id: _Optional[str] = ..., frame: _Optional[bytes] = ..., view: _Optional[int] = ...) -> None: ...
 
 class GetRolloutRequest(_message.Message):
-    __slots__ = ("rollout_id", "start", "end", "layers")
+    __slots__ = ("rollout_id", "start", "end", "layers", "view")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     start: int
     end: int
     layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rollout_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    view: int
+    def __init__(self, rollout_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., view: _Optional[int] = ...) -> None: ...
 
 class RolloutFrame(_message.Message):
     __slots__ = ("frame",)
@@ -123,7 +127,7 @@ class SegmentInfo(_message.Message):
     def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., codec: _Optional[str] = ..., nbytes: _Optional[int] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class RolloutStat(_message.Message):
-    __slots__ = ("rollout_id", "num_experts", "topk", "layer_ids", "num_rows", "stored_bytes", "shared_bytes", "memory_bytes", "ttl_s", "segments")
+    __slots__ = ("rollout_id", "num_experts", "topk", "layer_ids", "num_rows", "stored_bytes", "shared_bytes", "memory_bytes", "ttl_s", "segments", "views")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +138,7 @@ class RolloutStat(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    VIEWS_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     num_experts: int
     topk: int
@@ -144,7 +149,22 @@ class RolloutStat(_message.Message):
     memory_bytes: int
     ttl_s: float
     segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
-    def __init__(self, rollout_id: _Optional[str] = ..., num_experts: _Optional[int] = ..., topk: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., num_rows: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ...) -> None: ...
+    views: _containers.RepeatedCompositeFieldContainer[ViewInfo]
+    def __init__(self, rollout_id: _Optional[str] = ..., num_experts: _Optional[int] = ..., topk: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., num_rows: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., views: _Optional[_Iterable[_Union[ViewInfo, _Mapping]]] = ...) -> None: ...
+
+class ViewInfo(_message.Message):
+    __slots__ = ("serves", "start", "end", "weight_version", "nbytes")
+    SERVES_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    serves: int
+    start: int
+    end: int
+    weight_version: str
+    nbytes: int
+    def __init__(self, serves: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., weight_version: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class PutSegmentResponse(_message.Message):
     __slots__ = ("status", "rollout_id", "segment", "nbytes", "shared", "dedupe_hit")

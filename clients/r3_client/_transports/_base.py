@@ -18,14 +18,21 @@ __all__ = ["AsyncTransport", "Transport"]
 class Transport(Protocol):
     """Blocking transport."""
 
-    def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
-        """Store one segment frame; the service's receipt as a dict."""
+    def put(self, rollout_id: str, frame: bytes, *, view: int | None = None) -> dict[str, Any]:
+        """Store one segment frame (``view``: as the view serving that row); the receipt."""
         ...
 
     def get(
-        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        rollout_id: str,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        *,
+        view: int | None = None,
     ) -> bytes:
-        """One frame of the rollout (or the asked slice)."""
+        """One frame of the rollout (or the asked slice; ``view``: of the view serving that
+        row)."""
         ...
 
     def stat(self, rollout_id: str) -> dict[str, Any]:
@@ -62,12 +69,20 @@ class Transport(Protocol):
 class AsyncTransport(Protocol):
     """Asyncio transport: the same operations."""
 
-    async def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+    async def put(
+        self, rollout_id: str, frame: bytes, *, view: int | None = None
+    ) -> dict[str, Any]:
         """See :meth:`Transport.put`."""
         ...
 
     async def get(
-        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        rollout_id: str,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        *,
+        view: int | None = None,
     ) -> bytes:
         """See :meth:`Transport.get`."""
         ...

@@ -37,13 +37,26 @@ def _plain(msg: Any, cls: type) -> dict[str, Any]:
 
 
 def _get_request(
-    rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+    rollout_id: str,
+    start: int,
+    end: int | None,
+    layers: Sequence[int] | None,
+    view: int | None = None,
 ) -> pb.GetRolloutRequest:
     req = pb.GetRolloutRequest(
         rollout_id=rollout_id, start=start, layers=[int(x) for x in layers or ()]
     )
     if end is not None:
         req.end = end
+    if view is not None:
+        req.view = view
+    return req
+
+
+def _put_request(rollout_id: str, frame: bytes, view: int | None) -> pb.PutSegmentRequest:
+    req = pb.PutSegmentRequest(rollout_id=rollout_id, frame=frame)
+    if view is not None:
+        req.view = view
     return req
 
 
@@ -89,16 +102,22 @@ class GrpcTransport:
         except grpc.RpcError as exc:
             raise from_grpc(exc) from None
 
-    def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+    def put(self, rollout_id: str, frame: bytes, *, view: int | None = None) -> dict[str, Any]:
         """See :class:`Transport`."""
-        req = pb.PutSegmentRequest(rollout_id=rollout_id, frame=frame)
+        req = _put_request(rollout_id, frame, view)
         return _plain(self._call(self._stub.PutSegment, req), PutResult)
 
     def get(
-        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        rollout_id: str,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        *,
+        view: int | None = None,
     ) -> bytes:
         """See :class:`Transport`."""
-        msg = self._call(self._stub.GetRollout, _get_request(rollout_id, start, end, layers))
+        msg = self._call(self._stub.GetRollout, _get_request(rollout_id, start, end, layers, view))
         frame: bytes = msg.frame
         return frame
 
@@ -173,16 +192,24 @@ class AsyncGrpcTransport:
         except grpc.RpcError as exc:
             raise from_grpc(exc) from None
 
-    async def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+    async def put(
+        self, rollout_id: str, frame: bytes, *, view: int | None = None
+    ) -> dict[str, Any]:
         """See :class:`Transport`."""
-        req = pb.PutSegmentRequest(rollout_id=rollout_id, frame=frame)
+        req = _put_request(rollout_id, frame, view)
         return _plain(await self._call("PutSegment", req), PutResult)
 
     async def get(
-        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        rollout_id: str,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        *,
+        view: int | None = None,
     ) -> bytes:
         """See :class:`Transport`."""
-        msg = await self._call("GetRollout", _get_request(rollout_id, start, end, layers))
+        msg = await self._call("GetRollout", _get_request(rollout_id, start, end, layers, view))
         frame: bytes = msg.frame
         return frame
 

@@ -37,8 +37,10 @@ def _json(resp: httpx.Response) -> dict[str, Any]:
     return out
 
 
-def _params(start: int, end: int | None, layers: Sequence[int] | None) -> dict[str, Any]:
-    p: dict[str, Any] = {}
+def _params(
+    start: int, end: int | None, layers: Sequence[int] | None, view: int | None = None
+) -> dict[str, Any]:
+    p: dict[str, Any] = {} if view is None else {"view": view}
     if start:
         p["start"] = start
     if end is not None:
@@ -106,11 +108,12 @@ class HTTPTransport:
     ) -> None:
         self._http = httpx.Client(**_client_kwargs(url, api_key, timeout))
 
-    def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+    def put(self, rollout_id: str, frame: bytes, *, view: int | None = None) -> dict[str, Any]:
         """See :class:`Transport`."""
         with _translate():
             resp = self._http.put(
                 _path(rollout_id, "/segments"),
+                params=None if view is None else {"view": view},
                 content=frame,
                 headers={"Content-Type": FRAME_MEDIA_TYPE},
             )
@@ -125,11 +128,18 @@ class HTTPTransport:
         return _json(resp)
 
     def get(
-        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        rollout_id: str,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        *,
+        view: int | None = None,
     ) -> bytes:
         """See :class:`Transport`."""
+        params = _params(start, end, layers, view)
         with _translate():
-            resp = self._http.get(_path(rollout_id), params=_params(start, end, layers))
+            resp = self._http.get(_path(rollout_id), params=params)
         _raise_for(resp)
         return resp.content
 
@@ -199,11 +209,14 @@ class AsyncHTTPTransport:
             limits=httpx.Limits(max_connections=max_connections),
         )
 
-    async def put(self, rollout_id: str, frame: bytes) -> dict[str, Any]:
+    async def put(
+        self, rollout_id: str, frame: bytes, *, view: int | None = None
+    ) -> dict[str, Any]:
         """See :class:`Transport`."""
         async with _atranslate():
             resp = await self._http.put(
                 _path(rollout_id, "/segments"),
+                params=None if view is None else {"view": view},
                 content=frame,
                 headers={"Content-Type": FRAME_MEDIA_TYPE},
             )
@@ -211,11 +224,18 @@ class AsyncHTTPTransport:
         return _json(resp)
 
     async def get(
-        self, rollout_id: str, start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        rollout_id: str,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        *,
+        view: int | None = None,
     ) -> bytes:
         """See :class:`Transport`."""
+        params = _params(start, end, layers, view)
         async with _atranslate():
-            resp = await self._http.get(_path(rollout_id), params=_params(start, end, layers))
+            resp = await self._http.get(_path(rollout_id), params=params)
         _raise_for(resp)
         return resp.content
 
