@@ -247,8 +247,16 @@ async def _tagged_generate(
         ref["index"] = k
         meta["r3"] = ref
         if routing is not None and (tag.inline or ref.get("inline")):
-            # Upstream's base64 int32 of the rows from the reference's start.
-            skip = ref["start"] - starts[k]
+            # Upstream's base64 int32 of the rows this call computed or reused, from the
+            # reference's start, or from where the call recomputed stored rows when it did
+            # (``inline_start``; the stored first computations may differ there).
+            first = getattr(routing, "first", None)
+            base = starts[k] if first is None else first
+            if ref.get("views"):
+                ref["inline_start"] = base
+                skip = 0
+            else:
+                skip = ref["start"] - base
             meta["routed_experts"] = await asyncio.to_thread(
                 to_base64, routing, shipper.shape, skip
             )

@@ -29,7 +29,12 @@ Where the work happens (all in SGLang's HTTP process unless noted):
 - ``Scheduler.__init__`` (AROUND, scheduler process): the same verification and
   refusal there, and the CPU allocator check.
 - ``SchedulerBatchResultProcessor._maybe_collect_routed_experts`` (AROUND, scheduler
-  process): marks a tagged request's rows (:class:`sglang_r3.row_transport.TaggedRows`); O(1).
+  process): marks a tagged request's rows (:class:`sglang_r3.row_transport.TaggedRows`); O(1)
+  unless a prefill recomputed stored rows (then gathered from there: a view).
+- ``ScheduleBatch.prepare_for_extend`` (BEFORE, scheduler process): notes where each
+  tagged request's prefill starts computing (its radix hit), per retraction epoch.
+- ``schedule_batch.release_req`` (AROUND, scheduler process): on a retraction, keeps the
+  rows a tagged request's tokens so far were sampled with (:mod:`sglang_r3.views`).
 - ``DetokenizerManager.handle_batch_token_id_out`` (AROUND, detokenizer process):
   marked rows become compact :class:`sglang_r3.row_transport.EngineRows` instead of base64.
 - ``DetokenizerManager.__init__`` (AROUND, detokenizer process): verification there.
@@ -64,6 +69,8 @@ from sglang_r3.http_hooks import (
 from sglang_r3.row_hooks import (
     around_collect_routed_experts,
     around_detokenize,
+    around_release_req,
+    before_prepare_for_extend,
 )
 from sglang_r3.startup import add_routes, check_startup
 from sglang_r3.targets import (
@@ -75,12 +82,14 @@ from sglang_r3.targets import (
     T_COLLECT,
     T_DETOKENIZE,
     T_DETOKENIZER,
+    T_EXTEND,
     T_GENERATE,
     T_HICACHE_INIT,
     T_HICACHE_LOAD,
     T_HICACHE_WRITE,
     T_LAUNCH,
     T_OPENAI,
+    T_RELEASE,
     T_SCHEDULER,
     T_SEND_BATCH,
     T_SEND_ONE,
@@ -148,6 +157,8 @@ HOOKS: list[tuple[str, Callable[..., Any], str]] = [
     (T_HICACHE_LOAD, around_controller_load, "AROUND"),
     (T_CAPTURE_END, around_capture_forward_end, "AROUND"),
     (T_CAPTURE_FINALIZE, around_capture_finalize, "AROUND"),
+    (T_EXTEND, before_prepare_for_extend, "BEFORE"),
+    (T_RELEASE, around_release_req, "AROUND"),
 ]
 
 

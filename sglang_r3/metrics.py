@@ -61,3 +61,9 @@ SHIP_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
     registry=REGISTRY,
 )
+VIEWS = Counter(
+    "r3_engine_views_total",
+    "Views shipped: rows a request recomputed that already had a computation (after a "
+    "weight push, an eviction, a retraction or a resume), stored beside the first.",
+    registry=REGISTRY,
+)

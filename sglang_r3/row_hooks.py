@@ -20,20 +20,90 @@ def _pickle_ipc() -> bool:
     return bool(io_struct._USE_PICKLE_IPC)
 
 
+def _tagged(req: Any) -> bool:
+    return carries_tag(getattr(getattr(req, "sampling_params", None), "custom_params", None))
+
+
+def before_prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``ScheduleBatch.prepare_for_extend``: note where each tagged request's
+    prefill starts computing (its radix-cache hit), per retraction epoch.
+
+    A position below the stored end that a prefill computes again gets new KV, and the
+    tokens sampled after it attend to the new computation: the rows from the lowest
+    start of each epoch up are shipped as a view (:mod:`sglang_r3.shipping`).  One
+    ``min`` per tagged request in the batch; nothing proportional to rows.
+    """
+    if not engine_config().enabled:
+        return None
+    for req in getattr(self, "reqs", None) or ():
+        if not _tagged(req):
+            continue
+        epoch = int(getattr(req, "retraction_count", 0) or 0)
+        starts: dict[int, int] = req.__dict__.setdefault("_r3_starts", {})
+        prefix = int(getattr(req, "prefix_len", 0) or 0)
+        starts[epoch] = min(starts.get(epoch, prefix), prefix)
+    return None
+
+
+def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``schedule_batch.release_req`` (retraction, preemption): before a tagged,
+    unfinished request's KV is freed, keep the rows its tokens so far were sampled with.
+
+    The re-prefill recomputes (some of) them; the rows computed before the retraction are
+    what the tokens sampled before it attended to, so they stay the request's first
+    computation and the re-prefill's rows become a view.  O(rows) in the scheduler, only
+    on a retraction.
+    """
+    req = kwargs.get("req")
+    if req is not None and engine_config().enabled and _tagged(req) and not req.finished():
+        from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+
+        capturer = get_global_experts_capturer()
+        pool = kwargs.get("req_to_token_pool")
+        seqlen = len(req.origin_input_ids) + len(req.output_ids)
+        if capturer is not None and pool is not None and seqlen > 1:
+            rows = capturer.get_topk(
+                req_pool_idx=req.kv.req_pool_idx,
+                seqlen=seqlen,
+                req_to_token_pool=pool,
+                start_len=0,
+            )
+            req.__dict__.setdefault("_r3_snapshots", []).append((seqlen - 1, rows))
+    return original(*args, **kwargs)
+
+
 def around_collect_routed_experts(original: Callable[..., Any], self: Any, req: Any) -> Any:
     """AROUND the scheduler's ``_maybe_collect_routed_experts``: mark a tagged request's
-    rows for the detokenizer (:class:`TaggedRows`).  Upstream's gather is unchanged and
-    nothing proportional to rows is added to the scheduler."""
-    result = original(self, req)
-    rows = getattr(req, "routed_experts", None)
-    if (
-        rows is not None
-        and not isinstance(rows, TaggedRows)
-        and carries_tag(getattr(getattr(req, "sampling_params", None), "custom_params", None))
+    rows for the detokenizer (:class:`TaggedRows`).
+
+    Upstream's gather is unchanged but for where it starts: when a prefill of this
+    request recomputed positions below ``routed_experts_start_len`` (the stored end), the
+    rows from the lowest recomputed position are gathered (they become a view), and any
+    rows kept at a retraction travel along.  Otherwise nothing proportional to rows is
+    added to the scheduler.
+    """
+    tagged = (
+        getattr(req, "routed_experts", None) is None
+        and _tagged(req)
         and engine_config().enabled
         and _pickle_ipc()
-    ):
-        req.routed_experts = TaggedRows(rows)
+    )
+    starts: dict[int, int] = req.__dict__.get("_r3_starts") or {} if tagged else {}
+    stored = int(getattr(req, "routed_experts_start_len", 0) or 0)
+    first = min([stored, *starts.values()])
+    if first < stored:
+        req.routed_experts_start_len = first
+        try:
+            result = original(self, req)
+        finally:
+            req.routed_experts_start_len = stored
+    else:
+        result = original(self, req)
+    rows = getattr(req, "routed_experts", None)
+    if tagged and rows is not None and not isinstance(rows, TaggedRows):
+        epochs = tuple(starts.get(e, stored) for e in range(max(starts, default=0) + 1))
+        snaps = tuple(req.__dict__.get("_r3_snapshots") or ())
+        req.routed_experts = TaggedRows(rows, first, epochs, snaps)
     return result
 
 

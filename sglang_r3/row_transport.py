@@ -30,25 +30,41 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+#: Rows kept when a request was retracted: ``(rows computed so far, rows [0, that))``.
+Snapshot = tuple[int, Any]
+
 
 class TaggedRows:
     """The scheduler's int32 routing tensor of a tagged request, marked for the detokenizer.
 
     ``numpy()`` returns the int32 rows, so a detokenizer without the extension's hook
     (which the start-up check refuses) would still base64-encode it as upstream does.
+    ``first``: the row the tensor starts at (below the request's
+    ``routed_experts_start_len`` when a prefill recomputed stored positions);
+    ``epochs``: where each prefill epoch (0, then one per retraction) started computing;
+    ``snapshots``: the rows kept at each retraction (``row_hooks.around_release_req``).
     """
 
-    __slots__ = ("tensor",)
+    __slots__ = ("epochs", "first", "snapshots", "tensor")
 
-    def __init__(self, tensor: Any) -> None:
+    def __init__(
+        self,
+        tensor: Any,
+        first: int | None = None,
+        epochs: tuple[int, ...] = (),
+        snapshots: tuple[Snapshot, ...] = (),
+    ) -> None:
         self.tensor = tensor
+        self.first = first
+        self.epochs = epochs
+        self.snapshots = snapshots
 
     def numpy(self) -> npt.NDArray[np.int32]:
         """The rows as an int32 numpy array ``[rows, layers, K]`` (no copy)."""
         return self.tensor.numpy()  # type: ignore[no-any-return]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TaggedRows, (self.tensor,))
+        return (TaggedRows, (self.tensor, self.first, self.epochs, self.snapshots))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,26 +73,34 @@ class EngineRows:
 
     ``array``: ``[rows, num_hidden_layers, K]`` in uint8 or uint16 when every id fits
     (the exact int32 values otherwise, e.g. a negative id, which validation refuses).
+    ``first``, ``epochs``, ``snapshots`` (compacted the same way): as on :class:`TaggedRows`.
     """
 
     array: npt.NDArray[Any]
+    first: int | None = None
+    epochs: tuple[int, ...] = ()
+    snapshots: tuple[tuple[int, npt.NDArray[Any]], ...] = ()
 
     def to_base64(self) -> str:
         """Upstream's ``meta_info["routed_experts"]``: base64 of the int32 rows, exactly."""
         return base64.b64encode(self.array.astype(np.int32).tobytes()).decode("ascii")
 
 
-def compact_rows(rows: TaggedRows) -> EngineRows:
-    """Narrow the scheduler's int32 rows to uint8/uint16 when all ids fit (lossless)."""
+def _compact(t: Any) -> npt.NDArray[Any]:
     import torch
 
-    t = rows.tensor
     if t.numel() == 0:
-        return EngineRows(np.zeros(tuple(t.shape), dtype=np.uint8))
+        return np.zeros(tuple(t.shape), dtype=np.uint8)
     lo, hi = (int(x) for x in torch.aminmax(t))
     if lo >= 0 and hi < 256:
-        return EngineRows(t.to(torch.uint8).numpy())
+        return t.to(torch.uint8).numpy()  # type: ignore[no-any-return]
     if lo >= 0 and hi < 65536:
         # torch has no uint16 casts on every build; numpy does it in one pass.
-        return EngineRows(t.numpy().astype(np.uint16))
-    return EngineRows(t.numpy().copy())
+        return t.numpy().astype(np.uint16)  # type: ignore[no-any-return]
+    return t.numpy().copy()  # type: ignore[no-any-return]
+
+
+def compact_rows(rows: TaggedRows) -> EngineRows:
+    """Narrow the scheduler's int32 rows to uint8/uint16 when all ids fit (lossless)."""
+    snaps = tuple((n, _compact(t)) for n, t in rows.snapshots)
+    return EngineRows(_compact(rows.tensor), rows.first, rows.epochs, snaps)

@@ -51,7 +51,9 @@ from sglang_r3.output_rows import (
     count_rows,
     engine_rows_of,
 )
+from sglang_r3.row_transport import EngineRows
 from sglang_r3.tagging import OutputTag
+from sglang_r3.views import Computations, ViewRows, split_computations
 
 log = logging.getLogger("sglang_r3")
 
@@ -380,13 +382,34 @@ class Shipper:
         wv = self._accept(tag, routing, meta_info, max(end - start, 0), ref)
         versions = version_runs(meta_info, len(prompt_ids), wv)
         ref["weight_version"] = version_at(versions, max(end - 1, 0))
+        split: Computations | None = None
+        if (
+            isinstance(routing, EngineRows)
+            and routing.first is not None
+            and (routing.first < start or routing.snapshots)
+        ):
+            split = await asyncio.to_thread(self._split, routing, start, end)
+            routing = EngineRows(split.rows)
         if end <= start:
             check_row_count(count_rows(routing, self.shape), 0)
             self._remember(tag.rollout_id)
             return self._stored(ref)
         try:
+            if split is not None and split.views:
+                # Views first: a segment must never be readable without the view its
+                # tokens attended to.  A view whose segment then fails to store serves
+                # nothing (reads skip it) and the retry may replace it.
+                ref["views"] = await self._store_views(tag, split.views, tokens, versions)
             written = await self._store_rows(
-                tag, routing, start, tokens, len(prompt_ids), versions, assumed_new, may_continue
+                tag,
+                routing,
+                start,
+                tokens,
+                len(prompt_ids),
+                versions,
+                assumed_new,
+                may_continue,
+                () if split is None else split.cuts,
             )
         except (FormatError, SegmentConflictError, LimitExceededError, *_CACHE_DOWN) as exc:
             return self._failed(exc, tag, ref)
@@ -409,6 +432,46 @@ class Shipper:
         metrics.BYTES_SHIPPED.inc(ref["nbytes"])
         metrics.SHIP_SECONDS.observe(time.perf_counter() - t0)
         return self._stored(ref)
+
+    def _split(self, routing: EngineRows, start: int, end: int) -> Computations:
+        """The output's first computations and views (a worker thread): 500 when the rows
+        do not cover ``[first, end)``."""
+        assert routing.first is not None
+        check_engine_rows(engine_rows_of(routing, self.shape), end - routing.first)
+        return split_computations(
+            routing.array, routing.first, start, routing.epochs, routing.snapshots
+        )
+
+    def _moe(self, rows: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        return rows if self._all_moe else rows[:, list(self.shape.moe_layer_ids), :]
+
+    async def _store_views(
+        self, tag: OutputTag, views: Sequence[ViewRows], tokens: list[int], versions: Versions
+    ) -> list[dict[str, Any]]:
+        """Store each view (rows the request recomputed) as a self-contained frame; the
+        references' entries."""
+        out = []
+        for v in views:
+            seg = Segment(
+                v.start,
+                v.end,
+                self.model_id,
+                version_at(versions, v.serves),
+                token_digest(tokens[: v.end]),
+            )
+            frame = await asyncio.to_thread(self._encode, self._moe(v.rows), seg, None)
+            put = await self.client.put(tag.rollout_id, frame, view=v.serves)
+            metrics.VIEWS.inc()
+            out.append(
+                {
+                    "serves": v.serves,
+                    "start": v.start,
+                    "end": v.end,
+                    "nbytes": put.nbytes,
+                    "weight_version": seg.weight_version,
+                }
+            )
+        return out
 
     @staticmethod
     def _stored(ref: dict[str, Any]) -> dict[str, Any]:
@@ -463,6 +526,7 @@ class Shipper:
         versions: Versions,
         assumed_new: bool,
         may_continue: bool,
+        extra_cuts: Sequence[int] = (),
     ) -> tuple[_Plan, list[PutResult], int]:
         """Plan (in a worker thread) and write the segments; ``(plan, puts, start)``.
 
@@ -471,7 +535,7 @@ class Shipper:
         there, and ``puts`` is empty when nothing is past it.
         """
         end, prompt_end = len(tokens) - 1, prompt_len - 1
-        cuts = self._cuts(tag, start, prompt_end, end, versions)
+        cuts = sorted({*self._cuts(tag, start, prompt_end, end, versions), *extra_cuts})
         plan = await asyncio.to_thread(
             self._plan, tag.rollout_id, routing, start, cuts, tokens, versions
         )

@@ -34,6 +34,9 @@ T_HICACHE_WRITE = f"{_HCC}.write"
 T_HICACHE_LOAD = f"{_HCC}.load"
 T_CAPTURE_END = "sglang.srt.state_capturer.base.BaseTopkCapturer.on_forward_end"
 T_CAPTURE_FINALIZE = "sglang.srt.state_capturer.base.TopkCaptureOutput.finalize"
+# Where each prefill starts computing, and the rows kept at a retraction (views).
+T_EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+T_RELEASE = "sglang.srt.managers.schedule_batch.release_req"
 
 # Attributes of upstream objects the hooks read or write (canary-tested).
 UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
@@ -106,5 +109,7 @@ SCHEDULER_TARGETS = [
     T_HICACHE_LOAD,
     T_CAPTURE_END,
     T_CAPTURE_FINALIZE,
+    T_EXTEND,
+    T_RELEASE,
 ]
 DETOKENIZER_TARGETS = [T_DETOKENIZER, T_DETOKENIZE]

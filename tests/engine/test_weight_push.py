@@ -131,6 +131,90 @@ def test_turns_straddling_a_push_keep_their_versions(
     np.testing.assert_array_equal(now[: len(first_rows)], first_rows)
 
 
+def _computed_rows(engine: EngineServer, tokens: list[int]) -> Any:
+    """What the engine's KV holds for rows ``[0, len(tokens) - 1)`` right after a call that
+    ended on ``tokens``: an untagged upstream request of the whole trajectory, a full
+    radix-cache hit (the oracle for "what that call computed or reused")."""
+    r = httpx.post(
+        f"{engine.url}/generate",
+        json={
+            "input_ids": tokens,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_routed_experts": True,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["meta_info"]["cached_tokens"] >= len(tokens) - 1, "not a full cache hit"
+    return as_sets(inline_rows(out, 3)[: len(tokens) - 1])
+
+
+@pytest.mark.parametrize("between", ["push", "flush"])
+def test_a_turn_that_recomputed_its_prefix_stores_it_as_a_view(
+    engine: EngineServer,
+    weights: dict[str, Path],
+    cache_client: RoutingClient,
+    between: str,
+) -> None:
+    """Turn 2 after a weight push (or a radix flush at the same weights) recomputes turn
+    1's rows: they are stored as a view serving turn 2, equal to what turn 2 computed."""
+    _push(engine, weights["a"], "v1")
+    rollout = rid(f"view-{between}")
+    first = _generate(engine, PROMPT, rollout, 4)
+    end1 = first["meta_info"]["r3"]["end"]
+    first_rows = as_sets(cache_client.get(rollout).indices)
+    if between == "push":
+        _push(engine, weights["b"], "v2")
+    else:
+        assert httpx.post(f"{engine.url}/flush_cache", timeout=60).status_code == 200
+    version = "v2" if between == "push" else "v1"
+    tokens2 = PROMPT + first["output_ids"] + [7, 8]
+    r = httpx.post(
+        f"{engine.url}/generate",
+        json={
+            "input_ids": tokens2,
+            "sampling_params": {
+                "max_new_tokens": 4,
+                "temperature": 0,
+                "custom_params": {"r3": {"rollout_id": rollout, "inline": True}},
+            },
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    second = r.json()
+    trajectory = tokens2 + second["output_ids"]
+    oracle = _computed_rows(engine, trajectory)
+    ref = second["meta_info"]["r3"]
+    assert ref["start"] == end1 and [v["serves"] for v in ref["views"]] == [end1]
+    # inline: what this call computed, from where it recomputed.
+    assert ref["inline_start"] == 0
+    np.testing.assert_array_equal(as_sets(inline_rows(second, 3)), oracle)
+
+    info = cache_client.stat(rollout)
+    assert [(v.serves, v.start, v.end, v.weight_version) for v in info.views] == [
+        (end1, 0, end1, version)
+    ]
+    # generated: turn 1's rows untouched; latest / exact: what turn 2 attended to.
+    generated = as_sets(cache_client.get(rollout).indices)
+    np.testing.assert_array_equal(generated[:end1], first_rows)
+    np.testing.assert_array_equal(as_sets(cache_client.get(rollout, view="latest").indices), oracle)
+    served = cache_client.get_served(rollout)
+    assert [(s.serves_start, s.serves_end) for s in served] == [(0, end1), (end1, len(oracle))]
+    np.testing.assert_array_equal(as_sets(served[0].routing.indices), first_rows)
+    np.testing.assert_array_equal(as_sets(served[1].routing.indices), oracle)
+    if between == "push":
+        changed = (oracle[:end1] != first_rows).any(axis=-1).sum()
+        assert changed > 0, "the two checkpoints route turn 1 alike: the test shows nothing"
+
+    # Turn 3, a full cache hit: no view, nothing recomputed is shipped.
+    tokens3 = [*trajectory, 9]
+    third = _generate(engine, tokens3, rollout, 2)
+    assert "views" not in third["meta_info"]["r3"]
+    assert len(cache_client.stat(rollout).views) == 1
+
+
 def _read_stream(response: httpx.Response, on_tokens: Any) -> dict[str, Any]:
     """Read a ``/generate`` stream to its end; ``on_tokens(n)`` after each chunk; the last chunk."""
     last: dict[str, Any] = {}
@@ -228,9 +312,16 @@ def test_a_generation_aborted_for_a_push_and_resumed_continues_its_rollout(
     # The rows before the boundary are the ones the aborted call computed under v1;
     # after it, the resumed call's (under v2).
     np.testing.assert_array_equal(as_sets(stored.indices[:boundary]), as_sets(computed_v1))
-    np.testing.assert_array_equal(
-        as_sets(stored.indices[boundary:]), as_sets(inline_rows(resumed, 3))
-    )
+    # The push flushed the radix cache: the resumed call recomputed the prefix under v2
+    # (a view serving its rows), and its inline answer starts where it recomputed.
+    assert ref2["inline_start"] == 0
+    resumed_rows = as_sets(inline_rows(resumed, 3))
+    np.testing.assert_array_equal(as_sets(stored.indices[boundary:]), resumed_rows[boundary:])
+    assert [(v.serves, v.start, v.end, v.weight_version) for v in info.views] == [
+        (boundary, 0, boundary, "v2")
+    ]
+    latest = cache_client.get(rollout, view="latest").indices
+    np.testing.assert_array_equal(as_sets(latest), resumed_rows)
     by_version = {s.weight_version: (s.start, s.end) for s in stored.segments}
     assert by_version == {"v1": (0, boundary), "v2": (boundary, len(final) - 1)}
 
