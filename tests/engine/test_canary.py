@@ -68,6 +68,17 @@ SIGNATURES = {
     ],
     "sglang.srt.state_capturer.base.BaseTopkCapturer.on_forward_end": ["self", "forward_batch"],
     "sglang.srt.state_capturer.base.TopkCaptureOutput.finalize": ["self"],
+    # Views (sglang_r3.row_hooks): where prefills start, rows kept at a retraction.
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend": ["self"],
+    "sglang.srt.managers.schedule_batch.release_req": [
+        "req",
+        "remaing_req_count",
+        "req_to_token_pool",
+        "token_to_kv_pool_allocator",
+        "tree_cache",
+        "hisparse_coordinator",
+        "offload_kv",
+    ],
 }
 
 
