@@ -38,13 +38,14 @@ def _spans(mask: npt.NDArray[np.bool_]) -> list[tuple[int, int]]:
 
 
 def uncovered(
-    arr: npt.NDArray[Any], name: str, missing: Missing, fill: npt.NDArray[Any]
+    arr: npt.NDArray[Any], name: str, missing: Missing, fill: npt.NDArray[Any] | None
 ) -> npt.NDArray[Any]:
     """``arr`` ``[rows, L, K]`` with its all-``-1`` (token, layer) rows handled per ``missing``.
 
     ``"raise"``: :class:`ShapeError` naming ``name`` and the token rows nobody shipped.
-    ``"fill"``: a copy with each such row set to ``fill`` (``[K]``).  A row that mixes
-    ``-1`` with expert ids is corrupt whatever the policy.
+    ``"fill"``: a copy with each such row set to ``fill`` (``[K]``), or ``arr`` itself with
+    ``fill=None`` (the consumer fills ``-1`` rows itself, as the Megatron driver does).  A
+    row that mixes ``-1`` with expert ids is corrupt whatever the policy.
     """
     if missing not in ("raise", "fill"):
         raise ShapeError(f"missing must be 'raise' or 'fill', got {missing!r}")
@@ -63,6 +64,8 @@ def uncovered(
             "its router there; re-generate the rollout, or pass missing='fill' to fill them "
             "as this trainer fills rows it has no route for"
         )
+    if fill is None:
+        return arr
     out = arr.copy()
     out[empty] = fill.astype(arr.dtype)
     return out

@@ -21,6 +21,9 @@ framework in ``docs/integrations.md``:
   last token and padding hold ``-1``, never ``0`` (``0`` is a real expert, and
   repeated zeros crash Megatron's all-to-all); the HF adapter routes ``-1`` rows
   natively, the Megatron driver replays experts ``0..K-1`` there (miles' rule).
+  Megatron has no per-token fallback, so :func:`megatron_layout` refuses rows
+  nobody shipped like the third-party layouts (``missing="fill"`` keeps them
+  ``-1``), and checks each sample against the trainer's ``seqlens``.
 
 Numpy layouts are ``int16`` (``int32`` when an expert id does not fit in int16,
 and always for miles); the Megatron layout is ``int64``, which
@@ -29,6 +32,7 @@ and always for miles); the Megatron layout is ``int64``, which
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -66,6 +70,19 @@ class _Rows:
     num_layers: int
     topk: int
     max_id: int
+    rollout_ids: tuple[str, ...] | None = None  # the caller's, for error messages only
+    single: bool = False  # one sample (slime, miles): no batch index to name
+
+    def _rid(self, i: int) -> str:
+        return f" (rollout {self.rollout_ids[i]!r})" if self.rollout_ids is not None else ""
+
+    def who(self, i: int) -> str:
+        """Sample ``i`` in an error message: ``sample 2 (rollout 'r-7')``."""
+        return ("the sample" if self.single else f"sample {i}") + self._rid(i)
+
+    def routing_name(self, i: int) -> str:
+        """Sample ``i``'s routing in an error message: ``sample 2's routing (rollout 'r-7')``."""
+        return ("the routing" if self.single else f"sample {i}'s routing") + self._rid(i)
 
     @property
     def out_dtype(self) -> np.dtype[Any]:
@@ -105,27 +122,52 @@ def _one(routing: RoutingLike, name: str) -> tuple[npt.NDArray[Any], tuple[int, 
     return arr, layer_ids
 
 
-def _collect(routings: Sequence[RoutingLike] | RoutingLike, what: str) -> _Rows:
-    """Validate a batch: each rollout well-formed, all with the same L, K (and layer ids)."""
+def _rollout_ids(ids: Sequence[str] | None, n: int) -> tuple[str, ...] | None:
+    """The caller's rollout ids, one per sample (they only name samples in errors)."""
+    if ids is None:
+        return None
+    if isinstance(ids, str):
+        raise ShapeError("rollout_ids must list one id per sample, not be one string")
+    out = tuple(ids)
+    if len(out) != n:
+        raise ShapeError(f"rollout_ids must name each sample ({n}), got {len(out)}")
+    bad = [x for x in out if not isinstance(x, str)]
+    if bad:
+        raise ShapeError(f"rollout_ids must be strings, got {type(bad[0]).__name__}")
+    return out
+
+
+def _collect(
+    routings: Sequence[RoutingLike] | RoutingLike,
+    what: str,
+    rollout_ids: Sequence[str] | None = None,
+    *,
+    single: bool = False,
+) -> _Rows:
+    """Validate a batch: each rollout well-formed, all with the same L, K (and layer ids).
+
+    ``rollout_ids`` and ``single`` only change how errors name a sample (:class:`_Rows`).
+    """
     if isinstance(routings, Routing) or (isinstance(routings, np.ndarray) and routings.ndim == 3):
         raise ShapeError(f"{what} takes a list of rollouts (one per sample), not one routing")
     items = list(routings)
     if not items:
         raise ShapeError(f"{what} needs at least one sample")
+    names = _Rows([], None, 0, 0, 0, _rollout_ids(rollout_ids, len(items)), single)
     arrays: list[npt.NDArray[Any]] = []
     layer_ids: tuple[int, ...] | None = None
     lo, hi = 0, -1
     for i, item in enumerate(items):
-        arr, ids = _one(item, f"sample {i}'s routing")
+        arr, ids = _one(item, names.routing_name(i))
         if arrays and arr.shape[1:] != arrays[0].shape[1:]:
             raise ShapeError(
-                f"sample {i}'s routing has [layers, topk] = {list(arr.shape[1:])}, "
+                f"{names.routing_name(i)} has [layers, topk] = {list(arr.shape[1:])}, "
                 f"but sample 0 has {list(arrays[0].shape[1:])}"
             )
         if ids is not None:
             if layer_ids is not None and ids != layer_ids:
                 raise ShapeError(
-                    f"sample {i}'s routing covers MoE layers {list(ids)}, "
+                    f"{names.routing_name(i)} covers MoE layers {list(ids)}, "
                     f"an earlier sample covers {list(layer_ids)}"
                 )
             layer_ids = ids
@@ -136,7 +178,14 @@ def _collect(routings: Sequence[RoutingLike] | RoutingLike, what: str) -> _Rows:
         raise ShapeError(f"routing holds expert id {lo}; ids are >= 0, and -1 marks 'no route'")
     if hi > np.iinfo(np.int32).max:
         raise ShapeError(f"routing holds expert id {hi}, which does not fit in int32")
-    return _Rows(arrays, layer_ids, arrays[0].shape[1], arrays[0].shape[2], hi)
+    return dataclasses.replace(
+        names,
+        arrays=arrays,
+        layer_ids=layer_ids,
+        num_layers=arrays[0].shape[1],
+        topk=arrays[0].shape[2],
+        max_id=hi,
+    )
 
 
 def _lengths(values: Sequence[int] | npt.ArrayLike, name: str, n: int) -> npt.NDArray[np.int64]:
@@ -152,17 +201,16 @@ def _lengths(values: Sequence[int] | npt.ArrayLike, name: str, n: int) -> npt.ND
     return out
 
 
-def _check_rows_match_tokens(
-    rows: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], how: str
-) -> None:
+def _check_rows_match_tokens(batch: _Rows, tokens: npt.NDArray[np.int64], how: str) -> None:
     """Every sample must have exactly ``tokens - 1`` routing rows."""
+    rows = batch.lengths()
     bad = np.flatnonzero(rows != tokens - 1)
     if bad.size:
         i = int(bad[0])
         if tokens[i] < 1:
-            raise ShapeError(f"sample {i} has no tokens ({how}); every sample needs >= 1 token")
+            raise ShapeError(f"{batch.who(i)} has no tokens ({how}); every sample needs >= 1 token")
         raise ShapeError(
-            f"sample {i}: routing has {rows[i]} rows but the sample has {tokens[i]} tokens "
+            f"{batch.who(i)}: routing has {rows[i]} rows but the sample has {tokens[i]} tokens "
             f"({how}); expected {tokens[i] - 1} rows (one per token except the last)"
         )
 
@@ -190,8 +238,8 @@ def _consumer_rows(
     ids = _layer_ids(batch, layer_ids)
     out = []
     for i, arr in enumerate(batch.arrays):
-        arr = uncovered(arr, f"sample {i}'s routing", missing, fill)
-        out.append(absolute_layers(arr, ids, num_layers, f"sample {i}'s routing"))
+        arr = uncovered(arr, batch.routing_name(i), missing, fill)
+        out.append(absolute_layers(arr, ids, num_layers, batch.routing_name(i)))
     return out, out[0].shape[1]
 
 
@@ -205,6 +253,7 @@ def verl_layout(
     num_layers: int | None = None,
     layer_ids: Sequence[int] | None = None,
     missing: Missing = "raise",
+    rollout_ids: Sequence[str] | None = None,
 ) -> npt.NDArray[np.integer[Any]]:
     """verl 0.9.1's ``batch["routed_experts"]``: ``[bs, prompt_len + response_len, L, K]``.
 
@@ -224,6 +273,8 @@ def verl_layout(
     (a :class:`Routing`'s, or ``layer_ids`` for plain arrays), dense layers ``0``.
     Required for models with dense layers (DeepSeek-V3, GLM-4.5, Kimi-K2, ...).
     ``missing``: rows nobody shipped raise (default) or, with ``"fill"``, become ``0``.
+    ``rollout_ids``: one per sample, to name the rollout in errors (a :class:`Routing`
+    does not carry its id).
     Raises :class:`ShapeError` when a sample's row count is not ``P_i + R_i - 1``
     or it does not fit the given lengths::
 
@@ -234,18 +285,20 @@ def verl_layout(
                  <-- prompt, left- | response, right-padded -->
         every pad and the last token (0 after r3) hold 0 in all L x K slots
     """
-    batch = _collect(routings, "verl_layout")
+    batch = _collect(routings, "verl_layout", rollout_ids)
     n = len(batch.arrays)
     p = _lengths(prompt_lens, "prompt_lens", n)
     r = _lengths(response_lens, "response_lens", n)
-    _check_rows_match_tokens(batch.lengths(), p + r, "prompt + response")
+    _check_rows_match_tokens(batch, p + r, "prompt + response")
     plen = int(p.max()) if prompt_len is None else int(prompt_len)
     rlen = int(r.max()) if response_len is None else int(response_len)
     for name, have, cap in (("prompt", p, plen), ("response", r, rlen)):
         over = np.flatnonzero(have > cap)
         if over.size:
             i = int(over[0])
-            raise ShapeError(f"sample {i} has {have[i]} {name} tokens, more than {name}_len={cap}")
+            raise ShapeError(
+                f"{batch.who(i)} has {have[i]} {name} tokens, more than {name}_len={cap}"
+            )
     fill = np.zeros(batch.topk, dtype=np.int64)
     arrays, nl = _consumer_rows(batch, layer_ids, num_layers, missing, fill)
     # np.zeros is calloc: pages are zeroed lazily, so the fill costs no extra pass.
@@ -266,15 +319,18 @@ def _sample_layout(
     num_layers: int | None,
     layer_ids: Sequence[int] | None,
     missing: Missing,
+    rollout_id: str | None,
 ) -> npt.NDArray[np.integer[Any]]:
     """One sample's ``[num_tokens - 1, L or num_layers, K]`` rows (slime and miles)."""
-    batch = _collect([routing], what)
+    # One sample: errors say "the routing" (a "sample 0" would not be the trainer's index).
+    batch = _collect([routing], what, None if rollout_id is None else [rollout_id], single=True)
     arr = batch.arrays[0]
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer):
         raise ShapeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
     if num_tokens < 1 or arr.shape[0] != num_tokens - 1:
+        where = "" if rollout_id is None else f"{batch.who(0)}: "
         raise ShapeError(
-            f"routing has {arr.shape[0]} rows but the sample has {num_tokens} tokens; "
+            f"{where}routing has {arr.shape[0]} rows but the sample has {num_tokens} tokens; "
             f"expected {max(num_tokens - 1, 0)} rows (one per token except the last)"
         )
     fill = np.arange(batch.topk, dtype=np.int64)
@@ -289,6 +345,7 @@ def slime_layout(
     num_layers: int | None = None,
     layer_ids: Sequence[int] | None = None,
     missing: Missing = "raise",
+    rollout_id: str | None = None,
 ) -> npt.NDArray[np.integer[Any]]:
     """slime's ``Sample.rollout_routed_experts`` for one sample of ``num_tokens`` tokens.
 
@@ -296,12 +353,15 @@ def slime_layout(
     trainer adds itself (it asserts ``len(tokens) - 1`` rows).  ``num_layers`` (slime's
     ``args.num_layers``) makes the layer axis absolute: MoE rows at their layer ids,
     dense layers ``0``.  ``missing="fill"`` fills rows nobody shipped with experts
-    ``0..K-1`` instead of raising.  ``int16`` (``int32`` for ids beyond int16)::
+    ``0..K-1`` instead of raising.  ``rollout_id`` names the rollout in errors (which
+    otherwise say "the routing").  ``int16`` (``int32`` for ids beyond int16)::
 
         num_tokens = 4  ->  [r0, r1, r2]   shape [3, L, K]
         token index:         0   1   2     (token 3: slime's trainer adds its row)
     """
-    return _sample_layout(routing, num_tokens, "slime_layout", None, num_layers, layer_ids, missing)
+    return _sample_layout(
+        routing, num_tokens, "slime_layout", None, num_layers, layer_ids, missing, rollout_id
+    )
 
 
 def miles_layout(
@@ -311,6 +371,7 @@ def miles_layout(
     num_layers: int | None = None,
     layer_ids: Sequence[int] | None = None,
     missing: Missing = "raise",
+    rollout_id: str | None = None,
 ) -> npt.NDArray[np.int32]:
     """miles' ``Sample.rollout_routed_experts``: :func:`slime_layout`'s rows as ``int32``.
 
@@ -319,7 +380,14 @@ def miles_layout(
     be ``int32`` or ``int64``.
     """
     out = _sample_layout(
-        routing, num_tokens, "miles_layout", np.dtype(np.int32), num_layers, layer_ids, missing
+        routing,
+        num_tokens,
+        "miles_layout",
+        np.dtype(np.int32),
+        num_layers,
+        layer_ids,
+        missing,
+        rollout_id,
     )
     return out.astype(np.int32, copy=False)
 
@@ -359,9 +427,7 @@ def hf_layout(
     if len(batch.arrays) != n:
         raise ShapeError(f"attention_mask has {n} rows but {len(batch.arrays)} routings were given")
     attended = mask != 0
-    _check_rows_match_tokens(
-        batch.lengths(), attended.sum(axis=1).astype(np.int64), "attended positions"
-    )
+    _check_rows_match_tokens(batch, attended.sum(axis=1).astype(np.int64), "attended positions")
     out = np.full((n, seq, batch.num_layers, batch.topk), -1, dtype=batch.out_dtype)
     for b, arr in enumerate(batch.arrays):
         out[b, np.flatnonzero(attended[b])[:-1]] = arr
@@ -384,10 +450,13 @@ class MegatronReplayBatch:
     ``cu_seqlens``  ``[n + 1]`` int32 cumulative *padded* sequence lengths of the
                     whole packed batch (before the CP/SP split), i.e. the
                     ``cu_seqlens_padded`` of Megatron's ``PackedSeqParams``.
-    ``seqlens``     ``[n]`` int32 true token counts ``T_i`` (routing rows + 1).
+    ``seqlens``     ``[n]`` int32 true token counts ``T_i`` (the trainer's, each
+                    checked to equal the sample's routing rows + 1).
     ``positions``   ``[local_tokens]`` int64: for each local token, its index in
                     the padded packed batch (to slice other per-token tensors
                     the same way).
+    ``rollout_ids`` the samples' rollout ids when the caller gave them (they name
+                    a sample in the driver's errors), else ``None``.
     """
 
     per_layer: list[Any]
@@ -395,6 +464,7 @@ class MegatronReplayBatch:
     cu_seqlens: npt.NDArray[np.int32]
     seqlens: npt.NDArray[np.int32]
     positions: npt.NDArray[np.int64]
+    rollout_ids: tuple[str, ...] | None = None
 
     @property
     def num_local_tokens(self) -> int:
@@ -491,6 +561,7 @@ def _cp_positions(
 def megatron_layout(
     routings: Sequence[RoutingLike],
     *,
+    seqlens: Sequence[int] | npt.ArrayLike,
     layer_ids: Sequence[int] | None = None,
     tp_size: int = 1,
     tp_rank: int = 0,
@@ -499,15 +570,30 @@ def megatron_layout(
     sequence_parallel: bool = False,
     stage_layers: Sequence[int] | None = None,
     pad_to_multiple: int | None = None,
+    missing: Missing = "raise",
+    rollout_ids: Sequence[str] | None = None,
     as_torch: bool = False,
 ) -> MegatronReplayBatch:
     """Per-local-MoE-layer ``[local_tokens, K]`` int64 routing for ``RouterReplay``.
 
     Call it once per micro-batch on every rank, with that rank's TP / CP
     coordinates and its pipeline stage's MoE layers, right before the
-    forward pass; then ``RouterReplay.set_replay_data(batch.per_layer)``.
+    forward pass; then ``RouterReplayDriver.add_micro_batch(batch)``.
     ``layer_ids`` are the absolute MoE layer ids of the routing's ``L`` axis
     (required for plain arrays; taken from :class:`Routing` inputs).
+
+    **Lengths.**  ``seqlens`` (required) are the trainer's own per-sample token
+    counts ``T_i``, before padding (what it packs; numpy, list or torch).  Sample
+    ``i`` must have exactly ``T_i - 1`` rows: a partial rollout with fewer rows
+    would otherwise shift every later sample, and Megatron's gather accepts the
+    shorter index without an error.
+
+    **Rows nobody shipped** (all ``-1`` inside a sample's ``T_i - 1`` rows, where
+    stored segments left a gap) raise by default: Megatron has no per-token
+    fallback, so the driver would replay them as experts ``0..K-1``.
+    ``missing="fill"`` keeps them ``-1`` and the driver does exactly that (miles'
+    rule).  ``rollout_ids`` (one per sample) name the rollout in errors, here and
+    in the driver's.
 
     **Packing (THD).**  Sample ``i`` has ``T_i`` tokens: its ``T_i - 1`` rows
     plus one ``-1`` row for its last token, then ``-1`` rows up to a multiple of
@@ -530,24 +616,29 @@ def megatron_layout(
     stage (all its virtual-pipeline chunks) owns, default all of
     ``layer_ids``; ``per_layer`` holds those layers in ascending order.
 
-    Raises :class:`ShapeError` for inconsistent routing, a padded length not
-    divisible by ``2 * cp_size``, a CP-local token count not divisible by
-    ``tp_size`` under sequence parallel, or a stage layer that is not in
-    ``layer_ids``.  ``as_torch=True`` returns CPU ``torch.int64`` tensors.
+    Raises :class:`ShapeError` for inconsistent routing, a sample whose rows are
+    not ``seqlens[i] - 1``, rows nobody shipped (unless ``missing="fill"``), a
+    padded length not divisible by ``2 * cp_size``, a CP-local token count not
+    divisible by ``tp_size`` under sequence parallel, or a stage layer that is not
+    in ``layer_ids``.  ``as_torch=True`` returns CPU ``torch.int64`` tensors.
     Worked examples of each split: docs/layouts.md ("Megatron-Core: megatron_layout").
     """
-    batch = _collect(routings, "megatron_layout")
+    batch = _collect(routings, "megatron_layout", rollout_ids)
     _check_rank(tp_size, tp_rank, "tp")
     _check_rank(cp_size, cp_rank, "cp")
     local_ids, layer_pos = _stage_layers(batch, layer_ids, stage_layers)
+    tokens = _lengths(seqlens, "seqlens", len(batch.arrays))
+    _check_rows_match_tokens(batch, tokens, "the trainer's seqlens")
+    for i, arr in enumerate(batch.arrays):
+        # fill=None: "fill" keeps -1 there; the driver replays 0..K-1 on the device.
+        uncovered(arr, batch.routing_name(i), missing, None)
     if pad_to_multiple is None:
         multiple = 2 * tp_size * cp_size if cp_size > 1 else (tp_size if sequence_parallel else 1)
     else:
         multiple = int(pad_to_multiple)
         if multiple < 1:
             raise ShapeError(f"pad_to_multiple must be >= 1, got {multiple}")
-    rows = batch.lengths()
-    tokens = rows + 1
+    rows = tokens - 1
     padded = -(-tokens // multiple) * multiple
     if cp_size > 1 and (padded % (2 * cp_size)).any():
         raise ShapeError(
@@ -569,4 +660,5 @@ def megatron_layout(
         cu_seqlens=cu.astype(np.int32),
         seqlens=tokens.astype(np.int32),
         positions=positions,
+        rollout_ids=batch.rollout_ids,
     )

@@ -251,10 +251,11 @@ def two_layer(*sets: tuple[list[int], list[int]]) -> npt.NDArray[np.int16]:
 
 A = two_layer(([0, 1], [4, 5]), ([2, 3], [6, 7]), ([1, 2], [5, 6]), ([3, 0], [7, 4]))  # T=5
 B = two_layer(([7, 6], [3, 2]), ([5, 4], [1, 0]))  # T=3
+AB = [5, 3]  # the trainer's token counts of [A, B]
 
 
 def test_megatron_packing_hand_computed() -> None:
-    batch = megatron_layout([A, B], layer_ids=[1, 3], pad_to_multiple=4)
+    batch = megatron_layout([A, B], seqlens=AB, layer_ids=[1, 3], pad_to_multiple=4)
     assert batch.layer_ids == (1, 3)
     assert batch.cu_seqlens.tolist() == [0, 8, 12] and batch.seqlens.tolist() == [5, 3]
     assert [a.dtype for a in batch.per_layer] == [np.int64, np.int64]
@@ -271,15 +272,15 @@ def test_megatron_packing_hand_computed() -> None:
 
 
 def test_megatron_default_is_unpadded_thd() -> None:
-    batch = megatron_layout([A, B], layer_ids=[1, 3])
+    batch = megatron_layout([A, B], seqlens=AB, layer_ids=[1, 3])
     assert batch.cu_seqlens.tolist() == [0, 5, 8]
     assert batch.per_layer[0][:, 0].tolist() == [0, 2, 1, 3, N, 7, 5, N]
 
 
 def test_megatron_context_parallel_hand_computed() -> None:
     # cp=2 pads to 2*tp*cp = 4: A -> 8 (chunks of 2), B -> 4 (chunks of 1).
-    r0 = megatron_layout([A, B], layer_ids=[1, 3], cp_size=2, cp_rank=0)
-    r1 = megatron_layout([A, B], layer_ids=[1, 3], cp_size=2, cp_rank=1)
+    r0 = megatron_layout([A, B], seqlens=AB, layer_ids=[1, 3], cp_size=2, cp_rank=0)
+    r1 = megatron_layout([A, B], seqlens=AB, layer_ids=[1, 3], cp_size=2, cp_rank=1)
     assert r0.cu_seqlens.tolist() == [0, 8, 12]
     # rank 0: A chunks 0 and 3, B chunks 0 and 3; rank 1: chunks 1 and 2 of each.
     assert r0.per_layer[0].tolist() == [[0, 1], [2, 3], [N, N], [N, N], [7, 6], [N, N]]
@@ -290,36 +291,40 @@ def test_megatron_context_parallel_hand_computed() -> None:
 
 def test_megatron_sequence_parallel_hand_computed() -> None:
     # tp=2 + SP pads to 2: A -> 6, B -> 4; 10 tokens split 5 | 5.
-    t0 = megatron_layout([A, B], layer_ids=[1, 3], tp_size=2, tp_rank=0, sequence_parallel=True)
-    t1 = megatron_layout([A, B], layer_ids=[1, 3], tp_size=2, tp_rank=1, sequence_parallel=True)
+    t0 = megatron_layout(
+        [A, B], seqlens=AB, layer_ids=[1, 3], tp_size=2, tp_rank=0, sequence_parallel=True
+    )
+    t1 = megatron_layout(
+        [A, B], seqlens=AB, layer_ids=[1, 3], tp_size=2, tp_rank=1, sequence_parallel=True
+    )
     assert t0.cu_seqlens.tolist() == [0, 6, 10]
     assert t0.per_layer[1].tolist() == [[4, 5], [6, 7], [5, 6], [7, 4], [N, N]]
     assert t1.per_layer[1].tolist() == [[N, N], [3, 2], [1, 0], [N, N], [N, N]]
     # Without SP every TP rank's router sees every token.
-    no_sp = megatron_layout([A, B], layer_ids=[1, 3], tp_size=2, tp_rank=1)
+    no_sp = megatron_layout([A, B], seqlens=AB, layer_ids=[1, 3], tp_size=2, tp_rank=1)
     assert no_sp.num_local_tokens == 8
 
 
 def test_megatron_pipeline_stage_layers() -> None:
-    full = megatron_layout([A, B], layer_ids=[1, 3])
-    stage = megatron_layout([A, B], layer_ids=[1, 3], stage_layers=[3])
+    full = megatron_layout([A, B], seqlens=AB, layer_ids=[1, 3])
+    stage = megatron_layout([A, B], seqlens=AB, layer_ids=[1, 3], stage_layers=[3])
     assert stage.layer_ids == (3,) and len(stage.per_layer) == 1
     np.testing.assert_array_equal(stage.per_layer[0], full.per_layer[1])
     with pytest.raises(ShapeError, match=r"stage layers \[2\] are not among"):
-        megatron_layout([A, B], layer_ids=[1, 3], stage_layers=[2])
+        megatron_layout([A, B], seqlens=AB, layer_ids=[1, 3], stage_layers=[2])
     with pytest.raises(ShapeError, match="without repeats"):
-        megatron_layout([A, B], layer_ids=[1, 3], stage_layers=[3, 3])
+        megatron_layout([A, B], seqlens=AB, layer_ids=[1, 3], stage_layers=[3, 3])
 
 
 def test_megatron_routing_objects_and_torch() -> None:
     ra = Routing.from_array(A, num_experts=8, layer_ids=[1, 3])
     rb = Routing.from_array(B, num_experts=8, layer_ids=[1, 3])
-    batch = megatron_layout([ra, rb], as_torch=True)  # layer ids from the Routing objects
+    batch = megatron_layout([ra, rb], seqlens=AB, as_torch=True)  # layer ids from the Routings
     assert batch.layer_ids == (1, 3)
     assert all(isinstance(t, torch.Tensor) and t.dtype == torch.int64 for t in batch.per_layer)
     assert batch.per_layer[0][:, 0].tolist() == [0, 2, 1, 3, N, 7, 5, N]
     with pytest.raises(ShapeError, match="covers MoE layers"):
-        megatron_layout([ra], layer_ids=[1, 4])
+        megatron_layout([ra], seqlens=[5], layer_ids=[1, 4])
 
 
 @pytest.mark.parametrize(
@@ -339,7 +344,81 @@ def test_megatron_routing_objects_and_torch() -> None:
 )
 def test_megatron_errors(kwargs: dict[str, Any], msg: str) -> None:
     with pytest.raises(ShapeError, match=msg):
-        megatron_layout([A, B, B], **kwargs)
+        megatron_layout([A, B, B], seqlens=[5, 3, 3], **kwargs)
+
+
+def test_megatron_refuses_rows_nobody_shipped_unless_told_to_fill() -> None:
+    """A gap between stored segments decodes as -1 rows inside a sample's T-1 rows; the driver
+    would replay them as experts 0..K-1 with no error, so the layout refuses them by default
+    (as verl/slime/miles layouts do).  The last-token and padding rows it adds are not gaps."""
+    gap = two_layer(([0, 1], [4, 5]), ([N, N], [N, N]), ([N, N], [N, N]), ([3, 0], [7, 4]))
+    with pytest.raises(
+        ShapeError,
+        match=r"sample 1's routing \(rollout 'r-gap'\) has no recorded route for token rows "
+        r"\[1, 3\)",
+    ):
+        megatron_layout([B, gap], seqlens=[3, 5], layer_ids=[1, 3], rollout_ids=["r-b", "r-gap"])
+    with pytest.raises(ShapeError, match=r"sample 1's routing has no recorded route"):
+        megatron_layout([B, gap], seqlens=[3, 5], layer_ids=[1, 3])
+    filled = megatron_layout(
+        [B, gap], seqlens=[3, 5], layer_ids=[1, 3], missing="fill", pad_to_multiple=4
+    )
+    # -1 stays -1 (the driver replays it as 0..K-1, miles' rule); padding and last rows too
+    assert filled.per_layer[0][:, 0].tolist() == [7, 5, N, N, 0, N, N, 3, N, N, N, N]
+    mixed = two_layer(([0, 1], [4, 5]), ([N, 2], [N, N]))
+    with pytest.raises(ShapeError, match="mixing -1"):
+        megatron_layout([mixed], seqlens=[3], layer_ids=[1, 3], missing="fill")
+    with pytest.raises(ShapeError, match="missing must be"):
+        megatron_layout([B], seqlens=[3], layer_ids=[1, 3], missing="skip")  # type: ignore[arg-type]
+
+
+def test_megatron_checks_every_samples_length_against_the_trainers() -> None:
+    """A partial rollout (fewer rows) used to shift every later sample silently: the layout
+    took T_i = rows + 1.  The trainer's own token counts are required and checked."""
+    partial = A[:2]  # 2 rows: the rollout stopped 2 tokens short of the trainer's 5
+    with pytest.raises(TypeError, match="seqlens"):
+        megatron_layout([A, B], layer_ids=[1, 3])  # type: ignore[call-arg]
+    with pytest.raises(
+        ShapeError,
+        match=re.escape(
+            "sample 0 (rollout 'r-a'): routing has 2 rows but the sample has 5 tokens "
+            "(the trainer's seqlens); expected 4 rows"
+        ),
+    ):
+        megatron_layout([partial, B], seqlens=AB, layer_ids=[1, 3], rollout_ids=["r-a", "r-b"])
+    with pytest.raises(ShapeError, match=r"sample 1: routing has 4 rows .* 3 tokens"):
+        megatron_layout([A, A], seqlens=AB, layer_ids=[1, 3])
+    with pytest.raises(ShapeError, match=re.escape("seqlens must list one length per sample (2)")):
+        megatron_layout([A, B], seqlens=[5], layer_ids=[1, 3])
+    with pytest.raises(ShapeError, match=re.escape("rollout_ids must name each sample (2)")):
+        megatron_layout([A, B], seqlens=AB, layer_ids=[1, 3], rollout_ids=["r-a"])
+    batch = megatron_layout(
+        [A, B], seqlens=torch.tensor(AB), layer_ids=[1, 3], rollout_ids=("r-a", "r-b")
+    )
+    assert batch.seqlens.tolist() == AB and batch.rollout_ids == ("r-a", "r-b")
+
+
+def test_single_sample_layouts_name_the_rollout_not_sample_0() -> None:
+    """slime/miles take one sample: "sample 0's routing" named a sample that is not the
+    trainer's sample 0; they say "the routing" (and its rollout id when given)."""
+    gap = rows([0, 1], [N, N], [6, 7])
+    for layout in (slime_layout, miles_layout):
+        with pytest.raises(ShapeError, match=r"^the routing has no recorded route") as info:
+            layout(gap, 4)
+        assert "sample 0" not in str(info.value)
+        with pytest.raises(ShapeError, match=r"^the routing \(rollout 'r-7'\) has no recorded"):
+            layout(gap, 4, rollout_id="r-7")
+        with pytest.raises(ShapeError, match=r"^the sample \(rollout 'r-7'\): routing has 3 rows"):
+            layout(gap, 9, rollout_id="r-7")
+
+
+def test_verl_names_the_rollout_when_given() -> None:
+    gap = rows([0, 1], [N, N], [N, N], [6, 7])
+    ok = rows([0, 1], [2, 3])
+    with pytest.raises(ShapeError, match=r"sample 1's routing \(rollout 'r-9'\) has no recorded"):
+        verl_layout([ok, gap], [2, 2], [1, 3], rollout_ids=["r-8", "r-9"])
+    with pytest.raises(ShapeError, match=r"sample 0 \(rollout 'r-8'\): routing has 2 rows"):
+        verl_layout([ok, gap], [2, 2], [2, 3], rollout_ids=["r-8", "r-9"])
 
 
 # ---- independent reference for CP/SP: positions as plain Python lists, then indexing
@@ -399,6 +478,7 @@ def test_megatron_matches_reference(tp: int, cp: int, sp: bool, lengths: list[in
     for cp_rank, tp_rank in itertools.product(range(cp), range(tp)):
         batch = megatron_layout(
             routing,
+            seqlens=lengths,
             layer_ids=layer_ids,
             tp_size=tp,
             tp_rank=tp_rank,

@@ -56,7 +56,7 @@ def micro_batch(seed: int) -> tuple[Any, list[np.ndarray]]:
         )
         for i, t in enumerate((7, 4))
     ]
-    batch = megatron_layout(routings)
+    batch = megatron_layout(routings, seqlens=[r.num_rows + 1 for r in routings])
     return batch, [np.asarray(p) for p in batch.per_layer]
 
 
@@ -140,8 +140,25 @@ def test_mismatches_are_clear(routers: list[Any]) -> None:
     with pytest.raises(MegatronReplayError, match="add_micro_batch"):
         driver.forward()
     routings = [Routing.from_array(synthetic_routing(5, 1, E, K), num_experts=E, layer_ids=(1,))]
-    with pytest.raises(MegatronReplayError, match="this rank has 2 routers"):
-        driver.add_micro_batch(megatron_layout(routings))
+    with pytest.raises(MegatronReplayError, match="this rank has 2 decoder routers"):
+        driver.add_micro_batch(megatron_layout(routings, seqlens=[6]))
     wide = [Routing.from_array(synthetic_routing(5, 2, E, 4), num_experts=E, layer_ids=LAYERS)]
     with pytest.raises(MegatronReplayError, match="moe_router_topk=2"):
-        driver.add_micro_batch(megatron_layout(wide))
+        driver.add_micro_batch(megatron_layout(wide, seqlens=[6]))
+
+
+def test_packing_is_checked_against_the_trainers_cu_seqlens(routers: list[Any]) -> None:
+    driver = RouterReplayDriver(config())
+    batch, _ = micro_batch(0)  # samples of 8 and 5 tokens: cu_seqlens [0, 8, 13]
+    driver.add_micro_batch(batch, cu_seqlens=torch.tensor([0, 8, 13], dtype=torch.int32))
+    with pytest.raises(MegatronReplayError, match=r"routing packs 2 samples, the trainer 3"):
+        driver.add_micro_batch(batch, cu_seqlens=[0, 8, 13, 20])
+    with pytest.raises(
+        MegatronReplayError,
+        match=r"^sample 1: the routing packs it at \[8, 13\) .*the trainer at \[8, 14\)",
+    ):
+        driver.add_micro_batch(batch, cu_seqlens=np.array([0, 8, 14]))
+    with pytest.raises(MegatronReplayError, match="cu_seqlens must be 1-D"):
+        driver.add_micro_batch(batch, cu_seqlens=np.array([[0, 8, 13]]))
+    assert [len(r.replay_backward_list) for r in routers] == [1, 1]  # refused ones set nothing
+    driver.finish_step()

@@ -110,7 +110,13 @@ def schedule_env(device: torch.device) -> contextlib.AbstractContextManager[Any]
 
 @dataclass(frozen=True)
 class Shape:
-    """A Qwen3-MoE-like Megatron model shape."""
+    """A Qwen3-MoE-like Megatron model shape.
+
+    ``moe_pattern``: Megatron's ``moe_layer_freq`` as a list (``1`` MoE, ``0`` dense; e.g.
+    ``(0, 1, 1)`` for DeepSeek-V3's dense first layers), ``None`` for MoE in every layer.
+    ``mtp_layers``: Megatron's ``mtp_num_layers`` (DeepSeek-V3 / GLM-4.5 MTP block after the
+    decoder, built from the last decoder layer's spec, so MoE when that layer is MoE).
+    """
 
     layers: int = 2
     hidden: int = 64
@@ -118,6 +124,14 @@ class Shape:
     experts: int = 8
     topk: int = 2
     ffn: int = 32
+    moe_pattern: tuple[int, ...] | None = None
+    mtp_layers: int = 0
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """Absolute (0-based) ids of the decoder's MoE layers, as our routing names them."""
+        pattern = self.moe_pattern or (1,) * self.layers
+        return tuple(i for i, moe in enumerate(pattern) if moe)
 
 
 def build_gpt(
@@ -129,12 +143,18 @@ def build_gpt(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> Any:
-    """A ``GPTModel`` with an MoE layer in every block (call inside :func:`megatron_env`).
+    """A ``GPTModel`` with MoE layers per ``shape`` (call inside :func:`megatron_env`).
 
     ``replay``: ``moe_enable_routing_replay`` (each ``TopKRouter`` gets a ``RouterReplay``).
     ``recompute``: full activation recompute of every layer, so backward re-runs routers.
+    With ``shape.moe_pattern`` or ``shape.mtp_layers`` the layers come from Megatron's own
+    ``get_gpt_decoder_block_spec`` / ``get_gpt_mtp_block_spec`` (local backend).
     """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -163,13 +183,18 @@ def build_gpt(
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        moe_layer_freq=list(shape.moe_pattern) if shape.moe_pattern else 1,
+        mtp_num_layers=shape.mtp_layers or None,
         **recompute_kw,
     )
+    spec: Any = get_gpt_layer_local_spec(num_experts=shape.experts)
+    mtp_spec = None
+    if shape.moe_pattern or shape.mtp_layers:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        if shape.mtp_layers:
+            mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     model = GPTModel(
-        config,
-        get_gpt_layer_local_spec(num_experts=shape.experts),
-        vocab_size=VOCAB,
-        max_sequence_length=4096,
+        config, spec, vocab_size=VOCAB, max_sequence_length=4096, mtp_block_spec=mtp_spec
     )
     return model.to(device=device, dtype=dtype)
 
@@ -179,7 +204,9 @@ def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), 1)[None, None]
 
 
-def forward(model: Any, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits ``[B, S, vocab]`` of ``tokens`` ``[B, S]``."""
+def forward(model: Any, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[B, S, vocab]`` of ``tokens`` ``[B, S]``; with ``labels``, the per-token loss
+    ``[B, S]`` (a model with MTP layers needs labels: its MTP loss is computed in the forward)."""
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    return model(tokens, positions, causal_mask(tokens.shape[1], tokens.device))  # type: ignore[no-any-return]
+    mask = causal_mask(tokens.shape[1], tokens.device)
+    return model(tokens, positions, mask, labels=labels)  # type: ignore[no-any-return]

@@ -5,10 +5,10 @@ Megatron-Core (``moe_enable_routing_replay=True``) gives each ``TopKRouter`` a
 and when to switch from forward replay to backward (recompute) replay.  This driver
 does that::
 
-    driver = RouterReplayDriver(config)              # checks the config
+    driver = RouterReplayDriver(config, model=model)  # checks the config; finds MTP routers
     for mb in micro_batches:                          # the schedule's forward order
-        batch = megatron_layout(mb.routings, tp_size=..., cp_size=..., ...)
-        driver.add_micro_batch(batch)                 # ids for every local router
+        batch = megatron_layout(mb.routings, seqlens=mb.seqlens, tp_size=..., ...)
+        driver.add_micro_batch(batch, cu_seqlens=mb.cu_seqlens_padded)  # ids for every router
     with driver.forward():                            # REPLAY_FORWARD
         ... forward steps ...
     with driver.backward():                           # REPLAY_BACKWARD (recompute)
@@ -27,6 +27,12 @@ Forward replay reads the ids of the micro-batch most recently added, so in a
 replay pops them first-in first-out, which is the order 1F1B runs backward steps.
 Megatron has no per-token fallback: ``-1`` rows (padding, each sequence's last
 token; their outputs feed no loss) are replayed as experts ``0..K-1``.
+
+MTP layers (``mtp_num_layers``, DeepSeek-V3 / GLM-4.5) route natively: Megatron gives
+their routers a ``RouterReplay`` too, registered after the decoder's, but SGLang ships
+no routing for them (it opts draft models out of capture), so the driver gives those
+instances no ids and no replay action.  It tells them apart by the model
+(``RouterReplayDriver(config, model=model)``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 from r3_client._exceptions import MegatronReplayError
 from r3_client.layouts import MegatronReplayBatch
@@ -75,6 +83,36 @@ def check_config(config: Any) -> None:
         raise MegatronReplayError("moe_router_force_load_balancing ignores RouterReplay")
 
 
+def _mtp_replays(model: Any, replay_cls: type) -> list[Any]:
+    """The ``RouterReplay`` of every router inside an MTP layer of ``model`` (or its chunks)."""
+    try:
+        from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+    except ImportError:  # pragma: no cover - a megatron-core without MTP has no MTP routers
+        return []
+    chunks = model if isinstance(model, list | tuple) else [model]
+    found: list[Any] = []
+    for chunk in chunks:
+        for layer in chunk.modules():
+            if isinstance(layer, MultiTokenPredictionLayer):
+                for module in layer.modules():
+                    replay = getattr(module, "router_replay", None)
+                    if isinstance(replay, replay_cls) and not any(replay is f for f in found):
+                        found.append(replay)
+    return found
+
+
+def _host_ints(values: Any) -> Any:
+    """A 1-D int64 numpy copy of a numpy array, list or (CPU or GPU) torch tensor."""
+    if hasattr(values, "detach") and hasattr(values, "cpu"):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values).astype(np.int64, copy=False)
+
+
+def _shown(values: Any, limit: int = 8) -> str:
+    items = [int(v) for v in values[:limit]]
+    return str(items)[:-1] + (", …]" if len(values) > limit else "]")
+
+
 def _default_device() -> Any:
     import torch
 
@@ -84,20 +122,60 @@ def _default_device() -> Any:
 
 
 class RouterReplayDriver:
-    """Drives the ``RouterReplay`` instances of this rank's routers (construction order)."""
+    """Drives the ``RouterReplay`` instances of this rank's decoder MoE routers.
 
-    def __init__(self, config: Any | None = None, *, topk: int | None = None) -> None:
+    ``config``: the ``TransformerConfig`` (checked by :func:`check_config`; gives
+    ``topk``); default ``model.config``.  ``model``: this rank's model, or the list of
+    model chunks Megatron's schedules take; required when the config has MTP layers
+    (``mtp_num_layers``), whose routers the driver finds in it and leaves to route
+    natively.  Build the driver after the model: Megatron registers each router's
+    ``RouterReplay`` when the router is constructed.
+    """
+
+    def __init__(
+        self, config: Any | None = None, *, topk: int | None = None, model: Any = None
+    ) -> None:
         self._rr = _replay_module()
+        if config is None and model is not None:
+            first = model[0] if isinstance(model, list | tuple) and model else model
+            config = getattr(first, "config", None)
         if config is not None:
             check_config(config)
             topk = topk or getattr(config, "moe_router_topk", None)
+            mtp = getattr(config, "mtp_num_layers", None)
+            if mtp and model is None:
+                # Megatron gives MTP routers a RouterReplay too (router.py TopKRouter.__init__),
+                # after the decoder's; only the model says which instances they are.
+                raise MegatronReplayError(
+                    f"the config has mtp_num_layers={mtp}: Megatron gives each MTP layer's "
+                    "router a RouterReplay too, but SGLang ships no routing for MTP layers "
+                    "(draft models are opted out of capture), so those routers must route "
+                    "natively. Pass model= (this rank's model or model chunks) so the driver "
+                    "can tell them apart"
+                )
         self.topk = topk
+        self._model_given = model is not None
+        self._mtp = _mtp_replays(model, self._rr.RouterReplay) if model is not None else []
         self._pending = 0
 
     @property
     def instances(self) -> list[Any]:
-        """This rank's ``RouterReplay`` objects, one per local MoE layer."""
-        return list(self._rr.RouterReplay.global_router_replay_instances)
+        """This rank's replayed ``RouterReplay`` objects, one per local decoder MoE layer.
+
+        Construction order (Megatron's ``global_router_replay_instances``), MTP routers left out.
+        """
+        mtp = self._mtp
+        return [
+            r
+            for r in self._rr.RouterReplay.global_router_replay_instances
+            if not any(r is m for m in mtp)
+        ]
+
+    @property
+    def mtp_instances(self) -> list[Any]:
+        """This rank's MTP routers' ``RouterReplay`` objects: they route natively."""
+        registered = self._rr.RouterReplay.global_router_replay_instances
+        return [m for m in self._mtp if any(m is r for r in registered)]
 
     def _tensors(self, per_layer: Sequence[Any], device: Any) -> list[Any]:
         """One ``[tokens, K]`` int64 view per layer, on ``device``, ``-1`` rows filled.
@@ -128,29 +206,102 @@ class RouterReplayDriver:
         fill = torch.arange(ids.shape[-1], device=device, dtype=torch.int64)
         return list(torch.where(holes, fill, ids).unbind(0))
 
-    def add_micro_batch(self, batch: MegatronReplayBatch, device: Any = None) -> None:
-        """Give every local router its ids for the next micro-batch.
+    def add_micro_batch(
+        self, batch: MegatronReplayBatch, device: Any = None, *, cu_seqlens: Any = None
+    ) -> None:
+        """Give every local decoder MoE router its ids for the next micro-batch.
 
         ``device``: where the routers run; default the current CUDA device when
-        CUDA is available, else the CPU.
+        CUDA is available, else the CPU.  ``cu_seqlens``: the trainer's padded
+        cumulative lengths of the packed micro-batch (``PackedSeqParams``'
+        ``cu_seqlens_q_padded``, or ``cu_seqlens_q`` without padding); when given,
+        ``batch.cu_seqlens`` must equal it (a GPU tensor costs one device-to-host copy).
+        Raises :class:`MegatronReplayError` for a layer count other than this rank's
+        routers, a layer whose token rows are not the batch's local tokens, or
+        packing other than the trainer's (naming the first sample that differs).
+        Nothing is handed to the routers unless every check passes.
         """
         instances = self.instances
         if len(batch.per_layer) != len(instances):
+            mtp = len(self.mtp_instances)
+            if mtp:
+                known = f" (and {mtp} MTP routers, which route natively)"
+            elif not self._model_given:  # without the model, MTP routers count as decoder ones
+                known = " (MTP layers' routers included unless model= is given)"
+            else:
+                known = ""
             raise MegatronReplayError(
                 f"routing has {len(batch.per_layer)} MoE layers {batch.layer_ids}, this rank has "
-                f"{len(instances)} routers with RouterReplay; slice layers for this pipeline "
-                "stage (megatron_layout(stage_layers=...)) and build the model with "
-                "moe_enable_routing_replay=True"
+                f"{len(instances)} decoder routers with RouterReplay{known}; slice layers for "
+                "this pipeline stage (megatron_layout(stage_layers=...)) and build the model "
+                "with moe_enable_routing_replay=True"
             )
-        self._rr.RouterReplay.set_replay_data(self._tensors(batch.per_layer, device))
+        self._check_tokens(batch)
+        if cu_seqlens is not None:
+            self._check_packing(batch, cu_seqlens)
+        # Megatron's set_replay_data hands instance i its tensor with set_target_indices
+        # (router_replay.py); doing it per instance leaves the MTP routers without ids.
+        for instance, ids in zip(instances, self._tensors(batch.per_layer, device), strict=True):
+            instance.set_target_indices(ids)
         self._pending += 1
+
+    @staticmethod
+    def _check_tokens(batch: MegatronReplayBatch) -> None:
+        """Each layer must hold one ``[K]`` row per local token (Megatron's gather would
+        accept fewer rows than the router has tokens, without an error)."""
+        n = batch.num_local_tokens
+        for j, ids in enumerate(batch.per_layer):
+            shape = tuple(ids.shape) if hasattr(ids, "shape") else np.shape(ids)
+            if len(shape) != 2 or shape[0] != n:
+                layer = batch.layer_ids[j] if j < len(batch.layer_ids) else j
+                raise MegatronReplayError(
+                    f"MoE layer {layer} has {shape[0] if shape else 0} token rows (shape "
+                    f"{list(shape)}), the batch has {n} local tokens (batch.positions); every "
+                    "layer needs one [K] row per local token"
+                )
+
+    @staticmethod
+    def _check_packing(batch: MegatronReplayBatch, cu_seqlens: Any) -> None:
+        """``batch.cu_seqlens`` against the trainer's: the first sample packed differently."""
+        have = _host_ints(batch.cu_seqlens)
+        want = _host_ints(cu_seqlens)
+        if want.ndim != 1:
+            raise MegatronReplayError(f"cu_seqlens must be 1-D, got shape {list(want.shape)}")
+        if have.shape == want.shape and bool((have == want).all()):
+            return
+        both = min(len(have), len(want))
+        differ = np.flatnonzero(have[:both] != want[:both])
+        vs = f"(padded cu_seqlens {_shown(have)}, the trainer's {_shown(want)})"
+        if not differ.size:
+            raise MegatronReplayError(
+                f"the routing packs {len(have) - 1} samples, the trainer {len(want) - 1} {vs}: "
+                "lay out the same samples as the trainer's micro-batch"
+            )
+        i = max(int(differ[0]) - 1, 0)  # boundaries before differ[0] agree: sample i differs
+        ids = batch.rollout_ids
+        who = f"sample {i}" + (f" (rollout {ids[i]!r})" if ids and i < len(ids) else "")
+        raise MegatronReplayError(
+            f"{who}: the routing packs it at [{have[i]}, {have[i + 1]}) of the packed batch, "
+            f"the trainer at [{want[i]}, {want[i + 1]}) {vs}; lay out the micro-batch with "
+            "the trainer's seqlens and pad_to_multiple"
+        )
+
+    def _set_action(self, name: str) -> None:
+        """``name`` on the decoder routers; none (native routing) on the MTP routers."""
+        action = getattr(self._rr.RouterReplayAction, name)
+        for instance in self.instances:
+            instance.set_router_replay_action(action)
+        # get_replay_topk (router_replay.py) routes natively when an instance has no action;
+        # an MTP router under REPLAY_* would read ids it was never given.
+        for instance in self.mtp_instances:
+            instance.clear_router_replay_action()
 
     def _action(self, name: str) -> contextlib.AbstractContextManager[None]:
         rr = self._rr
 
         @contextlib.contextmanager
         def ctx() -> Iterator[None]:
-            rr.RouterReplay.set_global_router_replay_action(getattr(rr.RouterReplayAction, name))
+            self._set_action(name)
             try:
                 yield
             finally:
@@ -169,7 +320,7 @@ class RouterReplayDriver:
         return self._action("REPLAY_BACKWARD")
 
     def record(self) -> contextlib.AbstractContextManager[None]:
-        """Forward passes inside the block route natively and record their ids."""
+        """Forward passes inside the block route natively; the decoder routers record their ids."""
         return self._action("RECORD")
 
     def wrap_forward_step(
@@ -184,7 +335,6 @@ class RouterReplayDriver:
         ids first-in first-out.  Call :meth:`finish_step` after the schedule.
         """
         batch_iter = iter(batches)
-        rr = self._rr
 
         def forward_step(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -194,19 +344,17 @@ class RouterReplayDriver:
                     "the schedule ran more micro-batches than routing batches were given"
                 ) from None
             self.add_micro_batch(batch)
-            rr.RouterReplay.set_global_router_replay_action(rr.RouterReplayAction.REPLAY_FORWARD)
+            self._set_action("REPLAY_FORWARD")
             try:
                 return forward_step_func(*args, **kwargs)
             finally:
-                rr.RouterReplay.set_global_router_replay_action(
-                    rr.RouterReplayAction.REPLAY_BACKWARD
-                )
+                self._set_action("REPLAY_BACKWARD")
 
         return forward_step
 
     def recorded(self) -> list[Any]:
-        """Ids recorded by the last forward, one ``[tokens, K]`` tensor per local router."""
-        return list(self._rr.RouterReplay.get_recorded_data())
+        """Ids recorded by the last forward, one ``[tokens, K]`` tensor per decoder MoE router."""
+        return [instance.get_recorded_indices() for instance in self.instances]
 
     def finish_step(self) -> None:
         """Drop every router's ids (call once per optimizer step)."""
