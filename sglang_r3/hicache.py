@@ -119,6 +119,17 @@ class _RowMover:
         self.launched = 0  # capture outputs returned by on_forward_end (overlap only)
         self.finalized = 0  # highest launch number finalized
         self.pending: deque[_Move] = deque()
+        # Reads of the capture buffer that must see every forward in flight (a view's
+        # rows kept at a retraction, sglang_r3.row_hooks), by launch number.
+        self.later: deque[tuple[int, Callable[[], None]]] = deque()
+
+    def after_in_flight(self, read: Callable[[], None]) -> None:
+        """Run ``read`` once every capture output launched so far is finalized (now,
+        without overlap scheduling or when none is in flight)."""
+        if not self.later and self.launched <= self.finalized:
+            read()
+        else:
+            self.later.append((self.launched, read))
 
     def issue(self, move: _Move) -> None:
         if not self.pending and move.seq <= self.finalized:
@@ -132,6 +143,8 @@ class _RowMover:
         self.finalized = max(self.finalized, seq)
         while self.pending and self.pending[0].seq <= self.finalized:
             _apply(self.pending.popleft())
+        while self.later and self.later[0][0] <= self.finalized:
+            self.later.popleft()[1]()
 
 
 _MOVER = _RowMover()
@@ -266,7 +279,9 @@ def around_capture_forward_end(
     """AROUND ``BaseTopkCapturer.on_forward_end``: number each routed-experts capture
     output that will be finalized later (overlap scheduling)."""
     out = original(self, *args, **kwargs)
-    if _ACTIVE and out is not None and self is _capturer():
+    # Numbered with or without HiCache: a retraction's rows are read after the forwards
+    # in flight land (after_in_flight).
+    if out is not None and self is _capturer():
         _MOVER.launched += 1
         setattr(out, _SEQ_ATTR, _MOVER.launched)
     return out
@@ -280,3 +295,10 @@ def around_capture_finalize(original: Callable[..., Any], self: Any) -> Any:
     if seq is not None:
         _MOVER.finalized_upto(seq)
     return result
+
+
+def after_in_flight(read: Callable[[], None]) -> None:
+    """Run ``read`` once the routing rows of every forward launched so far are in the
+    capture buffer (under overlap scheduling a forward's rows land when its output is
+    finalized, after the scheduler may already have retracted a request)."""
+    _MOVER.after_in_flight(read)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_r3.config import engine_config
+from sglang_r3.hicache import after_in_flight
 from sglang_r3.row_transport import TaggedRows, compact_rows
 from sglang_r3.tagging import carries_tag
 
@@ -51,8 +52,11 @@ def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) 
 
     The re-prefill recomputes (some of) them; the rows computed before the retraction are
     what the tokens sampled before it attended to, so they stay the request's first
-    computation and the re-prefill's rows become a view.  O(rows) in the scheduler, only
-    on a retraction.
+    computation and the re-prefill's rows become a view.  The KV slots are noted now
+    (before they are freed) and read once the forwards in flight have written their
+    rows (overlap scheduling: the capture of the last forward lands later,
+    :func:`sglang_r3.hicache.after_in_flight`); the next forward to reuse a freed slot
+    is launched after this one's rows land.  O(rows), only on a retraction.
     """
     req = kwargs.get("req")
     if req is not None and engine_config().enabled and _tagged(req) and not req.finished():
@@ -62,13 +66,14 @@ def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) 
         pool = kwargs.get("req_to_token_pool")
         seqlen = len(req.origin_input_ids) + len(req.output_ids)
         if capturer is not None and pool is not None and seqlen > 1:
-            rows = capturer.get_topk(
-                req_pool_idx=req.kv.req_pool_idx,
-                seqlen=seqlen,
-                req_to_token_pool=pool,
-                start_len=0,
-            )
-            req.__dict__.setdefault("_r3_snapshots", []).append((seqlen - 1, rows))
+            slots = pool.req_to_token[req.kv.req_pool_idx][: seqlen - 1].cpu().clone()
+            kept: list[Any] = [seqlen - 1, None]
+            req.__dict__.setdefault("_r3_snapshots", []).append(kept)
+
+            def read() -> None:
+                kept[1] = capturer.host_cache.buffer[slots]
+
+            after_in_flight(read)
     return original(*args, **kwargs)
 
 
@@ -102,7 +107,13 @@ def around_collect_routed_experts(original: Callable[..., Any], self: Any, req: 
     rows = getattr(req, "routed_experts", None)
     if tagged and rows is not None and not isinstance(rows, TaggedRows):
         epochs = tuple(starts.get(e, stored) for e in range(max(starts, default=0) + 1))
-        snaps = tuple(req.__dict__.get("_r3_snapshots") or ())
+        kept = req.__dict__.get("_r3_snapshots") or []
+        snaps = tuple((int(n), rows) for n, rows in kept)
+        if any(rows is None for _, rows in snaps):
+            # A retraction's rows never landed (not seen on SGLang 0.5.23): ship what the KV
+            # holds at the end, as before views, rather than guess.
+            log.warning("r3: rows kept at a retraction of %s are missing", req.rid)
+            epochs, snaps = epochs[:1], ()
         req.routed_experts = TaggedRows(rows, first, epochs, snaps)
     return result
 
