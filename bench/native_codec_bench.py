@@ -5,7 +5,7 @@ At Qwen3-30B-A3B's shape (16,384 rows x 48 layers x top-8 of 128 experts by
 default), skewed (Zipf 1.0, AR(1) 0.9) and uniform synthetic routing:
 
 1. **encode**: CPU (``time.process_time``) and wall of ``encode_frame`` called as
-   the engine calls it (``sglang_r3.shipping.Shipper._encode``: codec ``auto``,
+   the engine calls it (``sglang_r3.http_server.shipping.Shipper._encode``: codec ``auto``,
    format v2 with its default block rows and layer groups, its own context, a
    whole-rollout segment with a token digest; rows in the smallest unsigned dtype,
    as ``row_transport.compact_rows`` hands them over), against

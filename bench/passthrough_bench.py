@@ -19,7 +19,7 @@ Data: 48 MoE layers x 128 experts x top-8 (Qwen3-30B-A3B), synthetic, fixed seed
 rho 0.9) and "uniform" (skew 0, rho 0).  ``--distinct`` arrays of 4096 rows are
 drawn per distribution and every rollout takes a rolled copy of one of them
 (drawing 1M rows per scenario would take minutes and change nothing measured).
-Frames are written the way the engine writes them (``sglang_r3/shipping.py``): a
+Frames are written the way the engine writes them (``sglang_r3/http_server/shipping.py``): a
 rollout's first segment is self-contained, a later one is a continuation frame of
 the first segment's context when that context has a relabel table or the new rows
 are fewer than E.  Scenarios (counts multiplied by ``--scale``):
@@ -244,7 +244,7 @@ def context_of(first: bytes) -> Context:
 
 
 def engine_base(ctx: Context, rows: int) -> Context | None:
-    """``sglang_r3/shipping.py`` ``_base``: continue from the first segment's context when
+    """``http_server/shipping.py`` ``_base``: continue from the first segment's context when
     it has a relabel table, or when the new rows are too few to pay for one."""
     return ctx if ctx.has_table or rows < E else None
 

@@ -3,12 +3,12 @@
 SGLang on this CPU cannot run a 48-layer x 128-expert model over 16k-token prompts
 fast enough for an interleaved engine benchmark, so this measures what the engine
 does with the routing of one finished rollout, process by process, using the
-extension's own functions (``sglang_r3.shipping``) and SGLang's own encoder
+extension's own functions (``sglang_r3.http_server.shipping``) and SGLang's own encoder
 (``pybase64``), against the real cache service:
 
 * **detokenizer process**: upstream base64-encodes the int32 ``[rows, L, K]`` tensor
   (``DetokenizerManager._b64_encode_per_request``); r3 narrows it to the smallest
-  unsigned dtype that holds it (``sglang_r3.row_transport.compact_rows``);
+  unsigned dtype that holds it (``sglang_r3.scheduler.row_transport.compact_rows``);
 * **IPC to the HTTP process**: the detokenizer's output is pickled and unpickled
   (SGLang's default ``SGLANG_USE_PICKLE_IPC``); the unpickling runs on the
   tokenizer manager's event loop;
@@ -21,7 +21,7 @@ A heartbeat task on the same event loop (sleeping 1 ms) measures the loop's stal
 the longest time it could not run while a rollout was handled.  CPU seconds are
 this process's (``time.process_time``, all threads) and the cache service's (with
 its Redis).  With ``--baseline-only-b64`` (implied when the installed extension
-predates ``sglang_r3.row_transport``), r3 is fed upstream's base64 as before.
+predates ``sglang_r3.scheduler.row_transport``), r3 is fed upstream's base64 as before.
 
     python bench/ship_path.py [--rows 16384] [--layers 48] [--experts 128] [--topk 8]
         [--reps 8] [--json bench/out/ship_path.json]
@@ -48,10 +48,10 @@ import pybase64
 import torch
 
 from r3_client.synthetic import synthetic_routing
-from sglang_r3 import shipping
 from sglang_r3.config import EngineConfig
+from sglang_r3.http_server import shipping
+from sglang_r3.http_server.tagging import OutputTag
 from sglang_r3.layers import MoeShape
-from sglang_r3.tagging import OutputTag
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # ROOT: tests.support, before verl's ``tests``

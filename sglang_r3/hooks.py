@@ -29,16 +29,19 @@ Where the work happens (all in SGLang's HTTP process unless noted):
 - ``Scheduler.__init__`` (AROUND, scheduler process): the same verification and
   refusal there, and the CPU allocator check.
 - ``SchedulerBatchResultProcessor._maybe_collect_routed_experts`` (AROUND, scheduler
-  process): marks a tagged request's rows (:class:`sglang_r3.row_transport.TaggedRows`); O(1)
+  process): marks a tagged request's rows (:class:`~sglang_r3.scheduler.row_transport.TaggedRows`);
+  O(1)
   unless a prefill recomputed stored rows (then gathered from there: a view).
 - ``ScheduleBatch.prepare_for_extend`` (BEFORE, scheduler process): notes where each
   tagged request's prefill starts computing (its radix hit), per retraction epoch.
 - ``schedule_batch.release_req`` (AROUND, scheduler process): on a retraction, keeps the
-  rows a tagged request's tokens so far were sampled with (:mod:`sglang_r3.views`).
+  rows a tagged request's tokens so far were sampled with (:mod:`sglang_r3.http_server.views`).
 - ``DetokenizerManager.handle_batch_token_id_out`` (AROUND, detokenizer process):
-  marked rows become compact :class:`sglang_r3.row_transport.EngineRows` instead of base64.
+  marked rows become compact :class:`~sglang_r3.scheduler.row_transport.EngineRows`
+  instead of base64.
 - ``DetokenizerManager.__init__`` (AROUND, detokenizer process): verification there.
-- HiCache (scheduler process, :mod:`sglang_r3.hicache`): ``UnifiedRadixCache.init_hicache``
+- HiCache (scheduler process, :mod:`sglang_r3.scheduler.hicache`):
+  ``UnifiedRadixCache.init_hicache``
   gives the host tier a routing-row buffer; ``HybridCacheController.write`` / ``load``
   move rows with the KV backed up to / loaded from it; ``BaseTopkCapturer.on_forward_end``
   and ``TopkCaptureOutput.finalize`` order those moves after the rows of the forward in
@@ -50,29 +53,29 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sglang_r3.generate_hooks import (
+from sglang_r3.http_server.generate_hooks import (
     around_generate_request,
     around_send_batch_request,
     around_send_one_request,
 )
-from sglang_r3.hicache import (
+from sglang_r3.http_server.http_hooks import (
+    around_openai_handle_request,
+    around_serve_generate_request,
+)
+from sglang_r3.launch.startup import add_routes, check_startup
+from sglang_r3.scheduler.hicache import (
     around_capture_finalize,
     around_capture_forward_end,
     around_controller_load,
     around_controller_write,
     around_init_hicache,
 )
-from sglang_r3.http_hooks import (
-    around_openai_handle_request,
-    around_serve_generate_request,
-)
-from sglang_r3.row_hooks import (
+from sglang_r3.scheduler.row_hooks import (
     around_collect_routed_experts,
     around_detokenize,
     around_release_req,
     before_prepare_for_extend,
 )
-from sglang_r3.startup import add_routes, check_startup
 from sglang_r3.targets import (
     DETOKENIZER_TARGETS,
     HTTP_TARGETS,
@@ -102,7 +105,7 @@ from sglang_r3.targets import (
 
 def check_process(targets: list[str], server_args: Any | None) -> None:
     """This process's start-up check: :data:`HOOKS` on ``targets`` took effect and the
-    options are safe (:func:`sglang_r3.startup.check_startup`)."""
+    options are safe (:func:`sglang_r3.launch.startup.check_startup`)."""
     check_startup(targets, server_args, HOOKS)
 
 

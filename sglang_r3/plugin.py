@@ -3,7 +3,7 @@
 SGLang calls :func:`register` once in each of its processes (launcher, scheduler,
 detokenizer, DP controller) before applying hooks.  SGLang only *logs* an exception
 raised here or a hook that fails to apply, so the hooks verify themselves at start-up
-(:func:`sglang_r3.startup.check_startup`) and stop the server with a clear message.
+(:func:`sglang_r3.launch.startup.check_startup`) and stop the server with a clear message.
 """
 
 from __future__ import annotations

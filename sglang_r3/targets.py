@@ -27,7 +27,8 @@ T_COLLECT = (
 _DETOK = "sglang.srt.managers.detokenizer_manager.DetokenizerManager"
 T_DETOKENIZE = f"{_DETOK}.handle_batch_token_id_out"
 T_DETOKENIZER = f"{_DETOK}.__init__"
-# HiCache: routing rows follow KV between the device and the host tier (sglang_r3.hicache).
+# HiCache: routing rows follow KV between the device and the host tier
+# (sglang_r3.scheduler.hicache).
 T_HICACHE_INIT = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_hicache"
 _HCC = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
 T_HICACHE_WRITE = f"{_HCC}.write"
@@ -95,7 +96,8 @@ UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
         "served_model_name",
         "model_path",
     ),
-    # --tokenizer-worker-num > 1: the app SGLang's HTTP workers import (sglang_r3.worker_app).
+    # --tokenizer-worker-num > 1: the app SGLang's HTTP workers import
+    # (sglang_r3.http_server.worker_app).
     "sglang.srt.environ.Envs": ("SGLANG_HTTP_SERVER_APP_PATH",),
 }
 

@@ -60,7 +60,7 @@ def test_readme_tag_examples_are_valid_tags() -> None:
     """JSON blocks in the README are r3 tags the extension accepts."""
     import json
 
-    from sglang_r3.tagging import output_tags
+    from sglang_r3.http_server.tagging import output_tags
 
     blocks = _blocks("json")
     assert blocks

@@ -1,5 +1,5 @@
 # sglang-router in front of the SGLang fleet; its version is the `fleet` extra's pin
-# (pyproject.toml), the release sglang_r3/fleet.py's settings were measured against.
+# (pyproject.toml), the release sglang_r3/launch/fleet.py's settings were measured against.
 # Build from the repository root:
 #   docker build -f deploy/docker/router.Dockerfile -t ghcr.io/sglang-r3/router:0.1.0-router0.3.2 .
 

@@ -307,7 +307,7 @@ def start_router(
     extra_args: tuple[str, ...] = (),
     timeout_s: float = 120.0,
 ) -> EngineServer:
-    """Start ``sglang-router`` (:mod:`sglang_r3.fleet` settings) in front of ``workers``.
+    """Start ``sglang-router`` (:mod:`sglang_r3.launch.fleet` settings) in front of ``workers``.
 
     Waits until the router answers and lists every worker as healthy (it registers
     them in the background after it starts listening).  Stopped like an engine, by
@@ -315,7 +315,7 @@ def start_router(
     """
     import httpx
 
-    from sglang_r3.fleet import router_argv
+    from sglang_r3.launch.fleet import router_argv
 
     # Its Prometheus exporter listens too (default 0.0.0.0:29000): on loopback.
     metrics = ("--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port))

@@ -14,7 +14,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from sglang_r3.fleet import ROUTER_ARGS, ROUTER_VERSION
+from sglang_r3.launch.fleet import ROUTER_ARGS, ROUTER_VERSION
 from tests.support.kustomize import (
     ROOT,
     VARIANTS,
@@ -499,7 +499,7 @@ def test_redis_maxmemory_leaves_fork_headroom(variant: str) -> None:
 
 @pytest.mark.parametrize("variant", ALL)
 def test_router_fronts_the_fleet_with_r3_settings(variant: str) -> None:
-    """sglang-router (pinned) finds the SGLang pods by label and runs sglang_r3.fleet's
+    """sglang-router (pinned) finds the SGLang pods by label and runs sglang_r3.launch.fleet's
     settings; the engines behind it refuse untagged requests."""
     objs = render(variant)
     dep = find(objs, "Deployment", "sglang-router")

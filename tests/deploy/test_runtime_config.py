@@ -389,7 +389,7 @@ def test_cluster_init_refuses_a_half_formed_cluster(
 @pytest.mark.parametrize("variant", ["dev", "prod"])
 def test_router_arguments_parse(variant: str) -> None:
     """The router container's arguments go through sglang-router's own parser (the
-    pinned release), and mean what sglang_r3.fleet says they mean."""
+    pinned release), and mean what sglang_r3.launch.fleet says they mean."""
     from sglang_router.launch_router import parse_router_args
 
     (c,) = pod_spec(find(render(variant), "Deployment", "sglang-router"))["containers"]

@@ -15,7 +15,7 @@ from importlib.metadata import entry_points, version
 import pytest
 
 from sglang_r3.hooks import HOOKS
-from sglang_r3.startup import resolve_target
+from sglang_r3.launch.startup import resolve_target
 from sglang_r3.targets import UPSTREAM_FIELDS
 
 # Parameters each hooked callable must still take, in order.
@@ -52,7 +52,7 @@ SIGNATURES = {
         "self",
         "recv_obj",
     ],
-    # HiCache (sglang_r3.hicache)
+    # HiCache (sglang_r3.scheduler.hicache)
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_hicache": [
         "self",
         "server_args",
@@ -68,7 +68,7 @@ SIGNATURES = {
     ],
     "sglang.srt.state_capturer.base.BaseTopkCapturer.on_forward_end": ["self", "forward_batch"],
     "sglang.srt.state_capturer.base.TopkCaptureOutput.finalize": ["self"],
-    # Views (sglang_r3.row_hooks): where prefills start, rows kept at a retraction.
+    # Views (sglang_r3.scheduler.row_hooks): where prefills start, rows kept at a retraction.
     "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend": ["self"],
     "sglang.srt.managers.schedule_batch.release_req": [
         "req",
@@ -128,7 +128,7 @@ def test_capture_internals() -> None:
 
 
 def test_routing_handover_internals() -> None:
-    """Where the compact hand-over (sglang_r3.row_transport) plugs in, as read in 0.5.23."""
+    """Where the compact hand-over (``scheduler.row_transport``) plugs in, as read in 0.5.23."""
     from sglang.srt.managers import detokenizer_manager, tokenizer_manager
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler_components import batch_result_processor, output_streamer

@@ -1,5 +1,5 @@
 """HiCache (``--enable-hierarchical-cache``): routing rows follow their KV to the host
-tier and back (:mod:`sglang_r3.hicache`).
+tier and back (:mod:`sglang_r3.scheduler.hicache`).
 
 The engine has a 300-token KV pool and a host tier twice that size, so three 100-token
 fillers evict a 100-token prefix from the device; the next prompt over that prefix
@@ -27,7 +27,7 @@ import pytest
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
-from sglang_r3 import hicache
+from sglang_r3.scheduler import hicache
 from sglang_r3.tools.local_stack import EngineServer, start_engine
 from tests.support.engine_requests import as_sets, generate, inline_rows, rid, shim_env, sp
 from tests.support.service_process import KEY_A, Service
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(600)
 LAYERS = 3
 PROMPT = 100
 NEW = 8
-# The verified configuration (sglang_r3.hicache): direct io into a layer-first host pool.
+# The verified configuration (sglang_r3.scheduler.hicache): direct io into a layer-first host pool.
 HICACHE_ARGS = (
     "--enable-hierarchical-cache",
     "--hicache-io-backend",
@@ -143,7 +143,7 @@ def test_new_rollout_on_host_tier_prefix_stores_reference_rows(
 ) -> None:
     """A GRPO sibling or shared system prompt: a *new* rollout whose prompt hits a
     prefix loaded back from the host tier asks for every row, those of the prefix too
-    (before sglang_r3.hicache, all of them were the fillers' rows, and stored)."""
+    (before sglang_r3.scheduler.hicache, all of them were the fillers' rows, and stored)."""
     first = _tokens(4, PROMPT)
     out1 = _run(hicache_engine.url, first, sp(rid("hc-first"), NEW))
     _evict_to_host(hicache_engine.url, seed=5)

@@ -1,4 +1,4 @@
-"""sglang_r3.output_rows: the guards on the routing rows an engine answers with."""
+"""sglang_r3.http_server.output_rows: the guards on the routing rows an engine answers with."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sglang_r3.errors import R3RequestError
-from sglang_r3.output_rows import check_engine_rows, decode_rows
+from sglang_r3.http_server.output_rows import check_engine_rows, decode_rows
 from tests.support.engine_requests import SHAPE, b64
 
 

@@ -38,7 +38,7 @@ import pytest
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.config import ConfigError, EngineConfig
-from sglang_r3.generate_hooks import dp_rank_of
+from sglang_r3.http_server.generate_hooks import dp_rank_of
 from sglang_r3.tools.local_stack import EngineServer, start_engine
 from tests.support.engine_requests import as_sets, generate, rid, shim_env, sp
 from tests.support.rows_judge import judge_rows, reference_rows

@@ -2,7 +2,7 @@
 
 Each request is POSTed to both with the same ``bootstrap_host/port/room``, as
 sglang-router does in PD mode.  The prefill server ships rows ``[stored, P)`` and the
-decode server ``[P, P+N-1)`` (``sglang_r3.pd``) under the one rollout id, in whichever
+decode server ``[P, P+N-1)`` (``sglang_r3.http_server.pd``) under the one rollout id, in whichever
 order their writes land.  Stored rows must equal those of the reference engine
 (``qwen_engine``: tp=1, no PD) for the same greedy tokens, with no row left as the
 decode server's never-computed prompt rows (all 0).
@@ -32,7 +32,7 @@ import pytest
 
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
-from sglang_r3.fleet import ROUTER_ARGS
+from sglang_r3.launch.fleet import ROUTER_ARGS
 from sglang_r3.tools.local_stack import EngineServer, start_engine
 from tests.support.engine_requests import as_sets, generate, inline_rows, rid, shim_env, sp
 from tests.support.service_process import KEY_A, Service

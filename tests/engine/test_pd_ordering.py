@@ -2,7 +2,7 @@
 
 A prefill server and a decode server each run the plugin's :class:`Shipper` (two
 processes: two shippers here) and write their rows of a turn under the same rollout
-id: prefill ``[stored, P)``, decode ``[P, P+N-1)`` (``sglang_r3.pd``).  The decode
+id: prefill ``[stored, P)``, decode ``[P, P+N-1)`` (``sglang_r3.http_server.pd``).  The decode
 write may land first, leaving a gap below it that the prefill write fills; every
 lookup either server makes before generation must still see a trajectory it can check.
 No transfer backend needed (tests/engine/test_pd.py runs the real pair).
@@ -19,11 +19,11 @@ from r3_client import AsyncRoutingClient, RoutingClient
 from r3_client.synthetic import synthetic_routing
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import R3RequestError
+from sglang_r3.http_server.pd import check_decode_retractions, decode_start, is_decode_server
+from sglang_r3.http_server.shipping import Continuation, Shipper
+from sglang_r3.http_server.tagging import OutputTag
 from sglang_r3.layers import moe_shape
-from sglang_r3.pd import check_decode_retractions, decode_start, is_decode_server
-from sglang_r3.row_transport import EngineRows
-from sglang_r3.shipping import Continuation, Shipper
-from sglang_r3.tagging import OutputTag
+from sglang_r3.scheduler.row_transport import EngineRows
 from tests.support.service_process import KEY_A, Service
 
 SHAPE = moe_shape(

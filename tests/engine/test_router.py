@@ -2,7 +2,7 @@
 
 Two CPU engines with the extension (the session's ``qwen_engine``, shipping over
 HTTP, and a second one on the same checkpoint and cache, shipping over gRPC as
-``deploy/`` does) behind the router started with :mod:`sglang_r3.fleet`'s settings,
+``deploy/`` does) behind the router started with :mod:`sglang_r3.launch.fleet`'s settings,
 plus a third engine (gRPC) with ``--routing-require-tag``.  The router drops
 ``custom_params``, so every request here names its rollout the way a rollout driver
 does behind the router: the header
@@ -29,8 +29,8 @@ import pytest
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.errors import R3RequestError
-from sglang_r3.fleet import DEAD_ENGINE_WINDOW_S, classify_failure
-from sglang_r3.http_hooks import openai_error
+from sglang_r3.http_server.http_hooks import openai_error
+from sglang_r3.launch.fleet import DEAD_ENGINE_WINDOW_S, classify_failure
 from sglang_r3.tools.local_stack import EngineServer, start_engine, start_router, words
 from tests.support.engine_requests import as_sets, restart_cache, rid
 from tests.support.service_process import KEY_A, Service
@@ -317,7 +317,7 @@ def test_a_killed_engines_keys_move_to_a_live_engine(
 ) -> None:
     """``kill -9`` of an engine behind the router: until the router's health checks
     take it out, its keys are answered 500 ``call_upstream_*`` by the router (which
-    :func:`sglang_r3.fleet.classify_failure` tells from an r3 500); then the rollout's
+    :func:`sglang_r3.launch.fleet.classify_failure` tells from an r3 500); then the rollout's
     next turn continues on the live engine."""
     logs = tmp_path_factory.mktemp("dies")
     victim = start_engine(

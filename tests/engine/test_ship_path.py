@@ -19,13 +19,13 @@ import torch
 
 from r3_client import AsyncRoutingClient
 from r3_client.synthetic import synthetic_routing
-from sglang_r3 import output_rows, shipping
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import R3RequestError
+from sglang_r3.http_server import output_rows, shipping
+from sglang_r3.http_server.shipping import Shipper
+from sglang_r3.http_server.tagging import OutputTag
 from sglang_r3.layers import moe_shape
-from sglang_r3.row_transport import EngineRows, TaggedRows, compact_rows
-from sglang_r3.shipping import Shipper
-from sglang_r3.tagging import OutputTag
+from sglang_r3.scheduler.row_transport import EngineRows, TaggedRows, compact_rows
 from tests.support.service_process import KEY_A, METRICS_KEY, Service
 
 # 6 layers, the first dense (GLM-style), 32 experts, top-4.

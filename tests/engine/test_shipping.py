@@ -1,5 +1,5 @@
-"""sglang_r3.shipping: rows are validated before they are stored, and labelled by the weight
-version that computed them."""
+"""sglang_r3.http_server.shipping: rows are validated before they are stored, and
+labelled by the weight version that computed them."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import R3RequestError
-from sglang_r3.shipping import Shipper, version_at, version_runs
-from sglang_r3.tagging import OutputTag
+from sglang_r3.http_server.shipping import Shipper, version_at, version_runs
+from sglang_r3.http_server.tagging import OutputTag
 from tests.support.engine_requests import SHAPE, b64
 from tests.support.service_process import KEY_A, Service
 

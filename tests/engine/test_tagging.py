@@ -1,5 +1,5 @@
-"""sglang_r3.tagging: output tags from a request's sampling params, the id rules applied before
-generation, request shapes, and the prompt-sharing policy."""
+"""sglang_r3.http_server.tagging: output tags from a request's sampling params, the id
+rules applied before generation, request shapes, and the prompt-sharing policy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import R3RequestError
-from sglang_r3.tagging import OutputTag, output_tags, request_shape
+from sglang_r3.http_server.tagging import OutputTag, output_tags, request_shape
 
 
 def tags(sp: object, batch: int = 1, n: int = 1) -> list[OutputTag] | None:
@@ -80,7 +80,7 @@ def test_weight_version_rule_is_the_formats() -> None:
 
 def test_output_count_is_checked_before_ids_are_derived(monkeypatch: pytest.MonkeyPatch) -> None:
     """A huge ``n`` is refused before one id is derived (not after building them all)."""
-    import sglang_r3.tagging as tagging
+    import sglang_r3.http_server.tagging as tagging
 
     derived: list[object] = []
     real = tagging._check_id

@@ -1,6 +1,6 @@
 """``--tokenizer-worker-num 2``: SGLang serves HTTP from two worker processes.
 
-The launcher points ``SGLANG_HTTP_SERVER_APP_PATH`` at :mod:`sglang_r3.worker_app`,
+The launcher points ``SGLANG_HTTP_SERVER_APP_PATH`` at :mod:`sglang_r3.http_server.worker_app`,
 which loads the plugin in each worker.  One real engine with two tokenizer workers
 and ``--routing-lookup seen`` (each worker remembers only the rollouts it saw), next
 to the session's reference engine (``qwen_engine``: one HTTP process).
@@ -31,7 +31,7 @@ import pytest
 from cache_service.redis_proc import free_port
 from r3_client import RoutingClient
 from sglang_r3.config import EngineConfig
-from sglang_r3.startup import APP_PATH, APP_PATH_ENV, unsupported_options
+from sglang_r3.launch.startup import APP_PATH, APP_PATH_ENV, unsupported_options
 from sglang_r3.tools.local_stack import EngineServer, start_engine
 from tests.support.engine_requests import as_sets, inline_rows, rid, sp
 from tests.support.service_process import KEY_A, Service
@@ -266,7 +266,7 @@ def test_a_worker_without_its_hooks_stops_the_server() -> None:
         "SGLANG_PLUGINS": "smg-zmq",
     }
     proc = subprocess.run(
-        [sys.executable, "-c", "import sglang_r3.worker_app"],
+        [sys.executable, "-c", "import sglang_r3.http_server.worker_app"],
         capture_output=True,
         text=True,
         timeout=180,

@@ -1,10 +1,10 @@
-"""``sglang_r3.views.split_computations``: an output's first computations and its views."""
+"""``http_server.views.split_computations``: an output's first computations and its views."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from sglang_r3.views import split_computations
+from sglang_r3.http_server.views import split_computations
 
 L, K = 2, 2
 

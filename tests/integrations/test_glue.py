@@ -1,7 +1,7 @@
 """``r3_client.integrations``: slime, miles and AReaL glue against a real cache service.
 
 The engine is a fake SGLang with our plugin, as far as the glue can tell: it reads the
-tag with the plugin's own parser (``sglang_r3.tagging.output_tags``) or from the
+tag with the plugin's own parser (``sglang_r3.http_server.tagging.output_tags``) or from the
 ``X-SMG-Routing-Key`` header, refuses what the plugin refuses, and stores each call's
 new rows in the real service (``service_single``) as the plugin does, one segment per
 call under the call's weight version.  slime, miles and AReaL are stub modules whose
@@ -44,7 +44,7 @@ from r3_client.integrations import tags
 from r3_client.layouts import miles_layout, slime_layout
 from r3_client.synthetic import synthetic_routing
 from sglang_r3.config import DEFAULT_TAG_HEADER
-from sglang_r3.tagging import output_tags
+from sglang_r3.http_server.tagging import output_tags
 from tests.support.service_process import KEY_A, Service
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -853,3 +853,118 @@ async def test_docs_areal_recipe_runs(
         ]
     finally:
         await ns["r3"].aclose()
+
+
+# ------------------------------------------------------------------ views (docs/store.md)
+
+RECOMPUTED_FROM = 2  # a call that recomputes stored positions redoes rows [2, its own start)
+
+
+class RecomputingEngine(FakeEngine):
+    """A continuing call (a resume after a weight push, a next turn) finds its radix cache
+    flushed and recomputes rows ``[2, serves)`` of what it continues, under its own weight
+    version, and ships them first as the view serving its own rows (``serves``: where its
+    segment starts), as the plugin does."""
+
+    def __init__(self, client: AsyncRoutingClient, *, behind_router: bool) -> None:
+        super().__init__(client, behind_router=behind_router)
+        self.recomputed: dict[str, tuple[int, np.ndarray]] = {}  # key -> (serves, rows)
+
+    async def _store(self, key: str, version: str, tokens: list[int]) -> None:
+        have = self.tokens.get(key, [])
+        serves = len(have) - 1
+        if serves > RECOMPUTED_FROM and len(tokens) - 1 > serves:
+            rows = self._rows(f"{key}:recomputed", RECOMPUTED_FROM, serves)
+            seg = Segment(RECOMPUTED_FROM, serves, "tiny-moe", version)
+            await self.client.put(
+                key, rows, num_experts=E, layer_ids=MOE_IDS, segment=seg, view=serves
+            )
+            self.recomputed[key] = (serves, rows)
+        await super()._store(key, version, tokens)
+
+    def latest(self, key: str) -> np.ndarray:
+        """The MoE rows the rollout's last call attended to: the first computations with
+        the recomputed rows written over them."""
+        rows = self.truth[key].copy()
+        serves, recomputed = self.recomputed[key]
+        rows[RECOMPUTED_FROM:serves] = recomputed
+        assert not np.array_equal(rows, self.truth[key])  # the view really differs
+        return rows
+
+
+@pytest.mark.parametrize("framework", ["slime", "miles"])
+async def test_a_rollout_with_a_view_yields_the_latest_rows_when_asked(
+    framework: str, client: AsyncRoutingClient, run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partial rollout resumed after a weight push recomputed part of its prefix (a view):
+    wrap_generate(view="latest") fills the rows the resumed call attended to, one sample
+    (get) or a group (one get per sample); the default gives the first computations."""
+    module, _, layout, key_field = FRAMEWORKS[framework]
+    engine = RecomputingEngine(client, behind_router=True)
+    stub_framework(monkeypatch, framework, engine)
+    generate_r3 = module.wrap_generate(run=run, client=client, num_layers=NUM_LAYERS, view="latest")
+    args = args_for(framework)
+    s, plain = Sample(index=60), Sample(index=61)
+    engine.abort_after = 3
+    engine.on_abort = lambda: setattr(engine, "version", "v2")
+    await generate_r3(args, s, params())
+    await generate_r3(args, plain, params())
+    assert s.status is Status.ABORTED and plain.status is Status.COMPLETED
+    await generate_r3(args, s, params())  # resumed: recomputes rows [2, 7) first
+    key = getattr(s, key_field)
+    assert [v.serves for v in (await client.stat(key)).views] == [len(PROMPT) + 3 - 1]
+    got = s.rollout_routed_experts
+    assert np.array_equal(got[:, list(MOE_IDS)], engine.latest(key))
+    want = layout(await client.get(key, view="latest"), len(s.tokens), num_layers=NUM_LAYERS)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+
+    pkey = getattr(plain, key_field)
+    for sample in (s, plain):
+        sample.rollout_routed_experts = None
+    await module.fill_routed_experts([s, plain], client, num_layers=NUM_LAYERS, view="latest")
+    assert np.array_equal(s.rollout_routed_experts[:, list(MOE_IDS)], engine.latest(key))
+    assert np.array_equal(plain.rollout_routed_experts[:, list(MOE_IDS)], engine.truth[pkey])
+    await module.fill_routed_experts([s, plain], client, num_layers=NUM_LAYERS)  # generated
+    assert np.array_equal(s.rollout_routed_experts[:, list(MOE_IDS)], engine.truth[key])
+    await check_filled(client, engine, s, framework)
+
+    # exact replays one routing per state: refused before any generation or fetch
+    calls = len(engine.calls)
+    with pytest.raises(InvalidRequestError, match="one forward"):
+        module.wrap_generate(run=run, client=client, num_layers=NUM_LAYERS, view="exact")
+    with pytest.raises(InvalidRequestError, match="one forward"):
+        await module.fill_routed_experts(s, client, num_layers=NUM_LAYERS, view="exact")
+    with pytest.raises(InvalidRequestError, match="view must be one of"):
+        await module.fill_routed_experts(s, client, num_layers=NUM_LAYERS, view="newest")
+    assert len(engine.calls) == calls
+
+
+async def test_areal_resumed_request_yields_the_latest_rows_when_asked(
+    client: AsyncRoutingClient,
+) -> None:
+    """AReaL resumes a request aborted for a weight update; the resumed call recomputed part
+    of the prefix (a view): RoutedEngine(view="latest") fills what that call attended to,
+    the default what AReaL's inline concatenation of first computations holds."""
+    server = RecomputingEngine(client, behind_router=False)
+    engine = RemoteSGLangEngine(server, return_routed_experts=False)
+    routed = r3_areal.RoutedEngine(engine, client, num_layers=NUM_LAYERS, view="latest")
+    server.abort_after = 3
+    server.on_abort = lambda: setattr(engine._engine, "version", 2)
+    req = ModelRequest(input_ids=list(PROMPT))
+    resp = await routed.agenerate(req)
+    assert [v.weight_version for v in (await client.stat(req.rid)).views] == ["2"]
+    assert resp.routed_experts is not None
+    assert np.array_equal(resp.routed_experts, areal_inline(server.latest(req.rid)))
+    n = len(resp.input_tokens) + len(resp.output_tokens)
+    want = r3_areal.routed_experts(
+        await client.get(req.rid, view="latest"), n, num_layers=NUM_LAYERS
+    )
+    assert np.array_equal(resp.routed_experts, want)
+    await r3_areal.fill_routed_experts(resp, client, req.rid, num_layers=NUM_LAYERS)
+    assert np.array_equal(resp.routed_experts, areal_inline(server.truth[req.rid]))
+    with pytest.raises(InvalidRequestError, match="one forward"):
+        r3_areal.RoutedEngine(engine, client, num_layers=NUM_LAYERS, view="exact")
+    with pytest.raises(InvalidRequestError, match="one forward"):
+        await r3_areal.fill_routed_experts(
+            resp, client, req.rid, num_layers=NUM_LAYERS, view="exact"
+        )

@@ -10,11 +10,11 @@ calls the object in this process); the manager, worker and server are made witho
 ``__init__``, which start Ray actors, load a model and launch SGLang.
 
 SGLang's ``TokenizerManager`` is the engine, as far as verl can tell: it reads the tag with
-the plugin's own parser (``sglang_r3.tagging.output_tags``), refuses what the plugin
+the plugin's own parser (``sglang_r3.http_server.tagging.output_tags``), refuses what the plugin
 refuses (``routed_experts_start_len`` on a tagged request, a turn that does not extend the
 stored trajectory) and stores each call's new rows in the real service
 (``service_single``), one segment per call with the plugin's token digest
-(``sglang_r3/shipping.py:262``).
+(``sglang_r3/http_server/shipping.py:262``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from r3_client import (
 from r3_client.integrations import verl as r3_verl
 from r3_client.layouts import verl_layout
 from r3_client.synthetic import synthetic_routing
-from sglang_r3.tagging import output_tags
+from sglang_r3.http_server.tagging import output_tags
 from tests.support.service_process import KEY_A, Service
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -352,10 +352,17 @@ class Rig:
     manager: Any  # verl's AgentLoopManager
 
 
-def rig(verl: Verl, cache: RoutingClient, *, fully_async: bool = False, **rollout: Any) -> Rig:
+def rig(
+    verl: Verl,
+    cache: RoutingClient,
+    *,
+    fully_async: bool = False,
+    engine_cls: type[Engine] = Engine,
+    **rollout: Any,
+) -> Rig:
     """verl's manager -> worker -> agent loops -> LLM client -> SGLang server, one process."""
     cfg = config(**rollout)
-    engine = Engine(cache)
+    engine = engine_cls(cache)
     server = object.__new__(verl.SGLangHttpServer)
     server.__dict__.update(
         config=cfg.actor_rollout_ref.rollout,
@@ -683,3 +690,75 @@ def test_importing_the_verl_glue_imports_no_framework() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ views (docs/store.md)
+
+RECOMPUTED_FROM = 2  # a call that recomputes stored positions redoes rows [2, its own start)
+
+
+class RecomputingEngine(Engine):
+    """A next turn finds its radix cache flushed (a weight push between turns) and
+    recomputes rows ``[2, serves)`` of the trajectory it continues, shipping them first as
+    the view serving its own rows (``serves``: where its segment starts), as the plugin does."""
+
+    def __init__(self, cache: RoutingClient) -> None:
+        super().__init__(cache)
+        self.recomputed: dict[str, tuple[int, np.ndarray]] = {}  # key -> (serves, rows)
+
+    def _store(self, key: str, version: str, tokens: list[int]) -> None:
+        serves = len(self.tokens.get(key, [])) - 1
+        if serves > RECOMPUTED_FROM and len(tokens) - 1 > serves:
+            rows = self.rows(f"{key}:recomputed", RECOMPUTED_FROM, serves)
+            seg = Segment(
+                RECOMPUTED_FROM, serves, "tiny-moe", version, token_digest(tokens[:serves])
+            )
+            self.cache.put(key, rows, num_experts=E, layer_ids=MOE_IDS, segment=seg, view=serves)
+            self.recomputed[key] = (serves, rows)
+        super()._store(key, version, tokens)
+
+    def latest(self, key: str) -> np.ndarray:
+        """The MoE rows the trajectory's last turn attended to."""
+        rows = self.truth[key].copy()
+        serves, recomputed = self.recomputed[key]
+        rows[RECOMPUTED_FROM:serves] = recomputed
+        assert not np.array_equal(rows, self.truth[key])  # the view really differs
+        return rows
+
+
+def test_a_rollout_with_a_view_yields_the_latest_rows_when_asked(
+    verl: Verl, routed: None, cache: RoutingClient
+) -> None:
+    """ToolAgentLoop's second turn recomputed part of the trajectory (a view): the
+    RoutedRolloutManager with view="latest" attaches what that turn attended to (verl#6054's
+    answer), equal to verl_layout of the client's latest reads; the default attaches the
+    first computations; exact is refused."""
+    r = rig(verl, cache, engine_cls=RecomputingEngine)
+    engine = r.engine
+    assert isinstance(engine, RecomputingEngine)
+    manager = r3_verl.RoutedRolloutManager(r.manager, cache, num_layers=NUM_LAYERS, view="latest")
+    out = manager.generate_sequences(prompts(verl, ["w5 w6", "w7"], n=1, agent="r3_tool_agent"))
+    ids = [str(i) for i in out.non_tensor_batch[r3_verl.ROLLOUT_ID_KEY]]
+    plen = int(out.batch["prompts"].shape[1])
+    rlen = int(out.batch["responses"].shape[1])
+    lens = [spans(out, i)[1:] for i in range(len(ids))]
+    want = verl_layout(
+        [cache.get(key, view="latest") for key in ids],
+        [p for p, _ in lens],
+        [n for _, n in lens],
+        prompt_len=plen,
+        response_len=rlen,
+        num_layers=NUM_LAYERS,
+    )
+    assert torch.equal(out.batch["routed_experts"], torch.from_numpy(want))
+    for i, key in enumerate(ids):
+        assert [v.serves for v in cache.stat(key).views] == [engine.recomputed[key][0]]
+        p, n = lens[i]
+        rows = out.batch["routed_experts"][i, plen - p : plen + n - 1].numpy()
+        assert np.array_equal(rows[:, list(MOE_IDS)], engine.latest(key))
+    r3_verl.attach_routed_experts(out, cache, num_layers=NUM_LAYERS)  # generated
+    check_attached(out, cache, engine)
+    with pytest.raises(InvalidRequestError, match="one forward"):
+        r3_verl.RoutedRolloutManager(r.manager, cache, num_layers=NUM_LAYERS, view="exact")
+    with pytest.raises(InvalidRequestError, match="one forward"):
+        r3_verl.attach_routed_experts(out, cache, num_layers=NUM_LAYERS, view="exact")

@@ -9,7 +9,7 @@ CPU the name is never bound, so the first write-back to the host tier dies with 
 layer-first paths call it at ``mha.py:513, 677, 1106, 1177`` with per-layer source and
 destination tensors and token (slot) indices; this copies ``dst[dst_indices] =
 src[src_indices]`` layer by layer, which is what the kernel does.  Rows (routing) are
-not touched here: moving them with the KV is the product's job (``sglang_r3.hicache``).
+not touched here: moving them with the KV is the product's job (``sglang_r3.scheduler.hicache``).
 
 It also sets ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` (``pool_host/base.py:28``, subtracted
 from the free host memory at ``:104-107`` before any host pool is allowed) from 10 GiB

@@ -2,7 +2,7 @@
 
 Lets a test tell by the order of events that shipping an output's routing does not
 hold the HTTP process's event loop.  Seconds from ``R3_SHIM_SHIP_DELAY_S``; wraps
-``sglang_r3.shipping.Shipper._plan`` (the step run in a worker thread), rows unchanged.
+``sglang_r3.http_server.shipping.Shipper._plan`` (the step run in a worker thread), rows unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ DELAY_ENV = "R3_SHIM_SHIP_DELAY_S"
 
 def apply() -> None:
     """Sleep the configured seconds before each ``Shipper._plan``."""
-    from sglang_r3.shipping import Shipper
+    from sglang_r3.http_server.shipping import Shipper
 
     delay = float(os.environ[DELAY_ENV])
     plan = Shipper._plan

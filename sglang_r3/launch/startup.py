@@ -13,11 +13,11 @@ import pkgutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sglang_r3 import metrics
 from sglang_r3.config import EngineConfig, engine_config
 from sglang_r3.errors import StartupError
-from sglang_r3.hicache import unsupported_hicache_options
-from sglang_r3.loop_probe import LOOP_PROBE
+from sglang_r3.http_server import metrics
+from sglang_r3.http_server.loop_probe import LOOP_PROBE
+from sglang_r3.scheduler.hicache import unsupported_hicache_options
 from sglang_r3.targets import (
     HTTP_TARGETS,
     SGLANG_VERSION,
@@ -26,9 +26,9 @@ from sglang_r3.targets import (
 log = logging.getLogger("sglang_r3")
 
 #: What SGLang's HTTP workers import as the app under ``--tokenizer-worker-num > 1``
-#: (:mod:`sglang_r3.worker_app`), named by the variable SGLang reads it from
+#: (:mod:`sglang_r3.http_server.worker_app`), named by the variable SGLang reads it from
 #: (``environ.py:343``, ``http_server.py:2790, 3052``).
-APP_PATH = "sglang_r3.worker_app:app"
+APP_PATH = "sglang_r3.http_server.worker_app:app"
 APP_PATH_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
 
 # ---------------------------------------------------------------- checks
@@ -48,7 +48,8 @@ def unsupported_options(server_args: Any, config: EngineConfig) -> list[str]:
             "--enable-return-routed-experts is off, so the engine records nothing "
             "(the sglang_r3 launcher adds it)"
         )
-    # HiCache's host tier loads KV without a forward pass (sglang#26975); sglang_r3.hicache
+    # HiCache's host tier loads KV without a forward pass (sglang#26975);
+    # sglang_r3.scheduler.hicache
     # moves the routing rows with it where that is verified, and refuses the rest.
     problems += unsupported_hicache_options(server_args)
     if on("enable_lmcache") or on("enable_flexkv"):
@@ -58,7 +59,7 @@ def unsupported_options(server_args: Any, config: EngineConfig) -> list[str]:
         )
     # --disaggregation-mode decode is supported: its prompt KV comes from the prefill
     # node, so its prompt rows are never computed here, and a tagged request there
-    # ships only rows [P, P+N-1) (sglang_r3.pd); the prefill server ships [stored, P).
+    # ships only rows [P, P+N-1) (sglang_r3.http_server.pd); the prefill server ships [stored, P).
     # A decode-side radix cache changes only where prompt KV comes from, never those
     # rows.  Retractions there restore KV without a forward: refused per request.
     worker_app = worker_app_problem(server_args)
@@ -249,7 +250,8 @@ def add_routes(*, aggregate_metrics: bool = False) -> None:
     """Add ``/r3/metrics``, ``/r3/loop`` and ``/r3/info`` to SGLang's app (once).
 
     ``aggregate_metrics``: answer ``/r3/metrics`` summed over every process writing
-    to ``PROMETHEUS_MULTIPROC_DIR`` (the tokenizer workers, :mod:`sglang_r3.worker_app`);
+    to ``PROMETHEUS_MULTIPROC_DIR`` (the tokenizer workers,
+    :mod:`sglang_r3.http_server.worker_app`);
     else this process's own counters.
     """
     from fastapi import Response

@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from r3_client import token_digest
-from sglang_r3 import metrics
 from sglang_r3.errors import R3RequestError
-from sglang_r3.shipping import Continuation
-from sglang_r3.tagging import OutputTag
+from sglang_r3.http_server import metrics
+from sglang_r3.http_server.shipping import Continuation
+from sglang_r3.http_server.tagging import OutputTag
 
 
 def is_decode_server(tokenizer_manager: Any) -> bool:

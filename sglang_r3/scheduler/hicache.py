@@ -120,7 +120,7 @@ class _RowMover:
         self.finalized = 0  # highest launch number finalized
         self.pending: deque[_Move] = deque()
         # Reads of the capture buffer that must see every forward in flight (a view's
-        # rows kept at a retraction, sglang_r3.row_hooks), by launch number.
+        # rows kept at a retraction, sglang_r3.scheduler.row_hooks), by launch number.
         self.later: deque[tuple[int, Callable[[], None]]] = deque()
 
     def after_in_flight(self, read: Callable[[], None]) -> None:

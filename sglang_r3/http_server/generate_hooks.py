@@ -17,19 +17,19 @@ from sglang_r3.errors import (
     bad_request,
     samples_conflict,
 )
-from sglang_r3.layers import MoeShape, moe_shape
-from sglang_r3.loop_probe import LOOP_PROBE
-from sglang_r3.output_rows import to_base64
-from sglang_r3.pd import check_decode_retractions, decode_start, is_decode_server
-from sglang_r3.request_state import refs_holder, remember_error
-from sglang_r3.shipping import Continuation, Shipper
-from sglang_r3.tagging import (
+from sglang_r3.http_server.loop_probe import LOOP_PROBE
+from sglang_r3.http_server.output_rows import to_base64
+from sglang_r3.http_server.pd import check_decode_retractions, decode_start, is_decode_server
+from sglang_r3.http_server.request_state import refs_holder, remember_error
+from sglang_r3.http_server.shipping import Continuation, Shipper
+from sglang_r3.http_server.tagging import (
     OutputTag,
     misplaced_tag,
     output_tags,
     request_shape,
     sampling_params_tagged,
 )
+from sglang_r3.layers import MoeShape, moe_shape
 
 log = logging.getLogger("sglang_r3")
 
@@ -164,7 +164,7 @@ async def _look_up(
     gaps: bool = False,
 ) -> list[Continuation | None]:
     """What the cache holds of each tagged rollout (None: new), looked up concurrently
-    (``gaps``: as a PD decode server sees it, :mod:`sglang_r3.pd`)."""
+    (``gaps``: as a PD decode server sees it, :mod:`sglang_r3.http_server.pd`)."""
 
     async def lookup(tag: OutputTag, new: bool) -> Continuation | None:
         if new:
@@ -188,7 +188,7 @@ async def _tagged_generate(
     config = engine_config()
     tags, batch, n, single = _checked_tags(config, obj)
     shipper = _shipper(tm)
-    # PD decode: rows from the prompt length on, whatever is stored (sglang_r3.pd).
+    # PD decode: rows from the prompt length on, whatever is stored (sglang_r3.http_server.pd).
     # It always looks up (the prefix check), since "assumed new" would store from 0.
     decode = is_decode_server(tm)
     # --routing-lookup seen: a rollout this process has not seen is assumed new, with

@@ -13,7 +13,7 @@ half of the plugin hands it as a JSON object and store nothing.
 :data:`APP_PATH` (this module); importing it, in each worker:
 
 1. loads SGLang's plugins, so our hooks are registered and applied in the worker;
-2. verifies that the HTTP hooks took effect (:func:`sglang_r3.startup.check_startup`).
+2. verifies that the HTTP hooks took effect (:func:`sglang_r3.launch.startup.check_startup`).
    A worker whose hooks did not apply exits with uvicorn's start-up failure status
    (3), on which uvicorn's supervisor stops the whole server instead of restarting
    the worker: it never serves without them;
@@ -34,7 +34,7 @@ Per-worker state (each worker is its own process):
   and learns at write time that the cache holds it (the case of a turn another
   engine stored): only the rows past the stored trajectory are written.  Correct, at
   the price of recomputing rows the cache already has and one extra round trip.
-- The continuation-frame contexts (:class:`sglang_r3.shipping.Shipper`) are per
+- The continuation-frame contexts (:class:`sglang_r3.http_server.shipping.Shipper`) are per
   worker: a worker that did not write a rollout's first segment codes its rows with
   their own context (a little larger, same rows).
 - ``/r3/loop`` measures the event loop of the worker that answers it.
@@ -50,7 +50,7 @@ from sglang.srt.plugins import load_plugins
 
 from sglang_r3.errors import StartupError
 from sglang_r3.hooks import check_process
-from sglang_r3.startup import APP_PATH, add_routes
+from sglang_r3.launch.startup import APP_PATH, add_routes
 from sglang_r3.targets import HTTP_TARGETS
 
 log = logging.getLogger("sglang_r3")

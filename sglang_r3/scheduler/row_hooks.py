@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_r3.config import engine_config
-from sglang_r3.hicache import after_in_flight
-from sglang_r3.row_transport import TaggedRows, compact_rows
-from sglang_r3.tagging import carries_tag
+from sglang_r3.http_server.tagging import carries_tag
+from sglang_r3.scheduler.hicache import after_in_flight
+from sglang_r3.scheduler.row_transport import TaggedRows, compact_rows
 
 log = logging.getLogger("sglang_r3")
 
@@ -31,7 +31,7 @@ def before_prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> None:
 
     A position below the stored end that a prefill computes again gets new KV, and the
     tokens sampled after it attend to the new computation: the rows from the lowest
-    start of each epoch up are shipped as a view (:mod:`sglang_r3.shipping`).  One
+    start of each epoch up are shipped as a view (:mod:`sglang_r3.http_server.shipping`).  One
     ``min`` per tagged request in the batch; nothing proportional to rows.
     """
     if not engine_config().enabled:
@@ -55,7 +55,7 @@ def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) 
     computation and the re-prefill's rows become a view.  The KV slots are noted now
     (before they are freed) and read once the forwards in flight have written their
     rows (overlap scheduling: the capture of the last forward lands later,
-    :func:`sglang_r3.hicache.after_in_flight`); the next forward to reuse a freed slot
+    :func:`sglang_r3.scheduler.hicache.after_in_flight`); the next forward to reuse a freed slot
     is launched after this one's rows land.  O(rows), only on a retraction.
     """
     req = kwargs.get("req")

@@ -39,11 +39,10 @@ from r3_client import (
     read_header,
     token_digest,
 )
-from sglang_r3 import metrics
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import CacheUnavailableError, R3RequestError, samples_conflict
-from sglang_r3.layers import MoeShape
-from sglang_r3.output_rows import (
+from sglang_r3.http_server import metrics
+from sglang_r3.http_server.output_rows import (
     FORMS,
     EngineOutput,
     check_engine_rows,
@@ -51,9 +50,10 @@ from sglang_r3.output_rows import (
     count_rows,
     engine_rows_of,
 )
-from sglang_r3.row_transport import EngineRows
-from sglang_r3.tagging import OutputTag
-from sglang_r3.views import Computations, ViewRows, split_computations
+from sglang_r3.http_server.tagging import OutputTag
+from sglang_r3.http_server.views import Computations, ViewRows, split_computations
+from sglang_r3.layers import MoeShape
+from sglang_r3.scheduler.row_transport import EngineRows
 
 log = logging.getLogger("sglang_r3")
 

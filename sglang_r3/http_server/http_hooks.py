@@ -13,8 +13,8 @@ from typing import Any
 
 from sglang_r3.config import engine_config
 from sglang_r3.errors import R3RequestError
-from sglang_r3.request_state import hold_refs, remembered_error
-from sglang_r3.tagging import (
+from sglang_r3.http_server.request_state import hold_refs, remembered_error
+from sglang_r3.http_server.tagging import (
     carries_tag,
     header_rollout,
     misplaced_tag,

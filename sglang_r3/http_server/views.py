@@ -2,7 +2,7 @@
 
 A request computes each position in some *epoch*: epoch 0 is its first prefill and
 decode; each retraction ends an epoch, and the re-prefill after it starts the next.  The
-scheduler hooks (:mod:`sglang_r3.row_hooks`) report, per epoch, the row its prefill
+scheduler hooks (:mod:`sglang_r3.scheduler.row_hooks`) report, per epoch, the row its prefill
 started computing at (its radix-cache hit), and at each retraction the rows computed so
 far.  From those:
 

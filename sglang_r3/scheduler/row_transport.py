@@ -13,7 +13,7 @@ extension needs none of that:
    experts) by :func:`compact_rows`, instead of being base64-encoded, and crosses to
    the HTTP process as an :class:`EngineRows` (4x fewer bytes than the int32, 5.3x
    fewer than the base64 string, so the HTTP process unpickles less on its loop).
-3. HTTP process: :mod:`sglang_r3.shipping` takes the rows off the event loop.
+3. HTTP process: :mod:`sglang_r3.http_server.shipping` takes the rows off the event loop.
 
 All layers are kept (not only the MoE ones) so that the inline fallback can rebuild
 upstream's base64 int32 exactly.  Everything here only applies to SGLang's default

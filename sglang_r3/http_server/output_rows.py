@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sglang_r3 import metrics
 from sglang_r3.errors import R3RequestError
+from sglang_r3.http_server import metrics
 from sglang_r3.layers import MoeShape
-from sglang_r3.row_transport import EngineRows, TaggedRows
+from sglang_r3.scheduler.row_transport import EngineRows, TaggedRows
 
 #: What the engine hands over for a finished tagged output: the detokenizer's
 #: compact rows (default), the scheduler's tensor (``--skip-tokenizer-init``) or
