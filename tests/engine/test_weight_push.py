@@ -150,15 +150,32 @@ def _computed_rows(engine: EngineServer, tokens: list[int]) -> Any:
     return as_sets(inline_rows(out, 3)[: len(tokens) - 1])
 
 
-@pytest.mark.parametrize("between", ["push", "flush"])
+def _evict(engine: EngineServer) -> None:
+    """Push a rollout's KV out of the radix cache the way load does: fill the 4096-token
+    pool with other prompts (least recently used goes first)."""
+    rng = np.random.default_rng(0)
+    for _ in range(7):
+        r = httpx.post(
+            f"{engine.url}/generate",
+            json={
+                "input_ids": rng.integers(5, 1000, size=700).tolist(),
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            },
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("between", ["push", "flush", "evict"])
 def test_a_turn_that_recomputed_its_prefix_stores_it_as_a_view(
     engine: EngineServer,
     weights: dict[str, Path],
     cache_client: RoutingClient,
     between: str,
 ) -> None:
-    """Turn 2 after a weight push (or a radix flush at the same weights) recomputes turn
-    1's rows: they are stored as a view serving turn 2, equal to what turn 2 computed."""
+    """Turn 2 after a weight push (or a radix flush, or an LRU eviction by other traffic,
+    at the same weights) recomputes turn 1's rows: they are stored as a view serving turn
+    2, equal to what turn 2 computed."""
     _push(engine, weights["a"], "v1")
     rollout = rid(f"view-{between}")
     first = _generate(engine, PROMPT, rollout, 4)
@@ -166,8 +183,10 @@ def test_a_turn_that_recomputed_its_prefix_stores_it_as_a_view(
     first_rows = as_sets(cache_client.get(rollout).indices)
     if between == "push":
         _push(engine, weights["b"], "v2")
-    else:
+    elif between == "flush":
         assert httpx.post(f"{engine.url}/flush_cache", timeout=60).status_code == 200
+    else:
+        _evict(engine)
     version = "v2" if between == "push" else "v1"
     tokens2 = PROMPT + first["output_ids"] + [7, 8]
     r = httpx.post(
