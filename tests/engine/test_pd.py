@@ -192,6 +192,15 @@ def test_pd_rollout_over_two_turns_equals_the_reference(
     check_no_uncomputed_rows(got.indices)
     np.testing.assert_array_equal(as_sets(got.indices[:e1]), as_sets(ref_rows[:e1]))
     np.testing.assert_array_equal(as_sets(got.indices[e1:]), as_sets(ref_rows2[e1:]))
+    if not DECODE_RADIX:
+        # The prefill server recomputed turn 1's output positions (the decode server had
+        # computed them): a view serving turn 2, what its KV transfer carried; turn 2's
+        # tokens attended to it.  The first computation stays the generated answer.
+        views = [(v.serves, v.start, v.end) for v in cache_client.stat(rollout).views]
+        assert views == [(e1, p1, e1)], views
+        assert [v["serves"] for v in pout["meta_info"]["r3"]["views"]] == [e1]
+        latest = cache_client.get(rollout, view="latest").indices
+        np.testing.assert_array_equal(as_sets(latest), as_sets(ref_rows2))
 
     # A turn that does not extend the stored trajectory is refused by both servers
     # before generation (the decode side too, which would otherwise wait for a KV
