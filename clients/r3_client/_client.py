@@ -49,28 +49,11 @@ from r3_client._views import (
     applicable_views,
     check_policy,
     overlay,
-    served_states,
+    served,
 )
 from r3_client.codec import MAX_DECODED_BYTES, CodecName
 
 __all__ = ["AsyncRoutingClient", "RoutingClient"]
-
-
-def _served(
-    info: RolloutInfo, base: Routing, rows: dict[int, Routing], policy: str
-) -> list[ServedRouting]:
-    """The answer of ``get_served``: ``base`` (every row, first computations) with the views'
-    ``rows`` applied per state (``exact``), all of them (``latest``) or none."""
-    if policy == "exact":
-        states = served_states(info)
-    else:
-        applied = applicable_views(info) if policy == "latest" else ()
-        states = [(0, base.end, applied)]
-    out = []
-    for a, b, views in states:
-        routing = overlay(base, [rows[v.serves] for v in views]).select(start=0, end=b)
-        out.append(ServedRouting(a, b, routing, views))
-    return out
 
 
 class RoutingClient:
@@ -224,7 +207,7 @@ class RoutingClient:
         base = self.get(rollout_id, layers=layers)
         views = applicable_views(info)
         rows = {v.serves: self._view_rows(rollout_id, v, base, layers) for v in views}
-        return _served(info, base, rows, policy)
+        return served(base, views, info.num_rows, rows, policy)
 
     def stat(self, rollout_id: str) -> RolloutInfo:
         """What is stored for the rollout (no rows)."""
@@ -456,7 +439,7 @@ class AsyncRoutingClient:
         base = await self.get(rollout_id, layers=layers)
         views = applicable_views(info)
         rows = {v.serves: await self._view_rows(rollout_id, v, base, layers) for v in views}
-        return _served(info, base, rows, policy)
+        return served(base, views, info.num_rows, rows, policy)
 
     async def stat(self, rollout_id: str) -> RolloutInfo:
         """See :meth:`RoutingClient.stat`."""

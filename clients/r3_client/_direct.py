@@ -9,8 +9,13 @@ whole rollout (context frames and stored segment frames), decoded here with
 :func:`~r3_client.decode_rollout`.  Range and layer requests read whole
 segments and are trimmed here (the relay can cut them on the server instead).
 
+Reads take the view policies of :class:`~r3_client.RoutingClient` (docs/store.md,
+"Views"): a rollout hash lists its views (``v:<serves>`` fields, read by the same
+``HGETALL``), and the view hashes (``<rollout key>:v:<serves>``, under the namespace's
+key pattern) are read only for the rollouts that have views, when the policy needs them.
+
     reader = DirectReader.from_service("http://r3-cache:8080", api_key=key)
-    for rid, routing in reader.get_many(ids):
+    for rid, routing in reader.get_many(ids, view="latest"):
         ...
 """
 
@@ -19,13 +24,18 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
+from r3_client._answers import ViewInfo
 from r3_client._config import Timeout
 from r3_client._exceptions import (
     AuthError,
     FormatError,
     FrameError,
+    InvalidRequestError,
     ProtocolError,
     R3Error,
     RolloutNotFoundError,
@@ -33,6 +43,14 @@ from r3_client._exceptions import (
     StoreUnavailableError,
 )
 from r3_client._routing import Routing, check_rollout_id
+from r3_client._views import (
+    ServedRouting,
+    ViewPolicy,
+    check_policy,
+    overlay,
+    served,
+    serving_views,
+)
 from r3_client.codec import MAX_DECODED_BYTES, Context, decode_rollout, encode_context, read_header
 
 __all__ = ["DirectReader"]
@@ -40,12 +58,29 @@ __all__ = ["DirectReader"]
 Result = tuple[str, Routing | R3Error]
 
 
+@dataclass
+class _Read:
+    """One rollout as read: its frames, its stored end, the views that serve a stored
+    segment (when the policy reads views) and the frames of those read."""
+
+    frames: list[bytes]
+    stored_end: int = 0  # one past the last stored row (read only when views are)
+    views: tuple[ViewInfo, ...] = ()
+    view_frames: dict[int, list[bytes]] = field(default_factory=dict)
+
+
+#: Which views a read needs: ``(start, end)`` rows of the base read, or None (no views).
+_Span = tuple[int, int | None] | None
+
+
 class DirectReader:
     """Reads rollouts from Redis / Redis Cluster with a read plan's read-only credentials.
 
     Create with :meth:`from_service` (asks the service for the plan) or from a
     plan dict; close with :meth:`close` or use as a context manager.  Needs
-    ``redis`` (redis-py).  Synchronous; one connection pool.
+    ``redis`` (redis-py).  Synchronous; one connection pool.  Reads answer what
+    :class:`~r3_client.RoutingClient` answers under the same view policy
+    (``get``/``get_many``: ``generated`` or ``latest``; ``get_served``: ``exact``).
     """
 
     def __init__(
@@ -108,13 +143,20 @@ class DirectReader:
         """The Redis key of a rollout (the service's layout: ``<prefix>:<ns>:{<id>}``)."""
         return f"{self.key_prefix}{{{check_rollout_id(rollout_id)}}}"
 
+    def view_key(self, rollout_id: str, serves: int) -> str:
+        """The Redis key of the rollout's view serving row ``serves``: ``<rollout key>:v:
+        <serves>``, in the rollout's slot and under the namespace's key pattern."""
+        return f"{self.key(rollout_id)}:v:{int(serves)}"
+
     def fetch_many(
         self, rollout_ids: Sequence[str], *, chunk_size: int = 16, concurrency: int = 2
     ) -> Iterator[tuple[str, list[bytes] | R3Error]]:
         """Each rollout's frames, in order: context frames (only those its continuation
         frames need), then its stored segment frames by start, as Redis returned them
         (no copy; ``b"".join(frames)`` is exactly what the service's whole-rollout GET
-        returns, and :func:`~r3_client.decode_rollout` takes the list as it is).
+        returns, and :func:`~r3_client.decode_rollout` takes the list as it is).  These
+        are the first computations (``generated``); :meth:`get_many` and
+        :meth:`get_served` read the views too where the policy needs them.
 
         Per chunk of ``chunk_size`` ids, the ``HGETALL`` of the rollout hashes is
         pipelined, and the ``HGET`` of the shared (deduplicated) segments a hash
@@ -125,34 +167,63 @@ class DirectReader:
         redis-py parsing another (parsing holds the GIL, so more threads than that
         mostly wait for it); at most ``concurrency`` chunks wait for the consumer.
         """
+        for rid, got in self._reads(rollout_ids, None, chunk_size, concurrency):
+            yield rid, got if isinstance(got, R3Error) else got.frames
+
+    def _reads(
+        self, rollout_ids: Sequence[str], span: _Span, chunk_size: int, concurrency: int
+    ) -> Iterator[tuple[str, _Read | R3Error]]:
+        """:meth:`fetch_many`'s chunks in flight, each rollout with the views ``span``
+        needs (:meth:`_fetch_chunk`)."""
         ids = [check_rollout_id(r) for r in rollout_ids]
         chunks = [ids[i : i + chunk_size] for i in range(0, len(ids), max(1, chunk_size))]
         width = max(1, concurrency)
         with ThreadPoolExecutor(width, thread_name_prefix="r3-fetch") as pool:
-            pending: deque[Future[list[tuple[str, list[bytes] | R3Error]]]] = deque()
+            pending: deque[Future[list[tuple[str, _Read | R3Error]]]] = deque()
             for chunk in chunks:
-                pending.append(pool.submit(self._fetch_chunk, chunk))
+                pending.append(pool.submit(self._fetch_chunk, chunk, span))
                 if len(pending) >= width:
                     yield from pending.popleft().result()
             while pending:
                 yield from pending.popleft().result()
 
-    def _fetch_chunk(self, chunk: list[str]) -> list[tuple[str, list[bytes] | R3Error]]:
+    def _fetch_chunk(self, chunk: list[str], span: _Span) -> list[tuple[str, _Read | R3Error]]:
+        """The chunk's rollout hashes, then (only when ``span`` asks for views and some
+        rollout of the chunk has a view overlapping it) the hashes of those views: one
+        more round of the same reads."""
         import redis.exceptions as rexc
 
         try:
-            hashes = self._read_pipelined(chunk) if self._cluster else self._read_streamed(chunk)
+            hashes = self._read([self.key(r) for r in chunk])
+            reads = [
+                self._assembled(rid, fields, span)
+                for rid, fields in zip(chunk, hashes, strict=True)
+            ]
+            wanted = [
+                (n, v)
+                for n, got in enumerate(reads)
+                if isinstance(got, _Read)
+                for v in _overlapping(got, span)
+            ]
+            if wanted:
+                vhashes = self._read([self.view_key(chunk[n], v.serves) for n, v in wanted])
+                for (n, v), fields in zip(wanted, vhashes, strict=True):
+                    got = reads[n]
+                    if isinstance(got, _Read):  # an earlier view of it may have failed
+                        reads[n] = self._with_view(chunk[n], got, v, fields)
         except rexc.AuthenticationError as exc:
             raise AuthError(f"Redis refused the read plan's credentials: {exc}") from None
         except rexc.NoPermissionError as exc:
             raise AuthError(f"Redis refused a direct read: {exc}") from None
         except (rexc.ConnectionError, rexc.TimeoutError) as exc:
             raise StoreUnavailableError(f"Redis is unreachable: {exc}") from None
-        return [
-            (rid, self._assemble(rid, fields)) for rid, fields in zip(chunk, hashes, strict=True)
-        ]
+        return list(zip(chunk, reads, strict=True))
 
-    def _read_streamed(self, chunk: list[str]) -> list[dict[bytes, Any]]:
+    def _read(self, keys: list[str]) -> list[dict[bytes, Any]]:
+        """The hashes at ``keys`` (rollouts' or views'), shared segments resolved."""
+        return self._read_pipelined(keys) if self._cluster else self._read_streamed(keys)
+
+    def _read_streamed(self, keys: list[str]) -> list[dict[bytes, Any]]:
         """One pooled connection: every ``HGETALL`` sent at once, and each reply's
         shared-segment ``HGET`` commands sent as soon as that reply is parsed, so Redis
         answers them while the rest of the chunk is still being read (no second
@@ -162,7 +233,7 @@ class DirectReader:
         conn = pool.get_connection()
         try:
             hashes: list[dict[bytes, Any]] = conn.retry.call_with_retry(
-                lambda: self._stream(conn, chunk), lambda _err: conn.disconnect()
+                lambda: self._stream(conn, keys), lambda _err: conn.disconnect()
             )
         except BaseException:
             conn.disconnect()  # replies may still be on the wire: never reuse it
@@ -171,12 +242,12 @@ class DirectReader:
             pool.release(conn)
         return hashes
 
-    def _stream(self, conn: Any, chunk: list[str]) -> list[dict[bytes, Any]]:
+    def _stream(self, conn: Any, keys: list[str]) -> list[dict[bytes, Any]]:
         parse = self._r.parse_response  # reads one reply, applies redis-py's callback
-        conn.send_packed_command(conn.pack_commands([("HGETALL", self.key(r)) for r in chunk]))
+        conn.send_packed_command(conn.pack_commands([("HGETALL", k) for k in keys]))
         hashes: list[dict[bytes, Any]] = []
         refs: list[tuple[int, bytes]] = []
-        for n in range(len(chunk)):
+        for n in range(len(keys)):
             fields: dict[bytes, Any] = parse(conn, "HGETALL")
             hashes.append(fields)
             mine = _shared_refs(fields)
@@ -187,13 +258,13 @@ class DirectReader:
             hashes[n][f] = parse(conn, "HGET")
         return hashes
 
-    def _read_pipelined(self, chunk: list[str]) -> list[dict[bytes, Any]]:
+    def _read_pipelined(self, keys: list[str]) -> list[dict[bytes, Any]]:
         """Redis Cluster: the blobs live in other slots, so two pipelined round trips
         (the cluster pipeline routes each command to its node): ``HGETALL`` of the
         chunk, then ``HGET`` of the shared segments it references."""
         pipe = self._r.pipeline(transaction=False)
-        for rid in chunk:
-            pipe.hgetall(self.key(rid))
+        for key in keys:
+            pipe.hgetall(key)
         hashes: list[dict[bytes, Any]] = pipe.execute()
         refs = [(n, f, blob) for n, h in enumerate(hashes) for f, blob in _shared_refs(h)]
         if refs:
@@ -203,6 +274,40 @@ class DirectReader:
             for (n, f, _), frame in zip(refs, pipe.execute(), strict=True):
                 hashes[n][f] = frame
         return hashes
+
+    @classmethod
+    def _assembled(cls, rollout_id: str, fields: dict[bytes, Any], span: _Span) -> _Read | R3Error:
+        """A rollout hash as a :class:`_Read`: its frames and, when ``span`` asks for
+        views, its registered views that serve a stored segment."""
+        frames = cls._assemble(rollout_id, fields)
+        if isinstance(frames, R3Error):
+            return frames
+        if span is None:
+            return _Read(frames)
+        ends = [int(f.split(b":")[2]) for f in fields if f[:2] == b"s:"]
+        read = _Read(frames, max(ends, default=0))
+        try:
+            views = [_view_info(f, v) for f, v in fields.items() if f[:2] == b"v:"]
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            return StoreError(f"rollout {rollout_id}: a view registration is unreadable ({exc})")
+        starts = {int(f.split(b":")[1]) for f in fields if f[:2] == b"s:"}
+        read.views = serving_views(views, starts)
+        return read
+
+    @classmethod
+    def _with_view(
+        cls, rollout_id: str, read: _Read, v: ViewInfo, fields: dict[bytes, Any]
+    ) -> _Read | R3Error:
+        """``read`` with the frames of view ``v`` (its hash's ``fields``) added."""
+        if not fields:  # rewound, deleted or expired since its rollout hash was read
+            return RolloutNotFoundError(
+                f"rollout {rollout_id} has no view serving row {v.serves} (its stat lists views)"
+            )
+        frames = cls._assemble(rollout_id, fields)
+        if isinstance(frames, R3Error):
+            return frames
+        read.view_frames[v.serves] = frames
+        return read
 
     @staticmethod
     def _assemble(rollout_id: str, fields: dict[bytes, Any]) -> list[bytes] | R3Error:
@@ -239,6 +344,44 @@ class DirectReader:
             parts = []
         return [*parts, *frames]
 
+    def _decoded(
+        self,
+        rid: str,
+        got: _Read | R3Error,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> tuple[Routing, dict[int, Routing]] | R3Error:
+        """The rollout's rows ``[start, end)`` of ``layers`` and its views' rows in that
+        range, by ``serves`` in order (what ``RoutingClient`` decodes from its reads)."""
+        if isinstance(got, R3Error):
+            return got
+        try:
+            base = self._decode(got.frames, rid, start, end, layers)
+            rows = {}
+            for v in got.views:
+                a, b = max(v.start, base.start), min(v.end, base.end)
+                frames = got.view_frames.get(v.serves)
+                if frames is None or a >= b:  # outside the range: no rows of it apply
+                    rows[v.serves] = Routing(base.indices[:0], base.num_experts, base.layer_ids, a)
+                else:
+                    rows[v.serves] = self._decode(frames, rid, a, b, layers)
+        except (FormatError, FrameError) as exc:
+            return exc
+        return base, rows
+
+    def _decode(
+        self,
+        frames: list[bytes],
+        rid: str,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> Routing:
+        return decode_rollout(
+            frames, start=start, end=end, layers=layers, rollout_id=rid, max_bytes=self.max_bytes
+        )
+
     def get_many(
         self,
         rollout_ids: Sequence[str],
@@ -250,40 +393,82 @@ class DirectReader:
         return_errors: bool = False,
         workers: int = 2,
         concurrency: int = 2,
+        view: ViewPolicy = "generated",
     ) -> Iterator[Result]:
         """``(rollout_id, Routing)`` for each id, in order: :meth:`fetch_many`, decoded and
         trimmed to ``[start, end)`` / ``layers``.  A rollout that cannot be read or
         decoded raises, or with ``return_errors`` is yielded as ``(id, R3Error)``.
 
+        ``view``: ``"generated"`` (each position's first computation) or ``"latest"``
+        (the rollout's views applied, as :meth:`RoutingClient.get` answers it): the
+        ``v:`` fields come with the ``HGETALL`` of each rollout, and the hashes of the
+        views overlapping ``[start, end)`` are read in one more round of the chunk, only
+        when some rollout of the chunk has one.  ``"exact"``: :meth:`get_served`.
+
         Decoding runs in ``workers`` threads (zstd and numpy release the GIL) while
         the next rollouts are fetched; at most ``2 * workers`` decoded rollouts wait.
         """
+        if check_policy(view) == "exact":
+            raise InvalidRequestError(
+                'view="exact" is one routing per state of the rollout: call get_served()'
+            )
+        span: _Span = None if view == "generated" else (start, end)
         width = max(1, workers)
 
-        def decode(rid: str, got: list[bytes] | R3Error) -> Routing | R3Error:
-            if isinstance(got, R3Error):
-                return got
-            try:
-                return decode_rollout(
-                    got,
-                    start=start,
-                    end=end,
-                    layers=layers,
-                    rollout_id=rid,
-                    max_bytes=self.max_bytes,
-                )
-            except (FormatError, FrameError) as exc:
-                return exc
+        def decode(rid: str, got: _Read | R3Error) -> Routing | R3Error:
+            res = self._decoded(rid, got, start, end, layers)
+            if isinstance(res, R3Error):
+                return res
+            base, rows = res
+            return overlay(base, list(rows.values()))  # by serves: later views win
 
         with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
             pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
-            fetched = self.fetch_many(rollout_ids, chunk_size=chunk_size, concurrency=concurrency)
-            for rid, got in fetched:
+            for rid, got in self._reads(rollout_ids, span, chunk_size, concurrency):
                 pending.append((rid, pool.submit(decode, rid, got)))
                 while len(pending) > 2 * width or (pending and pending[0][1].done()):
                     yield self._ready(pending.popleft(), return_errors)
             while pending:
                 yield self._ready(pending.popleft(), return_errors)
+
+    def get(
+        self,
+        rollout_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+        view: ViewPolicy = "generated",
+    ) -> Routing:
+        """One rollout's routing, as :meth:`get_many` reads it (and as
+        :meth:`RoutingClient.get` answers it, under the same ``view``)."""
+        ((_, routing),) = self.get_many(
+            [rollout_id], start=start, end=end, layers=layers, view=view, workers=1
+        )
+        assert isinstance(routing, Routing)  # errors raise: return_errors is off
+        return routing
+
+    def get_served(
+        self,
+        rollout_id: str,
+        *,
+        view: ViewPolicy = "exact",
+        layers: Sequence[int] | None = None,
+    ) -> list[ServedRouting]:
+        """The routing each span of the rollout's tokens attended to, as
+        :meth:`RoutingClient.get_served` answers it: ``"exact"``, one
+        :class:`~r3_client.ServedRouting` per state; ``"latest"`` / ``"generated"``, one
+        over every row.  One ``HGETALL`` of the rollout, then one of its views (when it
+        has some and the policy applies them)."""
+        policy = check_policy(view)
+        span: _Span = None if policy == "generated" else (0, None)
+        ((rid, got),) = self._reads([rollout_id], span, 1, 1)
+        res = self._decoded(rid, got, 0, None, layers)
+        if isinstance(res, R3Error):
+            raise res
+        base, rows = res
+        assert isinstance(got, _Read)
+        return served(base, got.views, base.end, rows, policy)  # base: every stored row
 
     @staticmethod
     def _ready(item: tuple[str, Future[Routing | R3Error]], return_errors: bool) -> Result:
@@ -298,3 +483,18 @@ def _shared_refs(fields: dict[bytes, Any]) -> list[tuple[bytes, bytes]]:
     """``(field, blob key)`` of a rollout hash's segments stored as shared blobs
     (``s:<start>`` fields holding ``@<key>``)."""
     return [(f, v[1:]) for f, v in fields.items() if f[:2] == b"s:" and v[:1] == b"@"]
+
+
+def _view_info(field: bytes, raw: bytes) -> ViewInfo:
+    """A ``v:<serves>`` registration (msgpack ``[start, end, weight_version, nbytes]``)."""
+    a, b, version, nbytes = msgpack.unpackb(raw)
+    return ViewInfo(int(field[2:]), int(a), int(b), str(version), int(nbytes))
+
+
+def _overlapping(read: _Read, span: _Span) -> list[ViewInfo]:
+    """The views of ``read`` whose rows overlap the base read's ``span``."""
+    if span is None:
+        return []
+    start, end = span
+    hi = read.stored_end if end is None else end
+    return [v for v in read.views if max(v.start, start) < min(v.end, hi)]

@@ -21,9 +21,9 @@ Three read policies (docs/store.md, "Views"):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, cast
 
 import numpy as np
 
@@ -31,7 +31,16 @@ from r3_client._answers import RolloutInfo, ViewInfo
 from r3_client._exceptions import InvalidRequestError, ShapeError
 from r3_client._routing import Routing
 
-__all__ = ["ServedRouting", "ViewPolicy", "applicable_views", "overlay", "served_states"]
+__all__ = [
+    "ServedRouting",
+    "ViewPolicy",
+    "applicable_views",
+    "overlay",
+    "served",
+    "served_states",
+    "serving_views",
+    "states_of",
+]
 
 #: How a read resolves positions the engine computed more than once.
 ViewPolicy: TypeAlias = Literal["generated", "latest", "exact"]
@@ -61,14 +70,36 @@ def check_policy(view: object) -> str:
     return view
 
 
+def one_routing_policy(view: object, who: str) -> ViewPolicy:
+    """``view`` if it answers one routing per rollout (``generated``, ``latest``), for a
+    trainer ``who`` replays one routing per sample in one forward; otherwise
+    :class:`InvalidRequestError` (``exact`` needs a forward per state)."""
+    if check_policy(view) == "exact":
+        raise InvalidRequestError(
+            f'{who} replays one routing per sample in one forward; view="exact" is one '
+            "routing per state of a rollout (get_served), each replayed in its own forward: "
+            'use "latest" or "generated" (docs/integrations.md, "Which view policy each '
+            'framework can use")'
+        )
+    return cast(ViewPolicy, view)
+
+
 def applicable_views(info: RolloutInfo) -> tuple[ViewInfo, ...]:
     """The rollout's views that serve a stored segment, in order of the row they serve.
 
     A view whose own call's segment was never stored (the write failed after the view's)
     served no token that a trainer can read, so it is left out.
     """
-    starts = {s.segment.start for s in info.segments}
-    return tuple(sorted((v for v in info.views if v.serves in starts), key=lambda v: v.serves))
+    return serving_views(info.views, {s.segment.start for s in info.segments})
+
+
+def serving_views(
+    views: Iterable[ViewInfo], segment_starts: Collection[int]
+) -> tuple[ViewInfo, ...]:
+    """:func:`applicable_views` from the parts of a stat: ``views`` that serve a segment
+    starting in ``segment_starts``, by the row they serve (a reader that sees the rollout
+    hash itself, :class:`~r3_client.DirectReader`, has no :class:`RolloutInfo`)."""
+    return tuple(sorted((v for v in views if v.serves in segment_starts), key=lambda v: v.serves))
 
 
 def served_states(info: RolloutInfo) -> list[tuple[int, int, tuple[ViewInfo, ...]]]:
@@ -76,12 +107,45 @@ def served_states(info: RolloutInfo) -> list[tuple[int, int, tuple[ViewInfo, ...
 
     A rollout without views has one state, ``(0, num_rows, ())``.
     """
-    views = applicable_views(info)
-    bounds = sorted({0, *(v.serves for v in views if v.serves < info.num_rows)})
+    return states_of(applicable_views(info), info.num_rows)
+
+
+def states_of(
+    views: Sequence[ViewInfo], num_rows: int
+) -> list[tuple[int, int, tuple[ViewInfo, ...]]]:
+    """:func:`served_states` of a rollout of ``num_rows`` rows whose applicable views
+    (:func:`serving_views`) are ``views``."""
+    bounds = sorted({0, *(v.serves for v in views if v.serves < num_rows)})
     out = []
     for i, a in enumerate(bounds):
-        b = bounds[i + 1] if i + 1 < len(bounds) else info.num_rows
+        b = bounds[i + 1] if i + 1 < len(bounds) else num_rows
         out.append((a, b, tuple(v for v in views if v.serves <= a)))
+    return out
+
+
+def served(
+    base: Routing,
+    views: Sequence[ViewInfo],
+    num_rows: int,
+    rows: Mapping[int, Routing],
+    policy: str,
+) -> list[ServedRouting]:
+    """What ``get_served`` answers under ``policy``, whoever read the rows.
+
+    ``base``: every row of the rollout (first computations); ``views``: its applicable
+    views (:func:`serving_views`); ``rows``: each view's rows, by ``serves``, in
+    ``base``'s range and layers.  ``exact``: one :class:`ServedRouting` per state, each
+    with the views serving rows up to it applied; ``latest``: one, every view applied;
+    ``generated``: one, none applied.
+    """
+    if policy == "exact":
+        states = states_of(views, num_rows)
+    else:
+        states = [(0, base.end, tuple(views) if policy == "latest" else ())]
+    out = []
+    for a, b, applied in states:
+        routing = overlay(base, [rows[v.serves] for v in applied]).select(start=0, end=b)
+        out.append(ServedRouting(a, b, routing, applied))
     return out
 
 

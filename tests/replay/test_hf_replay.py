@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from r3_client import Routing, Segment, ViewInfo
+from r3_client._views import ServedRouting, served
+from r3_client.layouts import hf_layout
 from r3_client.replay import (
     ReplayError,
     apply_routing_replay,
@@ -15,6 +19,8 @@ from r3_client.replay import (
     remove_routing_replay,
     replay_load_balancing_loss,
     replay_routing,
+    replay_served,
+    served_logprobs,
     supported_model_types,
 )
 from r3_client.replay._core import _ReplayForward
@@ -237,3 +243,100 @@ def test_an_unchecked_transformers_version_warns_and_runs_the_routers_own_forwar
     with torch.no_grad(), replay_routing(model, holes):
         assert torch.equal(model(ids).logits, logits)
     remove_routing_replay(model)
+
+
+# ---------------------------------------------------------------- exact: one forward per state
+
+
+def served_states(
+    model: Any, serves: int | None, seed: int = 3
+) -> tuple[torch.Tensor, list[ServedRouting]]:
+    """One sample's tokens and what ``get_served`` answers under ``exact`` for its rollout:
+    rows ``[0, S - 1)`` first computed with one routing and, when ``serves`` is given, rows
+    ``[2, serves)`` recomputed (a view serving the segment at ``serves``), built with the
+    client's own state logic (``r3_client._views.served``)."""
+    layers = model._r3_replay.layer_ids
+    ids = inputs(seed)[0]
+    first = random_routing(len(layers), seed=seed)[0, : S - 1].numpy().astype(np.int16)
+    base = Routing.from_array(first, num_experts=E, layer_ids=layers)
+    segments = (Segment(0, serves or S - 1, "tiny", "v1"),)
+    if serves is None:
+        return ids, served(base, [], S - 1, {}, "exact")
+    segments += (Segment(serves, S - 1, "tiny", "v2"),)
+    base = Routing(base.indices, E, base.layer_ids, 0, segments)
+    again = random_routing(len(layers), seed=seed + 10)[0, 2:serves].numpy().astype(np.int16)
+    rows = Routing.from_array(again, num_experts=E, layer_ids=layers, start=2)
+    view = ViewInfo(serves, 2, serves, "v2", 0)
+    return ids, served(base, [view], S - 1, {serves: rows}, "exact")
+
+
+def plain_logprobs(model: Any, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Plain replay (hf_layout over the whole sample): fp32 log-probs of tokens 1 … N - 1."""
+    layout = hf_layout([routing], np.ones((1, ids.shape[0]), dtype=np.int64), as_torch=True)
+    with replay_routing(model, layout):
+        logits = model(ids[None]).logits[0, :-1]
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return lp.gather(-1, ids[1:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_exact_scores_each_state_in_its_own_forward(family: str) -> None:
+    model = apply_routing_replay(build(family))
+    serves = 6
+    ids, states = served_states(model, serves)
+    assert [(s.serves_start, s.serves_end) for s in states] == [(0, serves), (serves, S - 1)]
+    with torch.no_grad():
+        got = served_logprobs(model, ids, states)
+        assert got.shape == (S - 1,) and got.dtype == torch.float32
+        # Each span computed separately: the first state's routing over tokens [0, 6] gives
+        # tokens 1..6, the second's (the view applied) over all tokens gives tokens 7..10.
+        spans = []
+        for s in states:
+            b = s.serves_end
+            short = ids[: b + 1]
+            spans.append(plain_logprobs(model, short, s.routing)[s.serves_start : b])
+        assert torch.equal(got, torch.cat(spans))
+        # The last state is plain replay of the latest routing, for its span.
+        latest = plain_logprobs(model, ids, states[-1].routing)
+        assert torch.equal(got[serves:], latest[serves:])
+        # and the view matters: the first span is not what the latest routing gives
+        assert not torch.allclose(got[:serves], latest[:serves])
+        # replay_served yields the same spans, each from its own replay block
+        parts = [(s.serves_start, lp) for s, lp in replay_served(model, ids, states)]
+        assert [a for a, _ in parts] == [0, serves]
+        assert torch.equal(torch.cat([lp for _, lp in parts]), got)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_exact_with_one_state_is_plain_replay(family: str) -> None:
+    model = apply_routing_replay(build(family))
+    ids, states = served_states(model, None)
+    assert len(states) == 1 and states[0].views == ()
+    with torch.no_grad():
+        got = served_logprobs(model, ids, states)
+        assert torch.equal(got, plain_logprobs(model, ids, states[0].routing))
+        assert torch.equal(got, served_logprobs(model, ids[None], states))  # [1, N] too
+
+
+def test_exact_gradients_and_refusals() -> None:
+    model = apply_routing_replay(build("qwen3_moe"))
+    ids, states = served_states(model, 6)
+    model.train()
+    served_logprobs(model, ids, states).sum().backward()  # no checkpointing: one graph
+    assert all(r.weight.grad is not None for r in model._r3_replay.routers.values())
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(ReplayError, match="replay_served"):
+        served_logprobs(model, ids, states)
+    for _, lp in replay_served(model, ids, states):
+        lp.sum().backward()  # the recompute runs inside the state's replay block
+    assert all(r.weight.grad is not None for r in model._r3_replay.routers.values())
+    model.eval()
+    with pytest.raises(ReplayError, match="sample has 10 tokens"):
+        served_logprobs(model, ids[:-1], states)
+    with pytest.raises(ReplayError, match="in order"):
+        served_logprobs(model, ids, states[1:])
+    with pytest.raises(ReplayError, match="one sample"):
+        served_logprobs(model, ids.reshape(1, 1, -1), states)
+    with pytest.raises(ReplayError, match="one state at least"):
+        served_logprobs(model, ids, [])

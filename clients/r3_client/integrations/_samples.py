@@ -10,6 +10,7 @@ Samples are duck-typed; nothing here imports either framework.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
@@ -21,6 +22,7 @@ import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
 from r3_client._routing import Routing, check_rollout_id
+from r3_client._views import ViewPolicy, one_routing_policy
 from r3_client.integrations.tags import tag_sampling_params
 from r3_client.layouts import Missing
 
@@ -80,15 +82,19 @@ async def fill(
     *,
     num_layers: int,
     missing: Missing = "raise",
+    view: ViewPolicy = "generated",
 ) -> None:
     """Set each sample's ``rollout_routed_experts`` from the rollout stored under its key.
 
     ``samples``: one ``Sample`` (one ``get``) or a sequence, such as a group (one
-    ``get_many``).  Raises :class:`~r3_client.RolloutNotFoundError` for a rollout the
+    ``get_many``).  ``view``: ``"generated"`` or ``"latest"`` (docs/store.md, "Views");
+    under ``"latest"`` a group is read with one ``get(view="latest")`` per sample, run
+    concurrently.  Raises :class:`~r3_client.RolloutNotFoundError` for a rollout the
     cache does not hold and :class:`~r3_client.ShapeError` (naming the sample and
     rollout) for one whose rows are not ``len(tokens) - 1`` or include rows nobody
     shipped; no sample is changed then.  Samples sharing a key are refused (ValueError).
     """
+    policy = one_routing_policy(view, fw.name)
     group = list(samples) if isinstance(samples, Sequence) else [samples]
     keys = [sample_key(fw, s) for s in group]
     first: dict[str, int] = {}
@@ -100,7 +106,10 @@ async def fill(
             )
         first[key] = i
     if len(keys) == 1:
-        routings = {keys[0]: await client.get(keys[0])}
+        routings = {keys[0]: await client.get(keys[0], view=policy)}
+    elif policy == "latest":  # the batch stream answers first computations only
+        got = await asyncio.gather(*(client.get(k, view="latest") for k in keys))
+        routings = dict(zip(keys, got, strict=True))
     else:
         routings = {}
         async for key, routing in client.get_many(keys):
@@ -147,6 +156,7 @@ def wrap_generate(
     generate: GenerateFn | None = None,
     share_prompt: bool | None = None,
     missing: Missing = "raise",
+    view: ViewPolicy = "generated",
 ) -> GenerateFn:
     """A legacy custom generate function around ``generate`` (default: the framework's own).
 
@@ -157,9 +167,10 @@ def wrap_generate(
     directly reads it).  After the call, every returned sample whose status is
     ``COMPLETED`` or ``TRUNCATED`` gets ``rollout_routed_experts`` from the cache (one
     ``get_many`` when the call returns several); aborted samples get nothing until
-    their resumed call finishes.
+    their resumed call finishes.  ``view``: the policy of that fetch (:func:`fill`).
     """
     check_rollout_id(f"{run}.0")  # the run must make valid keys before any generation
+    one_routing_policy(view, fw.name)  # refused before any generation, too
     inner: list[GenerateFn] = [generate] if generate is not None else []
 
     async def generate_r3(
@@ -175,7 +186,7 @@ def wrap_generate(
         out = await _call(inner[0], args, sample, params, evaluation)
         done = [s for s in (out if isinstance(out, list) else [out]) if finished(s)]
         if done:
-            await fill(fw, done, client, num_layers=num_layers, missing=missing)
+            await fill(fw, done, client, num_layers=num_layers, missing=missing, view=view)
         return out
 
     generate_r3.__doc__ = f"{fw.name}'s generate with rollouts keyed, routing fetched by key."

@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
 from r3_client._routing import Routing, check_rollout_id
+from r3_client._views import ViewPolicy, one_routing_policy
 from r3_client.integrations.tags import tag_generate
 from r3_client.layouts import Missing, miles_layout
 
@@ -138,17 +139,20 @@ async def fill_routed_experts(
     *,
     num_layers: int,
     missing: Missing = "raise",
+    view: ViewPolicy = "generated",
 ) -> None:
     """Set ``response.routed_experts`` (a ``ModelResponse``) from the rollout stored
     under ``rollout_id``, once its ``agenerate`` has returned.
 
-    ``num_layers``: the model's ``num_hidden_layers``.  Raises
+    ``num_layers``: the model's ``num_hidden_layers``.  ``view``: ``"generated"`` (each
+    position's first computation: what AReaL's inline concatenation holds) or
+    ``"latest"`` (what the last resume attended to); docs/integrations.md.  Raises
     :class:`~r3_client.RolloutNotFoundError` when the rollout is not stored and
     :class:`~r3_client.ShapeError` when it does not hold exactly one row per token but
     the last of ``input_tokens + output_tokens``.
     """
     num_tokens = len(response.input_tokens) + len(response.output_tokens)
-    routing = await client.get(rollout_id)
+    routing = await client.get(rollout_id, view=one_routing_policy(view, "AReaL"))
     try:
         response.routed_experts = routed_experts(
             routing, num_tokens, num_layers=num_layers, missing=missing
@@ -162,6 +166,7 @@ class RoutedEngine:
 
     Wraps a ``RemoteSGLangEngine`` (every other attribute is the engine's); pass it
     where a workflow takes its engine.  Each ``agenerate`` calls :func:`install` first.
+    ``view``: the policy of the fetch (:func:`fill_routed_experts`).
     """
 
     def __init__(
@@ -172,12 +177,14 @@ class RoutedEngine:
         num_layers: int,
         share_prompt: bool | None = None,
         missing: Missing = "raise",
+        view: ViewPolicy = "generated",
     ) -> None:
         self.engine = engine
         self.client = client
         self.num_layers = num_layers
         self.share_prompt = share_prompt
         self.missing: Missing = missing
+        self.view: ViewPolicy = one_routing_policy(view, "AReaL")
 
     async def agenerate(self, req: Any) -> Any:
         """``engine.agenerate(req)`` with ``req`` tagged (resumes included) and the
@@ -186,7 +193,12 @@ class RoutedEngine:
         key = rollout_id(req)
         response = await self.engine.agenerate(req)
         await fill_routed_experts(
-            response, self.client, key, num_layers=self.num_layers, missing=self.missing
+            response,
+            self.client,
+            key,
+            num_layers=self.num_layers,
+            missing=self.missing,
+            view=self.view,
         )
         return response
 

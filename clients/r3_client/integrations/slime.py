@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from r3_client._routing import check_rollout_id
+from r3_client._views import ViewPolicy
 from r3_client.integrations import _samples
 from r3_client.layouts import Missing, slime_layout
 
@@ -72,6 +73,7 @@ async def fill_routed_experts(
     *,
     num_layers: int,
     missing: Missing = "raise",
+    view: ViewPolicy = "generated",
 ) -> None:
     """Set ``sample.rollout_routed_experts`` = :func:`~r3_client.layouts.slime_layout` of
     the rollout stored under ``sample.session_id``, for one sample or a group (one
@@ -80,9 +82,11 @@ async def fill_routed_experts(
     ``num_layers``: slime's ``--num-layers`` (decoder layers, no MTP).  Raises
     :class:`~r3_client.RolloutNotFoundError` when a rollout is not stored and
     :class:`~r3_client.ShapeError` when its rows are not ``len(tokens) - 1`` or some
-    were never shipped (``missing="fill"`` fills those instead).
+    were never shipped (``missing="fill"`` fills those instead).  ``view``: which
+    computation of recomputed positions to read, ``"generated"`` (first computations) or
+    ``"latest"`` (what the rollout's last call attended to); docs/integrations.md.
     """
-    await _samples.fill(_SLIME, samples, client, num_layers=num_layers, missing=missing)
+    await _samples.fill(_SLIME, samples, client, num_layers=num_layers, missing=missing, view=view)
 
 
 def wrap_generate(
@@ -93,6 +97,7 @@ def wrap_generate(
     generate: _samples.GenerateFn | None = None,
     share_prompt: bool | None = None,
     missing: Missing = "raise",
+    view: ViewPolicy = "generated",
 ) -> _samples.GenerateFn:
     """slime's ``generate`` (or ``generate``) as a custom generate function
     ``(args, sample, sampling_params, evaluation=False)`` that keys each sample's rollout
@@ -103,7 +108,7 @@ def wrap_generate(
     refuses ``args.router_policy`` other than ``consistent_hashing`` (ValueError), under
     which the key would not be sent.  slime's ``--use-rollout-routing-replay`` still
     adds ``return_routed_experts`` to its payload; the engine answers tagged requests
-    without inline routing.
+    without inline routing.  ``view``: the policy of the fetch (:func:`fill_routed_experts`).
     """
     return _samples.wrap_generate(
         _SLIME,
@@ -113,4 +118,5 @@ def wrap_generate(
         generate=generate,
         share_prompt=share_prompt,
         missing=missing,
+        view=view,
     )

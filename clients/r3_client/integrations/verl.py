@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from r3_client._exceptions import ShapeError
 from r3_client._routing import Routing, check_rollout_id, token_digest
+from r3_client._views import ViewPolicy, one_routing_policy
 from r3_client.integrations.tags import tag_sampling_params
 from r3_client.layouts import Missing, verl_layout
 
@@ -267,6 +268,7 @@ def attach_routed_experts(
     *,
     num_layers: int,
     missing: Missing = "raise",
+    view: ViewPolicy = "generated",
 ) -> Any:
     """Set ``data.batch["routed_experts"]`` (a verl ``DataProto``) from the cache; return ``data``.
 
@@ -276,7 +278,10 @@ def attach_routed_experts(
     :class:`RoutedAgentLoop`).  ``num_layers``: the model's ``num_hidden_layers``.
     The tensor is :func:`~r3_client.layouts.verl_layout` of the rollouts, int16 ``[bs,
     prompt_len + response_len, num_layers, K]`` on ``attention_mask``'s device, with
-    each sample's prompt and response lengths from ``attention_mask``.
+    each sample's prompt and response lengths from ``attention_mask``.  ``view``:
+    ``"generated"`` (each position's first computation; one streamed ``get_many``) or
+    ``"latest"`` (what each rollout's last call attended to, verl#6054's answer; one
+    ``get(view="latest")`` per sample); docs/integrations.md.
 
     Raises :class:`~r3_client.RolloutNotFoundError` for a rollout the cache does not
     hold and :class:`~r3_client.ShapeError` (naming the sample and rollout) for one that
@@ -285,6 +290,7 @@ def attach_routed_experts(
     """
     import torch
 
+    policy = one_routing_policy(view, "verl")
     ids = _rollout_ids(data, rollout_ids)
     mask = data.batch["attention_mask"]
     input_ids = data.batch["input_ids"]
@@ -294,7 +300,12 @@ def attach_routed_experts(
     response_lens = mask[:, plen:].sum(dim=1).tolist()
     tokens = input_ids.cpu().numpy()
     routings: list[Routing] = []
-    for i, (key, routing) in enumerate(client.get_many(ids)):
+    fetched = (
+        client.get_many(ids)
+        if policy == "generated"
+        else ((key, client.get(key, view=policy)) for key in ids)  # the stream has no views
+    )
+    for i, (key, routing) in enumerate(fetched):
         assert isinstance(routing, Routing)  # errors raise: return_errors is off
         p, r = prompt_lens[i], response_lens[i]
         routings.append(_fit(routing, tokens[i, plen - p : plen + r], r, rlen, i, key))
@@ -328,8 +339,9 @@ class RoutedRolloutManager:
     ``generate_sequences`` (called synchronously by ``RayPPOTrainer.fit``,
     ``ray_trainer.py:1513``) returns the wrapped one's batch with
     :func:`attach_routed_experts` applied, except for validation batches
-    (``meta_info["validate"]``), which verl does not train on.  Every other attribute
-    is the wrapped manager's.
+    (``meta_info["validate"]``), which verl does not train on.  ``view``: the policy
+    of the fetch (:func:`attach_routed_experts`).  Every other attribute is the wrapped
+    manager's.
     """
 
     def __init__(
@@ -339,11 +351,13 @@ class RoutedRolloutManager:
         *,
         num_layers: int,
         missing: Missing = "raise",
+        view: ViewPolicy = "generated",
     ) -> None:
         self.wrapped = manager
         self.client = client
         self.num_layers = num_layers
         self.missing: Missing = missing
+        self.view: ViewPolicy = one_routing_policy(view, "verl")
 
     def generate_sequences(self, prompts: Any) -> Any:
         """The wrapped manager's batch, with ``routed_experts`` for training batches."""
@@ -351,7 +365,7 @@ class RoutedRolloutManager:
         if prompts.meta_info.get("validate", False):
             return out
         return attach_routed_experts(
-            out, self.client, num_layers=self.num_layers, missing=self.missing
+            out, self.client, num_layers=self.num_layers, missing=self.missing, view=self.view
         )
 
     def __getattr__(self, name: str) -> Any:

@@ -11,6 +11,10 @@
         loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
 
+Under the ``exact`` view policy (a rollout whose calls recomputed stored positions),
+:func:`served_logprobs` scores a sample with one replayed forward per state of
+``client.get_served(rollout_id)``.
+
 One small module per family registers how its router is found and how its weights
 follow the chosen ids (``qwen3_moe``, ``qwen2_moe``, ``olmoe``, ``mixtral``,
 ``deepseek_v3`` + ``glm4_moe``, ``gpt_oss``); :mod:`r3_client.replay._core` does the rest.
@@ -28,6 +32,8 @@ from r3_client.replay._core import (
     remove_routing_replay,
     replay_load_balancing_loss,
     replay_routing,
+    replay_served,
+    served_logprobs,
 )
 
 __all__ = [
@@ -47,6 +53,8 @@ __all__ = [
     "remove_routing_replay",
     "replay_load_balancing_loss",
     "replay_routing",
+    "replay_served",
+    "served_logprobs",
     "supported_model_types",
 ]
 

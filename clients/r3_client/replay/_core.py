@@ -28,10 +28,13 @@ import importlib
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from r3_client._exceptions import ReplayError as ReplayError  # re-exported; defined with the others
 from r3_client.replay._scoring import Scoring
+
+if TYPE_CHECKING:
+    from r3_client._views import ServedRouting
 
 
 @dataclass(frozen=True)
@@ -399,6 +402,109 @@ def recorded_as_routing(recorded: dict[int, Any], batch: int) -> Any:
     layers = sorted(recorded)
     stacked = torch.stack([recorded[i] for i in layers], dim=1)
     return stacked.reshape(batch, -1, len(layers), stacked.shape[-1])
+
+
+# ---------------------------------------------------------------- exact: one forward per state
+
+
+def _served_spans(input_ids: Any, served: Sequence[ServedRouting]) -> Any:
+    """``input_ids`` as ``[N]``, checked against the states: their spans cover rows
+    ``[0, N - 1)`` in order, one row per token but the last."""
+    ids = input_ids.reshape(-1) if input_ids.ndim == 2 and input_ids.shape[0] == 1 else input_ids
+    if ids.ndim != 1:
+        raise ReplayError(
+            f"input_ids must be one sample's tokens [N] or [1, N], got {tuple(input_ids.shape)}"
+        )
+    if not served:
+        raise ReplayError("no served routing given (get_served answers one state at least)")
+    at = 0
+    for s in served:
+        if s.serves_start != at or s.serves_end <= s.serves_start:
+            raise ReplayError(
+                f"the states must cover rows [0, N - 1) in order; got [{s.serves_start}, "
+                f"{s.serves_end}) after row {at} (pass get_served's list as it is)"
+            )
+        if s.routing.start != 0 or s.routing.num_rows != s.serves_end:
+            raise ReplayError(
+                f"the state serving rows [{s.serves_start}, {s.serves_end}) holds routing rows "
+                f"[{s.routing.start}, {s.routing.end}), not [0, {s.serves_end})"
+            )
+        at = s.serves_end
+    if at != ids.shape[0] - 1:
+        raise ReplayError(
+            f"the states cover {at} rows and the sample has {ids.shape[0]} tokens: a rollout "
+            "holds one row per token but the last"
+        )
+    return ids
+
+
+def replay_served(
+    model: Any,
+    input_ids: Any,
+    served: Sequence[ServedRouting],
+    *,
+    layer_ids: Sequence[int] | None = None,
+) -> Iterator[tuple[ServedRouting, Any]]:
+    """Score one sample under the ``exact`` view policy: one replayed forward per state.
+
+    ``served``: :meth:`RoutingClient.get_served` of the sample's rollout (one
+    :class:`~r3_client.ServedRouting` per state; one for a rollout without views);
+    ``input_ids``: the sample's tokens ``[N]`` (or ``[1, N]``), ``N - 1`` the rollout's rows.
+    For each state ``(a, b, routing)`` it replays ``routing`` (rows ``[0, b)``; the last
+    token routes natively) in a forward over tokens ``[0, b]`` and yields ``(state,
+    logprobs)``, the fp32 log-probs of tokens ``a + 1 … b``, while the state's
+    :func:`replay_routing` block is still open: run a backward of that span's loss in the
+    loop body when gradient checkpointing is on (its recompute must replay the same
+    routing).  ``layer_ids``: the decoder layers the routing covers (default: each
+    routing's own ``layer_ids``).  Cost: one forward per state, each over the tokens up to
+    its span's end; a rollout without views costs the one forward of plain replay.
+    """
+    import numpy as np
+    import torch
+
+    ids = _served_spans(input_ids, served)
+    for s in served:
+        a, b = s.serves_start, s.serves_end
+        rows = np.asarray(s.routing.indices)
+        routing = np.full((1, b + 1, *rows.shape[1:]), -1, dtype=rows.dtype)
+        routing[0, :b] = rows  # the last token has no row: it routes natively
+        layers = s.routing.layer_ids if layer_ids is None else layer_ids
+        with replay_routing(model, routing, layer_ids=layers):
+            logits = model(ids[None, : b + 1]).logits[0, a:b]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            targets = ids[a + 1 : b + 1].to(logprobs.device)
+            yield s, logprobs.gather(-1, targets[:, None]).squeeze(-1)
+
+
+def served_logprobs(
+    model: Any,
+    input_ids: Any,
+    served: Sequence[ServedRouting],
+    *,
+    layer_ids: Sequence[int] | None = None,
+) -> Any:
+    """The fp32 log-probs of tokens ``1 … N - 1`` of one sample under the ``exact`` view
+    policy: :func:`replay_served`'s spans, concatenated (``[N - 1]``; differentiable).
+
+    Each token's log-prob comes from a forward replaying the routing that token attended to
+    when it was sampled.  With one state (a rollout without views) it is plain replay.
+    Refused (:class:`ReplayError`) while gradient checkpointing would recompute a forward
+    in the backward outside its state's replay block: use :func:`replay_served` and run
+    each span's backward in the loop.
+    """
+    import torch
+
+    if (
+        getattr(model, "is_gradient_checkpointing", False)
+        and getattr(model, "training", False)
+        and torch.is_grad_enabled()
+    ):
+        raise ReplayError(
+            "gradient checkpointing recomputes each forward in the backward, which must replay "
+            "the same state's routing: iterate replay_served(...) and run each span's backward "
+            "inside the loop"
+        )
+    return torch.cat([lp for _, lp in replay_served(model, input_ids, served, layer_ids=layer_ids)])
 
 
 # ---------------------------------------------------------------- auxiliary loss
