@@ -56,6 +56,16 @@ from r3_client.codec import MAX_DECODED_BYTES, CodecName
 __all__ = ["AsyncRoutingClient", "RoutingClient"]
 
 
+def _stream_policy(view: object) -> str:
+    """The policy of a batch read: ``generated`` or ``latest`` (``exact`` answers several
+    routings per rollout: ``get_served``)."""
+    if check_policy(view) == "exact":
+        raise InvalidRequestError(
+            'view="exact" is one routing per state of a rollout: call get_served() per rollout'
+        )
+    return str(view)
+
+
 class RoutingClient:
     """Blocking client of the routing cache.
 
@@ -176,6 +186,10 @@ class RoutingClient:
         base = self._core.decode(data, rollout_id, start, end, layers)
         if view == "generated":
             return base
+        return self._latest(rollout_id, base, layers)
+
+    def _latest(self, rollout_id: str, base: Routing, layers: Sequence[int] | None) -> Routing:
+        """``base`` with the rollout's views applied (policy ``latest``)."""
         views = applicable_views(self.stat(rollout_id))
         return overlay(base, [self._view_rows(rollout_id, v, base, layers) for v in views])
 
@@ -248,6 +262,7 @@ class RoutingClient:
         progress: bool = False,
         return_errors: bool = False,
         decode_workers: int = 2,
+        view: ViewPolicy = "generated",
     ) -> Iterator[Result]:
         """``(rollout_id, Routing)`` for each id, streamed in request order.
 
@@ -258,8 +273,30 @@ class RoutingClient:
         ``return_errors=True`` is yielded as ``(rollout_id, R3Error)``.  Ids are
         checked before any request.  Rollouts decode in ``decode_workers`` threads
         while the stream goes on; at most ``2 * decode_workers`` wait decoded.
+        ``view="latest"``: each rollout's views applied as :meth:`get` does (one
+        ``stat`` per rollout more, and one read per view).
         """
         self._core.check_range(start, end)
+        if _stream_policy(view) == "latest":
+            for rid, res in self.get_many(
+                rollout_ids,
+                start=start,
+                end=end,
+                layers=layers,
+                chunk_size=chunk_size,
+                progress=progress,
+                return_errors=return_errors,
+                decode_workers=decode_workers,
+            ):
+                if isinstance(res, Routing):
+                    try:
+                        res = self._latest(rid, res, layers)
+                    except R3Error as exc:
+                        if not return_errors:
+                            raise
+                        res = exc
+                yield rid, res
+            return
         chunks = self._core.chunks(rollout_ids, chunk_size)
         width = max(1, decode_workers)
         bar = tqdm(total=len(rollout_ids), disable=not progress, unit="rollout", leave=False)
@@ -413,6 +450,12 @@ class AsyncRoutingClient:
         base = await self._decoded(rollout_id, start, end, layers)
         if view == "generated":
             return base
+        return await self._latest(rollout_id, base, layers)
+
+    async def _latest(
+        self, rollout_id: str, base: Routing, layers: Sequence[int] | None
+    ) -> Routing:
+        """See :meth:`RoutingClient._latest`."""
         views = applicable_views(await self.stat(rollout_id))
         parts = [await self._view_rows(rollout_id, v, base, layers) for v in views]
         return overlay(base, parts)
@@ -499,15 +542,17 @@ class AsyncRoutingClient:
         concurrency: int = 4,
         progress: bool = False,
         return_errors: bool = False,
+        view: ViewPolicy = "generated",
     ) -> AsyncIterator[Result]:
         """``(rollout_id, Routing)`` as they arrive, ``concurrency`` batch streams at once.
 
         Order follows arrival (ids of one chunk stay in order).  At most
         ``concurrency`` streams run and at most ``2 * chunk_size`` decoded
         results wait for the consumer, so memory is bounded whatever the number
-        of ids.  Errors as in :meth:`RoutingClient.get_many`.
+        of ids.  Errors and ``view`` as in :meth:`RoutingClient.get_many`.
         """
         self._core.check_range(start, end)
+        latest = _stream_policy(view) == "latest"
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         chunks = self._core.chunks(rollout_ids, chunk_size)
@@ -518,6 +563,13 @@ class AsyncRoutingClient:
             async with gate:
                 try:
                     async for res in self._chunk(chunk, start, end, layers, return_errors):
+                        if latest and isinstance(res[1], Routing):
+                            try:
+                                res = (res[0], await self._latest(res[0], res[1], layers))
+                            except R3Error as exc:
+                                if not return_errors:
+                                    raise
+                                res = (res[0], exc)
                         await queue.put(res)
                 except Exception as exc:  # handed to the consumer, which re-raises
                     # Only Exception: a CancelledError (the consumer went away) must

@@ -9,10 +9,13 @@ view puts refused with a reason.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
 from r3_client import (
+    AsyncRoutingClient,
     InvalidRequestError,
     RolloutNotFoundError,
     RoutingClient,
@@ -147,3 +150,28 @@ def test_bad_view_puts_are_refused_with_a_reason(service_single: Service, transp
         with pytest.raises(InvalidRequestError):
             c.get_frame(r, view=-1)
         assert c.stat(r).views == ()
+
+
+def test_batch_reads_take_the_policy(service_single: Service, transport: str) -> None:
+    with_views, plain = rid(), rid()
+    url = url_of(service_single, transport)
+    with RoutingClient(url, api_key=KEY_A) as c:
+        three_turns(c, with_views)
+        c.put(plain, frame_for(TRAJ[:71], 0))
+        ids = [with_views, plain]
+        latest = dict(c.get_many(ids, view="latest", chunk_size=1))
+        generated = dict(c.get_many(ids))
+        for r in ids:
+            assert np.array_equal(latest[r].indices, c.get(r, view="latest").indices)
+            assert np.array_equal(generated[r].indices, c.get(r).indices)
+        assert not np.array_equal(latest[with_views].indices, generated[with_views].indices)
+        with pytest.raises(InvalidRequestError, match="get_served"):
+            list(c.get_many(ids, view="exact"))
+
+    async def run() -> dict[str, np.ndarray]:
+        async with AsyncRoutingClient(url, api_key=KEY_A) as a:
+            return {r: got.indices async for r, got in a.get_many(ids, view="latest")}
+
+    got = asyncio.run(run())
+    for r in ids:
+        assert np.array_equal(got[r], latest[r].indices)
