@@ -44,7 +44,9 @@ def _client(args: argparse.Namespace) -> RoutingClient:
 
 def _get(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        routing = c.get(args.rollout_id, start=args.start, end=args.end, layers=args.layers)
+        routing = c.get(
+            args.rollout_id, start=args.start, end=args.end, layers=args.layers, view=args.view
+        )
     np.save(args.output, routing.indices, allow_pickle=False)
     print(
         f"{args.rollout_id}: rows [{routing.start}, {routing.end}) x layers "
@@ -72,6 +74,7 @@ def _get_many(args: argparse.Namespace) -> int:
             layers=args.layers,
             progress=True,
             return_errors=True,
+            view=args.view,
         ):
             if isinstance(res, R3Error):
                 failed += 1
@@ -97,6 +100,13 @@ def _add_client_commands(sub: Any) -> None:
     rows.add_argument("--end", type=int, default=None, help="one past the last token row")
     rows.add_argument(
         "--layers", type=_layers, default=None, help="absolute MoE layer ids, e.g. 1,3,5"
+    )
+    rows.add_argument(
+        "--view",
+        choices=("generated", "latest"),
+        default="generated",
+        help="rows the engine recomputed: each position's first computation (generated) or "
+        "what the rollout's last call attended to (latest); docs/store.md, Views",
     )
 
     p = sub.add_parser("get", parents=[common, rows], help="fetch one rollout into a .npy")

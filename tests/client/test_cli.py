@@ -59,3 +59,21 @@ def test_get_many(service_single: Service, tmp_path: Path) -> None:
     assert "missing-one: not_found" in res.stderr
     for i, r in enumerate(ids):
         assert np.load(tmp_path / "out" / f"{r}.npy").shape == (10 + i, 3, 4)
+
+
+def test_get_takes_the_view_policy(service_single: Service, tmp_path: Path) -> None:
+    url = service_single.http_url
+    r = rid()
+    recomputed = TRAJ[::-1].copy()
+    with RoutingClient(url, api_key=KEY_A) as c:
+        c.put(r, frame_for(TRAJ[:40], 0))
+        c.put(r, frame_for(recomputed[:40], 0, version="v2"), view=40)
+        c.put(r, frame_for(TRAJ[40:60], 40, version="v2"))
+    for view, want in (
+        ("generated", TRAJ[:60]),
+        ("latest", np.concatenate([recomputed[:40], TRAJ[40:60]])),
+    ):
+        out = tmp_path / f"{view}.npy"
+        res = r3(service_single, "get", r, "-o", str(out), "--view", view, url=url)
+        assert res.returncode == 0, res.stderr
+        assert same_sets(np.load(out), want)
