@@ -35,7 +35,6 @@ from r3_client._client_core import (
 )
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
-    InvalidRequestError,
     R3Error,
 )
 from r3_client._routing import Routing, Segment, check_rollout_id
@@ -48,22 +47,13 @@ from r3_client._views import (
     ViewPolicy,
     applicable_views,
     check_policy,
+    one_routing_policy,
     overlay,
     served,
 )
 from r3_client.codec import MAX_DECODED_BYTES, CodecName
 
 __all__ = ["AsyncRoutingClient", "RoutingClient"]
-
-
-def _stream_policy(view: object) -> str:
-    """The policy of a batch read: ``generated`` or ``latest`` (``exact`` answers several
-    routings per rollout: ``get_served``)."""
-    if check_policy(view) == "exact":
-        raise InvalidRequestError(
-            'view="exact" is one routing per state of a rollout: call get_served() per rollout'
-        )
-    return str(view)
 
 
 class RoutingClient:
@@ -178,10 +168,7 @@ class RoutingClient:
         one read per view more).  ``"exact"`` answers several routings:
         :meth:`get_served`.
         """
-        if check_policy(view) == "exact":
-            raise InvalidRequestError(
-                'view="exact" is one routing per state of the rollout: call get_served()'
-            )
+        one_routing_policy(view)
         data = self.get_frame(rollout_id, start=start, end=end, layers=layers)
         base = self._core.decode(data, rollout_id, start, end, layers)
         if view == "generated":
@@ -277,7 +264,7 @@ class RoutingClient:
         ``stat`` per rollout more, and one read per view).
         """
         self._core.check_range(start, end)
-        if _stream_policy(view) == "latest":
+        if one_routing_policy(view) == "latest":
             for rid, res in self.get_many(
                 rollout_ids,
                 start=start,
@@ -443,10 +430,7 @@ class AsyncRoutingClient:
         view: ViewPolicy = "generated",
     ) -> Routing:
         """See :meth:`RoutingClient.get`."""
-        if check_policy(view) == "exact":
-            raise InvalidRequestError(
-                'view="exact" is one routing per state of the rollout: call get_served()'
-            )
+        one_routing_policy(view)
         base = await self._decoded(rollout_id, start, end, layers)
         if view == "generated":
             return base
@@ -552,7 +536,7 @@ class AsyncRoutingClient:
         of ids.  Errors and ``view`` as in :meth:`RoutingClient.get_many`.
         """
         self._core.check_range(start, end)
-        latest = _stream_policy(view) == "latest"
+        latest = one_routing_policy(view) == "latest"
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         chunks = self._core.chunks(rollout_ids, chunk_size)

@@ -35,7 +35,6 @@ from r3_client._exceptions import (
     AuthError,
     FormatError,
     FrameError,
-    InvalidRequestError,
     ProtocolError,
     R3Error,
     RolloutNotFoundError,
@@ -47,6 +46,7 @@ from r3_client._views import (
     ServedRouting,
     ViewPolicy,
     check_policy,
+    one_routing_policy,
     overlay,
     served,
     serving_views,
@@ -408,10 +408,7 @@ class DirectReader:
         Decoding runs in ``workers`` threads (zstd and numpy release the GIL) while
         the next rollouts are fetched; at most ``2 * workers`` decoded rollouts wait.
         """
-        if check_policy(view) == "exact":
-            raise InvalidRequestError(
-                'view="exact" is one routing per state of the rollout: call get_served()'
-            )
+        one_routing_policy(view)
         span: _Span = None if view == "generated" else (start, end)
         width = max(1, workers)
 

@@ -70,11 +70,18 @@ def check_policy(view: object) -> str:
     return view
 
 
-def one_routing_policy(view: object, who: str) -> ViewPolicy:
-    """``view`` if it answers one routing per rollout (``generated``, ``latest``), for a
-    trainer ``who`` replays one routing per sample in one forward; otherwise
-    :class:`InvalidRequestError` (``exact`` needs a forward per state)."""
+def one_routing_policy(view: object, who: str | None = None) -> ViewPolicy:
+    """``view`` if it answers one routing per rollout (``generated``, ``latest``);
+    otherwise :class:`InvalidRequestError` (``exact`` needs a forward per state).
+
+    ``who``: the trainer that replays one routing per sample in one forward (the glue's
+    refusal names it); None for a read that answers one routing (``get``, ``get_many``).
+    """
     if check_policy(view) == "exact":
+        if who is None:
+            raise InvalidRequestError(
+                'view="exact" is one routing per state of a rollout: call get_served()'
+            )
         raise InvalidRequestError(
             f'{who} replays one routing per sample in one forward; view="exact" is one '
             "routing per state of a rollout (get_served), each replayed in its own forward: "
