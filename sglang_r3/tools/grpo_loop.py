@@ -1,6 +1,7 @@
 """The GRPO loop of ``r3 rl-demo``: generation, routing checks, train steps, weight pushes.
 
-See :mod:`sglang_r3.tools.rl_demo` for what a step does and the command around it.
+See :mod:`sglang_r3.tools.rl_demo` for what a step does and the command around it, and
+:mod:`sglang_r3.tools.rl_scoring` for the trainer side (the paired scoring per policy).
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,10 +18,9 @@ import numpy as np
 import numpy.typing as npt
 
 from r3_client import Routing, RoutingClient
-from r3_client.mismatch import extreme_frac, logprob_mismatch, routing_disagreement
 from sglang_r3.tools.mismatch_report import output_logprobs
+from sglang_r3.tools.rl_scoring import TRAINED, Sample, train_step
 
-MODES = ("replay", "native")
 MEMORY_GROWTH_LIMIT = 1.2
 
 
@@ -32,25 +31,6 @@ class RLCheckError(Exception):
 def _check(ok: bool, what: str) -> None:
     if not ok:
         raise RLCheckError(what)
-
-
-@dataclass
-class Sample:
-    """One finished rollout the trainer learns from."""
-
-    rollout_id: str
-    tokens: list[int]
-    sampled_at: list[int]  # positions in ``tokens`` the engine sampled
-    logp_infer: list[float]
-    versions: list[tuple[int, str]]  # (first row of a turn, the version that generated it)
-    group: int  # samples of one prompt share a group; an episode is its own
-    since: int = 0  # first token sampled under this step's weights (earlier: older ones)
-    routing: Routing | None = None
-
-    @property
-    def reward(self) -> float:
-        picked = [self.tokens[p] for p in self.sampled_at]
-        return float(np.mean([t % 2 == 0 for t in picked])) if picked else 0.0
 
 
 @dataclass
@@ -67,18 +47,27 @@ class Episode:
 
 @dataclass
 class StepRecord:
-    mode: str
+    """One step; the per-policy figures are ``{policy: value}`` (rl_scoring.POLICIES)."""
+
     step: int
     version: str
     reward: float
-    k3_kl: float
-    logp_abs_diff: float
-    f2: float
-    f5: float
-    router_disagreement: float
+    k3_kl: dict[str, float]
+    logp_abs_diff: dict[str, float]
+    f2: dict[str, float]
+    f5: dict[str, float]
+    straddle_k3_kl: dict[str, float]
+    first_turn_k3_kl: dict[str, float]
+    max_abs_dlogp: dict[str, dict[str, float]]  # {"grpo"/"straddle": {policy: value}}
+    flipped_samples: int  # GRPO samples whose native routing differs from the engine's
+    flipped_k3_kl: dict[str, float]  # k3 KL on those samples only
+    router_disagreement: float  # native routing against the engine's, GRPO samples
     token_disagreement: float
-    straddle_k3_kl: float
+    straddle_router_disagreement: float  # the same on the straddling episodes
+    first_router_disagreement: float  # and on their first turn, at its own weights
+    replay_router_disagreement: float  # replayed routing against the rows given: 0
     samples: int
+    samples_with_views: int
     straddling_episodes: int
     bytes_moved: int
     bytes_stored: int
@@ -159,97 +148,6 @@ def stale_prefix_check(
         np.array_equal(np.sort(rows[0], -1), np.sort(rows[1], -1)),
         f"after the push to {version}, a cached prompt returned rows of the old weights",
     )
-
-
-# ---------------------------------------------------------------- trainer side
-
-
-def _forward(model: Any, sample: Sample, replay: bool) -> tuple[Any, npt.NDArray[Any]]:
-    """Log-probs (with grad) at the sampled positions, and the routing used ``[T-1, L, K]``."""
-    import torch
-
-    from r3_client.layouts import hf_layout
-    from r3_client.replay import record_routing, recorded_as_routing, replay_routing
-
-    ids = torch.tensor([sample.tokens])
-    mask = torch.ones_like(ids)
-    n = len(sample.tokens) - 1
-    if replay:
-        assert sample.routing is not None
-        layout = hf_layout([sample.routing], mask.numpy(), as_torch=True, dtype=torch.int64)
-        with replay_routing(model, layout) as state:
-            logits = model(ids, attention_mask=mask).logits
-            used = torch.stack([state.used[i] for i in state.layer_ids], dim=1)
-            routing = used.reshape(1, ids.shape[1], len(state.layer_ids), -1)
-    else:
-        with record_routing(model) as rec:
-            logits = model(ids, attention_mask=mask).logits
-        routing = recorded_as_routing(rec, 1)
-    logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
-    picked = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
-    at = torch.tensor(sample.sampled_at) - 1  # logits at p-1 predict the token at p
-    return picked[at], routing[0, :n].detach().numpy()
-
-
-def train_step(
-    model: Any, optimizer: Any, samples: Sequence[Sample], replay: bool
-) -> dict[str, float]:
-    """One GRPO step over ``samples``; the train/infer mismatch measured on the way.
-
-    The mismatch (k3 KL, |dlogp|, F, routing disagreement) is measured on the GRPO
-    samples, generated entirely under this step's weights.  Episodes whose turns
-    straddle a weight push are measured apart (``straddle_k3_kl``: their last turn's
-    tokens): the engine generated that turn after recomputing the whole prefix under
-    the new weights (the push flushed its cache) and shipped only the new rows, so
-    the stored rows of the earlier turn are those that generated *that* turn, not the
-    prefix the last turn attended to (docs/rl-demo.md).
-    """
-    import torch
-
-    rewards = np.array([s.reward for s in samples])
-    adv = np.zeros(len(samples))
-    for g in {s.group for s in samples}:
-        idx = [i for i, s in enumerate(samples) if s.group == g]
-        r = rewards[idx]
-        adv[idx] = (r - r.mean()) / (r.std() + 1e-6) if len(idx) > 1 else r - rewards.mean()
-    optimizer.zero_grad()
-    lp: dict[bool, tuple[list[Any], list[Any]]] = {False: ([], []), True: ([], [])}
-    engine_rows, used_rows = [], []
-    loss = torch.zeros(())
-    for s, a in zip(samples, adv, strict=True):
-        logp, used = _forward(model, s, replay)
-        loss = loss - float(a) * logp.mean() / len(samples)
-        straddles = len(s.versions) > 1
-        now = np.asarray(s.sampled_at) >= s.since
-        lp[straddles][0].append(logp.detach().double().numpy()[now])
-        lp[straddles][1].append(np.asarray(s.logp_infer, dtype=np.float64)[now])
-        if not straddles:
-            assert s.routing is not None
-            engine_rows.append(np.asarray(s.routing.indices)[: len(s.tokens) - 1])
-            used_rows.append(used)
-    loss.backward()  # type: ignore[no-untyped-call]
-    optimizer.step()
-    train = np.concatenate(lp[False][0])[None]
-    infer = np.concatenate(lp[False][1])[None]
-    mismatch = logprob_mismatch(train, infer)
-    dis = routing_disagreement(np.concatenate(engine_rows)[None], np.concatenate(used_rows)[None])
-    straddle = float("nan")
-    if lp[True][0]:
-        straddle = float(
-            logprob_mismatch(np.concatenate(lp[True][0])[None], np.concatenate(lp[True][1])[None])[
-                "k3_kl"
-            ]
-        )
-    return {
-        "reward": float(rewards.mean()),
-        "k3_kl": float(mismatch["k3_kl"]),
-        "logp_abs_diff": float(mismatch["logp_abs_diff"]),
-        "f2": extreme_frac(train, infer, tau=2.0),
-        "f5": extreme_frac(train, infer, tau=5.0),
-        "router_disagreement": float(dis["router_disagreement"]),
-        "token_disagreement": float(dis["token_disagreement"]),
-        "straddle_k3_kl": straddle,
-    }
 
 
 # ---------------------------------------------------------------- the loop
@@ -368,30 +266,59 @@ def _generate_step(
 def _fetch_checked(
     client: RoutingClient, batch: list[Sample], pending: list[Episode], finished: list[Sample]
 ) -> int:
-    """Fetch the batch's routing and check it; the bytes stored for it.
+    """Fetch the batch's routing under each policy and check it; the bytes stored for it.
 
-    Each segment's weight version must be the generating step's, and an episode's
-    first turn must read as it did when it was generated.
+    Each segment's weight version must be the generating step's; an episode's first turn
+    must read (``generated``) as it did when it was generated; the ``exact`` states of an
+    episode that straddles the push must start at its turns (the push flushed the radix
+    cache, so its last turn recomputed the prefix: a view serving that turn); and the
+    policies must agree with each other (``generated`` is the first state's rows,
+    ``latest`` the last state's).
     """
     fetched = dict(client.get_many([s.rollout_id for s in batch]))
     stored = 0
     for s in batch:
         got = fetched[s.rollout_id]
         _check(isinstance(got, Routing), f"{s.rollout_id}: {got}")
-        s.routing = got if isinstance(got, Routing) else None
+        s.generated = got if isinstance(got, Routing) else None
+        s.latest = client.get(s.rollout_id, view="latest")
+        s.served = client.get_served(s.rollout_id, view="exact")
         stored += check_versions(client, s)
-    for e, s in zip(pending, finished, strict=True):
-        assert e.first_rows is not None and s.routing is not None
-        first = np.asarray(s.routing.indices)[: len(e.first_rows)]
+        assert s.generated is not None
+        first, last = s.served[0], s.served[-1]
         _check(
-            np.array_equal(first, e.first_rows),
+            np.array_equal(
+                np.asarray(first.routing.indices),
+                np.asarray(s.generated.indices)[: first.serves_end],
+            )
+            and np.array_equal(np.asarray(last.routing.indices), np.asarray(s.latest.indices))
+            and last.serves_end == len(s.tokens) - 1,
+            f"{s.rollout_id}: the generated/latest/exact reads disagree",
+        )
+        if s.straddles:
+            turns = [start for start, _ in s.versions]
+            _check(
+                [st.serves_start for st in s.served] == turns,
+                f"{s.rollout_id}: turns start at rows {turns} but its exact states at "
+                f"{[st.serves_start for st in s.served]} (no view of the recomputed prefix?)",
+            )
+            views = s.served[-1].views
+            _check(
+                all(v.weight_version == s.versions[-1][1] for v in views),
+                f"{s.rollout_id}: its view carries {[v.weight_version for v in views]}, "
+                f"recomputed under {s.versions[-1][1]!r}",
+            )
+    for e, s in zip(pending, finished, strict=True):
+        assert e.first_rows is not None and s.generated is not None
+        first_rows = np.asarray(s.generated.indices)[: len(e.first_rows)]
+        _check(
+            np.array_equal(first_rows, e.first_rows),
             f"{e.rollout_id}: its first turn's rows changed after the weight push",
         )
     return stored
 
 
-def run_mode(
-    mode: str,
+def run_loop(
     args: argparse.Namespace,
     engine: str,
     cache_url: str,
@@ -399,54 +326,61 @@ def run_mode(
     work: Path,
     run_id: str,
 ) -> Run:
-    """One GRPO run (``replay`` or ``native``) from the initial weights."""
+    """The GRPO run from the initial weights, trained on the ``exact`` replay; every
+    step's samples scored under every policy (paired)."""
     import torch
     import transformers
     from tqdm import tqdm
 
     from r3_client.replay import apply_routing_replay
 
-    replay = mode == "replay"
-    rng = np.random.default_rng(args.seed + 1)  # the same prompts in both runs
+    rng = np.random.default_rng(args.seed + 1)
     torch.manual_seed(args.seed)
-    model = transformers.AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
-    model.train()
-    apply_routing_replay(model)
+
+    def load(path: Path) -> Any:
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        m.train()
+        return apply_routing_replay(m)
+
+    model = load(init)
+    previous = load(init)  # the weights of the step before (episodes' first turns)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    push_weights(engine, init, f"{mode}-0")
+    push_weights(engine, init, "step-0")
     result = Run()
     pending: list[Episode] = []
     memory: list[int] = []  # Redis memory after each step
     with RoutingClient(cache_url) as client:
-        bar = tqdm(range(args.steps), desc=f"{mode:>6}", unit="step", ncols=80)
+        bar = tqdm(range(args.steps), desc=f"train on {TRAINED}", unit="step", ncols=80)
         for n in bar:
-            t0, version, tag = time.perf_counter(), f"{mode}-{n}", f"{run_id}-{mode}-s{n}"
+            t0, version, tag = time.perf_counter(), f"step-{n}", f"{run_id}-s{n}"
             step = _generate_step(
                 args, engine, client, rng, pending, tag, version, n + 1 == args.steps
             )
             batch = step.samples + step.finished
             stored = _fetch_checked(client, batch, pending, step.finished)
-            m = train_step(model, optimizer, batch, replay)
+            current = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            m = train_step(model, optimizer, batch, previous if step.finished else None)
+            previous.load_state_dict(current)
             _check(
-                not replay or m["router_disagreement"] == 0.0,
-                f"step {n}: replayed routing differs from the engine's in "
-                f"{m['router_disagreement']:.4%} of routers",
+                m["replay_router_disagreement"] == 0.0,
+                f"step {n}: replayed routing differs from the rows given in "
+                f"{m['replay_router_disagreement']:.4%} of routers",
             )
-            nxt = work / f"{mode}-{n + 1}"
+            nxt = work / f"step-{n + 1}"
             model.save_pretrained(nxt)
-            push_weights(engine, nxt, f"{mode}-{n + 1}")
-            stale_prefix_check(engine, client, step.prompts[0], f"{mode}-{n + 1}", tag)
-            shutil.rmtree(work / f"{mode}-{n}", ignore_errors=True)
+            push_weights(engine, nxt, f"step-{n + 1}")
+            stale_prefix_check(engine, client, step.prompts[0], f"step-{n + 1}", tag)
+            shutil.rmtree(work / f"step-{n}", ignore_errors=True)
             for s in batch:
                 client.delete(s.rollout_id)
             pending = step.begun
             memory.append(redis_memory(cache_url))
             result.records.append(
                 StepRecord(
-                    mode=mode,
                     step=n,
                     version=version,
                     samples=len(batch),
+                    samples_with_views=sum(len(s.served) > 1 for s in batch),
                     straddling_episodes=len(step.finished),
                     bytes_moved=step.moved,
                     bytes_stored=stored,
@@ -455,23 +389,24 @@ def run_mode(
                     **m,
                 )
             )
-            bar.set_postfix(reward=f"{m['reward']:.2f}", kl=f"{m['k3_kl']:.2e}")
+            bar.set_postfix(reward=f"{m['reward']:.2f}", kl=f"{m['k3_kl'][TRAINED]:.2e}")
         bar.close()
-    result.checks = _run_checks(mode, memory)
+    result.checks = _run_checks(memory)
     return result
 
 
-def _run_checks(mode: str, memory: list[int]) -> list[str]:
+def _run_checks(memory: list[int]) -> list[str]:
     """Check Redis memory over the run; the checks the run passed, for the report."""
     _check(
         memory[-1] <= MEMORY_GROWTH_LIMIT * memory[0],
-        f"{mode}: Redis memory grew from {memory[0]:,} B after step 0 to "
-        f"{memory[-1]:,} B after the last",
+        f"Redis memory grew from {memory[0]:,} B after step 0 to {memory[-1]:,} B after the last",
     )
     return [
-        *(["replayed routing disagreement 0 every step"] if mode == "replay" else []),
+        "replayed routing equals the rows given, every forward of every step",
         "segment weight versions match the generating step",
         "episodes' first turns unchanged after the push",
+        "episodes across a push: exact states start at their turns (a view of the prefix)",
+        "generated/latest/exact reads agree (first and last state)",
         "no stale prefix rows after a push",
         f"Redis memory last/first {memory[-1] / memory[0]:.2f} <= 1.2",
     ]

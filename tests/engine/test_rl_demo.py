@@ -50,15 +50,25 @@ def test_two_steps_of_grpo_with_weight_pushes_scored_paired(tmp_path: Path) -> N
     for r in records:
         if r["samples_with_views"] == r["straddling_episodes"]:
             kl = r["k3_kl"]
-            assert kl["generated"] == kl["latest"] == kl["exact"], kl
+            assert kl["generated"] == pytest.approx(kl["exact"], rel=1e-6), kl
+            assert kl["latest"] == pytest.approx(kl["exact"], rel=1e-6), kl
+    # Replay removes the routing part of the mismatch: over the run, exact below native on
+    # the GRPO samples (their native routing disagrees with the engine's at every step
+    # measured; per step the margin at step 0 was as small as 1.2x, so the sum is asserted).
+    assert sum(r["k3_kl"]["exact"] for r in records) < sum(r["k3_kl"]["native"] for r in records)
     # The straddling episode: its last turn recomputed the prefix after the push (a view),
     # so latest and exact replay what it attended to (the same forward for that turn);
     # generated replays the first computation, routed by the weights before the push.
     assert step1["samples_with_views"] >= 1
     last = step1["straddle_k3_kl"]
-    assert last["latest"] == last["exact"], last
-    assert last["exact"] <= last["native"], last
+    assert last["latest"] == pytest.approx(last["exact"], rel=1e-6), last
     assert last["exact"] < last["generated"], last
+    # exact <= native; where the native routing chose every router as the engine did, the
+    # two forwards route alike and differ by float rounding only (either way).
+    if step1["straddle_router_disagreement"] > 0.0:
+        assert last["exact"] <= last["native"], last
+    else:
+        assert last["exact"] == pytest.approx(last["native"], rel=1e-2, abs=1e-9), last
     # Its first turn, at the weights that generated it: exact replays the first computation
     # (as generated, in a shorter forward), latest the recomputed prefix.
     first = step1["first_turn_k3_kl"]

@@ -1,0 +1,242 @@
+"""The trainer side of ``r3 rl-demo``: paired scoring under each routing policy, the GRPO step.
+
+Every step scores the *same* samples with the *same* weights four ways (:data:`POLICIES`):
+
+* ``native``: the trainer's own routers;
+* ``generated``: the engine's routing, each position's first computation
+  (``RoutingClient.get(view="generated")``);
+* ``latest``: the engine's routing with every view applied: what the rollout's last call
+  attended to (``get(view="latest")``);
+* ``exact``: one forward per state of ``get_served(view="exact")``, each replaying what the
+  tokens of its span attended to and keeping only that span's log-probs, concatenated.
+
+The loop trains on the ``exact`` forward (:data:`TRAINED`); the other three run without
+gradients beside it.  A rollout without views has one state, so its four forwards differ
+only by native against replayed routing.  A multi-turn episode whose last turn came after a
+weight push has two states (its prefix was recomputed under the new weights and stored as a
+view): ``generated`` is right for its first turn only, ``latest`` for its last turn only,
+``exact`` for both (docs/rl-demo.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from r3_client import Routing, ServedRouting
+from r3_client.mismatch import extreme_frac, logprob_mismatch, routing_disagreement
+
+POLICIES = ("native", "generated", "latest", "exact")
+REPLAYED = ("generated", "latest", "exact")
+TRAINED = "exact"  # the policy whose log-probs the GRPO loss uses
+
+
+@dataclass
+class Sample:
+    """One finished rollout the trainer learns from, with its routing under each policy."""
+
+    rollout_id: str
+    tokens: list[int]
+    sampled_at: list[int]  # positions in ``tokens`` the engine sampled
+    logp_infer: list[float]
+    versions: list[tuple[int, str]]  # (first row of a turn, the version that generated it)
+    group: int  # samples of one prompt share a group; an episode is its own
+    since: int = 0  # first token sampled under this step's weights (earlier: older ones)
+    generated: Routing | None = None
+    latest: Routing | None = None
+    served: list[ServedRouting] = field(default_factory=list)
+
+    @property
+    def reward(self) -> float:
+        picked = [self.tokens[p] for p in self.sampled_at]
+        return float(np.mean([t % 2 == 0 for t in picked])) if picked else 0.0
+
+    @property
+    def straddles(self) -> bool:
+        """Its turns were generated under more than one weight version."""
+        return len(self.versions) > 1
+
+
+def _forward(model: Any, tokens: Sequence[int], routing: Routing | None) -> tuple[Any, Any]:
+    """Log-prob of every next token ``[T-1]`` and the routing used ``[T-1, L, K]``.
+
+    ``routing``: rows ``[0, T-1)`` replayed; None: the model's own routers (recorded).
+    """
+    import torch
+
+    from r3_client.layouts import hf_layout
+    from r3_client.replay import record_routing, recorded_as_routing, replay_routing
+
+    ids = torch.tensor([list(tokens)])
+    mask = torch.ones_like(ids)
+    if routing is not None:
+        layout = hf_layout([routing], mask.numpy(), as_torch=True, dtype=torch.int64)
+        with replay_routing(model, layout) as state:
+            logits = model(ids, attention_mask=mask).logits
+            used = torch.stack([state.used[i] for i in state.layer_ids], dim=1)
+            used = used.reshape(1, ids.shape[1], len(state.layer_ids), -1)
+    else:
+        with record_routing(model) as rec:
+            logits = model(ids, attention_mask=mask).logits
+        used = recorded_as_routing(rec, 1)
+    logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
+    picked = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return picked, used[0, : len(tokens) - 1].detach().numpy()
+
+
+@dataclass
+class Scored:
+    """One sample under one policy: log-probs of its sampled tokens (``sampled_at`` order)
+    and, per forward, (routing used, the engine's rows it should equal or be compared to)."""
+
+    logp: Any  # torch [len(sampled_at)]
+    rows: list[tuple[npt.NDArray[Any], npt.NDArray[Any]]]
+
+
+def score(model: Any, s: Sample, policy: str) -> Scored:
+    """``s``'s sampled tokens' log-probs under ``policy`` (one forward, two for ``exact``
+    on a rollout with a view)."""
+    import torch
+
+    at = np.asarray(s.sampled_at)
+    if policy != "exact":
+        given = {"native": None, "generated": s.generated, "latest": s.latest}[policy]
+        picked, used = _forward(model, s.tokens, given)
+        # The engine's rows the native routing is compared to: what the tokens attended to.
+        ref = s.served[-1].routing if given is None else given
+        return Scored(picked[torch.from_numpy(at - 1)], [(used, np.asarray(ref.indices))])
+    parts, rows, covered = [], [], 0
+    for st in s.served:
+        # Replay the state in a forward over tokens [0, serves_end]; keep the log-probs of
+        # tokens serves_start+1 .. serves_end (row t's forward gives token t+1's log-prob).
+        picked, used = _forward(model, s.tokens[: st.serves_end + 1], st.routing)
+        keep = at[(at > st.serves_start) & (at <= st.serves_end)]
+        parts.append(picked[torch.from_numpy(keep - 1)])
+        rows.append((used, np.asarray(st.routing.indices)))
+        covered += len(keep)
+    if covered != len(at):
+        raise ValueError(f"{s.rollout_id}: the exact states cover {covered} of {len(at)} tokens")
+    return Scored(torch.cat(parts), rows)
+
+
+def _k3(train: list[npt.NDArray[Any]], infer: list[npt.NDArray[Any]]) -> float:
+    if not train:
+        return float("nan")
+    mismatch = logprob_mismatch(np.concatenate(train)[None], np.concatenate(infer)[None])
+    return float(mismatch["k3_kl"])
+
+
+def _disagreement(pairs: list[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> dict[str, float]:
+    if not pairs:
+        return {"router_disagreement": float("nan"), "token_disagreement": float("nan")}
+    used = np.concatenate([u for u, _ in pairs])[None]
+    ref = np.concatenate([r for _, r in pairs])[None]
+    dis = routing_disagreement(ref, used)
+    return {k: float(dis[k]) for k in ("router_disagreement", "token_disagreement")}
+
+
+def train_step(
+    model: Any, optimizer: Any, samples: Sequence[Sample], previous: Any | None
+) -> dict[str, Any]:
+    """One GRPO step over ``samples``, trained on :data:`TRAINED`; the paired mismatch.
+
+    Every sample is scored under every policy with the current weights.  Reported per
+    policy: k3 KL, mean |dlogp|, F(2), F(5) on the GRPO samples (generated wholly under
+    this step's weights), k3 KL on the last turn of episodes that straddle the push
+    (``straddle_k3_kl``) and, with ``previous`` (the weights of the step before, which
+    generated their first turn), k3 KL on those episodes' first turn
+    (``first_turn_k3_kl``); ``flipped_k3_kl``: on the GRPO samples whose native routing
+    differs from the engine's at one router or more (``flipped_samples`` of them; on the
+    others native and replayed forwards route alike).  ``replay_router_disagreement``:
+    largest disagreement between the routing a replayed forward used and the rows it was
+    given (must be 0).
+    """
+    import torch
+
+    rewards = np.array([s.reward for s in samples])
+    adv = np.zeros(len(samples))
+    for g in {s.group for s in samples}:
+        idx = [i for i, s in enumerate(samples) if s.group == g]
+        r = rewards[idx]
+        adv[idx] = (r - r.mean()) / (r.std() + 1e-6) if len(idx) > 1 else r - rewards.mean()
+    optimizer.zero_grad()
+    parts = ("grpo", "straddle", "first", "flipped")
+    train: dict[tuple[str, str], list[Any]] = {(p, q): [] for p in POLICIES for q in parts}
+    infer: dict[str, list[Any]] = {q: [] for q in parts}
+    native_rows: dict[str, list[Any]] = {q: [] for q in parts}
+    replay_dis = 0.0
+    loss = torch.zeros(())
+    for s, a in zip(samples, adv, strict=True):
+        at, lp_infer = np.asarray(s.sampled_at), np.asarray(s.logp_infer, dtype=np.float64)
+        now = at >= s.since
+        part = "straddle" if s.straddles else "grpo"
+        infer[part].append(lp_infer[now])
+        got, flipped = {}, False
+        for policy in POLICIES:
+            grad = policy == TRAINED
+            with contextlib.nullcontext() if grad else torch.no_grad():
+                sc = score(model, s, policy)
+            if grad:
+                loss = loss - float(a) * sc.logp.mean() / len(samples)
+            got[policy] = sc.logp.detach().double().numpy()[now]
+            train[policy, part].append(got[policy])
+            if policy == "native":
+                native_rows[part].extend(sc.rows)
+                flipped = _disagreement(sc.rows)["router_disagreement"] > 0.0
+            else:
+                replay_dis = max(replay_dis, _disagreement(sc.rows)["router_disagreement"])
+        if part == "grpo" and flipped:
+            # The GRPO samples where the native routing differs from the engine's somewhere:
+            # elsewhere the native and replayed forwards route alike.
+            infer["flipped"].append(lp_infer[now])
+            for policy in POLICIES:
+                train[policy, "flipped"].append(got[policy])
+        if s.straddles and previous is not None:
+            # The first turn under the weights that generated it: what each policy's
+            # routing does to tokens that attended to the first computation.
+            infer["first"].append(lp_infer[~now])
+            with torch.no_grad():
+                for policy in POLICIES:
+                    sc = score(previous, s, policy)
+                    train[policy, "first"].append(sc.logp.double().numpy()[~now])
+                    if policy == "native":  # against the rows the first turn attended to
+                        end, (used, _) = s.served[0].serves_end, sc.rows[0]
+                        native_rows["first"].append((used[:end], s.served[0].routing.indices))
+    loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    out: dict[str, Any] = {"reward": float(rewards.mean())}
+    for key in ("k3_kl", "logp_abs_diff", "f2", "f5"):
+        out[key] = {}
+    for policy in POLICIES:
+        t = np.concatenate(train[policy, "grpo"])[None]
+        i = np.concatenate(infer["grpo"])[None]
+        mismatch = logprob_mismatch(t, i)
+        out["k3_kl"][policy] = float(mismatch["k3_kl"])
+        out["logp_abs_diff"][policy] = float(mismatch["logp_abs_diff"])
+        out["f2"][policy] = extreme_frac(t, i, tau=2.0)
+        out["f5"][policy] = extreme_frac(t, i, tau=5.0)
+    out["straddle_k3_kl"] = {p: _k3(train[p, "straddle"], infer["straddle"]) for p in POLICIES}
+    out["first_turn_k3_kl"] = {p: _k3(train[p, "first"], infer["first"]) for p in POLICIES}
+    # The largest single-token |dlogp|: k3 is a mean over few tokens, and one token the
+    # engine sampled at a low bf16 probability can outweigh the rest.
+    out["max_abs_dlogp"] = {
+        q: {
+            p: float(np.max(np.abs(np.concatenate(train[p, q]) - np.concatenate(infer[q]))))
+            if infer[q]
+            else float("nan")
+            for p in POLICIES
+        }
+        for q in ("grpo", "straddle")
+    }
+    out["flipped_samples"] = len(infer["flipped"])
+    out["flipped_k3_kl"] = {p: _k3(train[p, "flipped"], infer["flipped"]) for p in POLICIES}
+    out.update(_disagreement(native_rows["grpo"]))
+    for q in ("straddle", "first"):
+        out[f"{q}_router_disagreement"] = _disagreement(native_rows[q])["router_disagreement"]
+    out["replay_router_disagreement"] = replay_dis
+    return out
