@@ -31,8 +31,8 @@ def before_prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> None:
 
     A position below the stored end that a prefill computes again gets new KV, and the
     tokens sampled after it attend to the new computation: the rows from the lowest
-    start of each epoch up are shipped as a view (:mod:`sglang_r3.http_server.shipping`).  One
-    ``min`` per tagged request in the batch; nothing proportional to rows.
+    start of each epoch up are shipped as a view (:mod:`sglang_r3.http_server.views`).
+    One ``min`` per tagged request in the batch; nothing proportional to rows.
     """
     if not engine_config().enabled:
         return None
@@ -55,8 +55,9 @@ def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) 
     computation and the re-prefill's rows become a view.  The KV slots are noted now
     (before they are freed) and read once the forwards in flight have written their
     rows (overlap scheduling: the capture of the last forward lands later,
-    :func:`sglang_r3.scheduler.hicache.after_in_flight`); the next forward to reuse a freed slot
-    is launched after this one's rows land.  O(rows), only on a retraction.
+    :func:`sglang_r3.scheduler.hicache.after_in_flight`); a later forward that reuses a
+    freed slot writes its rows when it is finalized, after that read (outputs are
+    finalized in launch order).  O(rows), only on a retraction.
     """
     req = kwargs.get("req")
     if req is not None and engine_config().enabled and _tagged(req) and not req.finished():
@@ -108,8 +109,8 @@ def around_collect_routed_experts(original: Callable[..., Any], self: Any, req: 
     if tagged and rows is not None and not isinstance(rows, TaggedRows):
         epochs = tuple(starts.get(e, stored) for e in range(max(starts, default=0) + 1))
         kept = req.__dict__.get("_r3_snapshots") or []
-        snaps = tuple((int(n), rows) for n, rows in kept)
-        if any(rows is None for _, rows in snaps):
+        snaps = tuple((int(n), held) for n, held in kept)
+        if any(held is None for _, held in snaps):
             # A retraction's rows never landed (not seen on SGLang 0.5.23): ship what the KV
             # holds at the end, as before views, rather than guess.
             log.warning("r3: rows kept at a retraction of %s are missing", req.rid)
