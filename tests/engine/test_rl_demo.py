@@ -63,12 +63,12 @@ def test_two_steps_of_grpo_with_weight_pushes_scored_paired(tmp_path: Path) -> N
     last = step1["straddle_k3_kl"]
     assert last["latest"] == pytest.approx(last["exact"], rel=1e-6), last
     assert last["exact"] < last["generated"], last
-    # exact <= native; where the native routing chose every router as the engine did, the
-    # two forwards route alike and differ by float rounding only (either way).
-    if step1["straddle_router_disagreement"] > 0.0:
-        assert last["exact"] <= last["native"], last
-    else:
-        assert last["exact"] == pytest.approx(last["native"], rel=1e-2, abs=1e-9), last
+    # exact at native's level or below. Not exact <= native on every run: replay matches the
+    # routing, not the bf16-vs-float32 arithmetic, and on a few dozen tokens a native flip
+    # moved the KL either way by up to +23% in the runs measured (docs/rl-demo.md; a CI run
+    # saw +6%), so the test bounds it at 2x; generated, the wrong prefix, is orders above.
+    assert last["exact"] <= 2 * last["native"] + 1e-9, last
+    assert last["generated"] > 10 * last["exact"], last
     # Its first turn, at the weights that generated it: exact replays the first computation
     # (as generated, in a shorter forward), latest the recomputed prefix.
     first = step1["first_turn_k3_kl"]
