@@ -269,16 +269,21 @@ class SegmentStore(DurableWrites, StoreReads):
         return await self._put_at(rollout_id, key, frame, ttl, self.settings.max_gap_rows)
 
     async def _put_at(
-        self, rollout_id: str, key: str, frame: bytes, ttl: int, max_gap: int
+        self, rollout_id: str, key: str, frame: bytes, ttl: int, max_gap: int, *, share: bool = True
     ) -> PutResult:
-        """Store ``frame`` as one segment of the hash at ``key`` (a rollout's or a view's)."""
+        """Store ``frame`` as one segment of the hash at ``key`` (a rollout's or a view's).
+
+        ``share``: keep a frame with a token digest once in a shared blob (GRPO prompts).
+        Views are never shared: ``touch`` extends the blobs a rollout's own segments
+        reference, and a view's blob must not expire before the view.
+        """
         hdr, context = await self._checked_header(rollout_id, key, frame)
         assert hdr.segment is not None
         segment = hdr.segment
         meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
         value, ref, dedupe_hit = frame, "", False
         async with self._guarded():
-            if segment.tokens_digest and self.settings.dedupe:
+            if share and segment.tokens_digest and self.settings.dedupe:
                 blob = self._blob_key(meta, segment)
                 shared = await self._write(
                     blob, self._put_blob, [frame, hdr.digest, ttl * 1000], _BLOB_ACKED.__contains__
@@ -332,13 +337,13 @@ class SegmentStore(DurableWrites, StoreReads):
         # A view may start anywhere below the rows it serves: no gap bound past row 0.
         max_gap = self.settings.max_rollout_rows
         try:
-            res = await self._put_at(rollout_id, vkey, frame, ttl, max_gap)
+            res = await self._put_at(rollout_id, vkey, frame, ttl, max_gap, share=False)
         except SegmentConflictError:
             async with self._guarded():
                 cleared = await self._write(key, self._clear_view, [serves], bool, keys=[vkey])
             if cleared[0] != b"cleared":
                 raise
-            res = await self._put_at(rollout_id, vkey, frame, ttl, max_gap)
+            res = await self._put_at(rollout_id, vkey, frame, ttl, max_gap, share=False)
         assert res.segment is not None
         seg = res.segment
         info = msgpack.packb([seg.start, seg.end, seg.weight_version, res.nbytes])

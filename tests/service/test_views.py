@@ -175,3 +175,17 @@ def test_batch_reads_take_the_policy(service_single: Service, transport: str) ->
     got = asyncio.run(run())
     for r in ids:
         assert np.array_equal(got[r], latest[r].indices)
+
+
+def test_views_are_never_shared_blobs(service_single: Service) -> None:
+    """Two rollouts whose views hold the same rows under the same key each keep their own
+    copy: touch extends the blobs of a rollout's segments only, and a view must not
+    outlive its rows."""
+    with RoutingClient(url_of(service_single, "http"), api_key=KEY_A) as c:
+        for r in (rid(), rid()):
+            c.put(r, frame_for(TRAJ[:71], 0))
+            put = c.put(r, frame_for(RECOMPUTED[0:71], 0, version="v2"), view=71)
+            assert (put.status, put.shared, put.dedupe_hit) == ("stored", False, False)
+            c.put(r, frame_for(TRAJ[71:100], 71, version="v2"))
+            c.touch(r, 0)
+            assert same_sets(c.get(r, view="latest").indices[:71], RECOMPUTED[:71])
