@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
-import sys
 import types
 import warnings
 from collections.abc import Iterator
@@ -44,6 +43,7 @@ from r3_client.layouts import (
     verl_layout,
     verl_rank_slice,
 )
+from tests.support.verl_stubs import FakeGroup, stub_ray
 
 NUM_LAYERS, E, K = 8, 16, 2
 
@@ -125,19 +125,6 @@ def chunk_moe_layers(model: Model, pp: int, vpp: int | None) -> list[list[int]]:
     return [[i for i in layers if model.freq[i]] for layers in megatron_chunks(pp, vpp).values()]
 
 
-class FakeGroup:
-    """A process group of ``size`` ranks seen from rank ``rank`` (only size/rank are asked)."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def set_rank(mp: pytest.MonkeyPatch, tp: int, tp_rank: int, cp: int, cp_rank: int) -> None:
     """Megatron's parallel state as TP rank ``tp_rank`` of ``tp``, CP rank ``cp_rank`` of ``cp``."""
     import megatron.core.tensor_parallel.mappings as mappings
@@ -155,19 +142,6 @@ def set_rank(mp: pytest.MonkeyPatch, tp: int, tp_rank: int, cp: int, cp_rank: in
 # ------------------------------------------------------------------ verl's own code
 
 
-def _stub_ray() -> None:
-    if "ray" in sys.modules or importlib.util.find_spec("ray") is not None:
-        return
-    ray = types.ModuleType("ray")
-
-    def _absent(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("ray is a stub in tests/client/test_layout_slices.py")
-
-    ray.ObjectRef = type("ObjectRef", (), {})  # type: ignore[attr-defined]
-    ray.get = _absent  # type: ignore[attr-defined]
-    sys.modules["ray"] = ray
-
-
 @dataclass
 class Verl:
     """verl 0.9.1's functions this module drives, and Megatron's ``TopKRouter``."""
@@ -183,7 +157,7 @@ class Verl:
 def verl() -> Iterator[Verl]:
     if importlib.util.find_spec("verl") is None:
         pytest.skip("verl is not installed: scripts/bootstrap.sh installs verl==0.9.1 --no-deps")
-    _stub_ray()
+    stub_ray()
     from tests.support.megatron_model import _hide_broken_flash_mla
 
     _hide_broken_flash_mla()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import sys
 import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from r3_client.synthetic import synthetic_routing
 from tests.support.frames import rid
 from tests.support.megatron_model import _hide_broken_flash_mla, causal_mask, megatron_env
 from tests.support.service_process import KEY_A, Service
+from tests.support.verl_stubs import FakeGroup, stub_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 E, K, HIDDEN, VOCAB = 8, 2, 64, 256
@@ -73,32 +73,6 @@ class Model:
 
 ALL_MOE = Model("all-moe", 1, (0, 1, 2, 3))
 DENSE_FIRST = Model("dense-first", [0, 0, 1, 1], (2, 3))  # DeepSeek-V3 / GLM-4.5 style
-
-
-def _stub_ray() -> None:
-    if "ray" in sys.modules or importlib.util.find_spec("ray") is not None:
-        return
-    ray = types.ModuleType("ray")
-
-    def _absent(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("ray is a stub in tests/integrations/test_verl_contract.py")
-
-    ray.ObjectRef = type("ObjectRef", (), {})  # type: ignore[attr-defined]
-    ray.get = _absent  # type: ignore[attr-defined]
-    sys.modules["ray"] = ray
-
-
-class FakeGroup:
-    """A process group of ``size`` ranks seen from rank ``rank`` (only size/rank are asked)."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 @dataclass
@@ -132,7 +106,7 @@ def _restore(saved: list[tuple[type, dict[str, Any]]]) -> None:
 @pytest.fixture(scope="module")
 def verl() -> Iterator[Verl]:
     """verl imported, its router-replay patch applied for this module only, one CPU rank."""
-    _stub_ray()
+    stub_ray()
     _hide_broken_flash_mla()
     import verl as verl_pkg
 
