@@ -239,7 +239,7 @@ class Shipper:
         :class:`FormatError` on invalid ones."""
         rows = engine_rows_of(routing, self.shape)
         check_engine_rows(rows, cuts[-1] - start)
-        moe = rows if self._all_moe else rows[:, list(self.shape.moe_layer_ids), :]
+        moe = self._moe(rows)
         return self._frames(rollout_id, moe, start, cuts, tokens, versions)
 
     def _frames(
@@ -443,6 +443,7 @@ class Shipper:
         )
 
     def _moe(self, rows: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """The MoE layers of rows ``[rows, all layers, K]`` (no copy when every layer is)."""
         return rows if self._all_moe else rows[:, list(self.shape.moe_layer_ids), :]
 
     async def _store_views(

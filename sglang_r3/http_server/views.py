@@ -82,5 +82,5 @@ def split_computations(
         lo, hi = max(h, first), bounds[e]
         if lo < hi:
             views.append(ViewRows(lo, hi, hi, computed_in(e, lo, hi)))
-    cuts = tuple(sorted({b for b in bounds[1:] if start < b < end} | {v.serves for v in views}))
-    return Computations(rows, tuple(c for c in cuts if start < c < end), tuple(views))
+    cuts = {*bounds[1:], *(v.serves for v in views)}
+    return Computations(rows, tuple(sorted(c for c in cuts if start < c < end)), tuple(views))
