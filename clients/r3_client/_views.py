@@ -37,7 +37,6 @@ __all__ = [
     "applicable_views",
     "overlay",
     "served",
-    "served_states",
     "serving_views",
     "states_of",
 ]
@@ -109,19 +108,12 @@ def serving_views(
     return tuple(sorted((v for v in views if v.serves in segment_starts), key=lambda v: v.serves))
 
 
-def served_states(info: RolloutInfo) -> list[tuple[int, int, tuple[ViewInfo, ...]]]:
-    """``(serves_start, serves_end, views applied)`` per state of the rollout, in order.
-
-    A rollout without views has one state, ``(0, num_rows, ())``.
-    """
-    return states_of(applicable_views(info), info.num_rows)
-
-
 def states_of(
     views: Sequence[ViewInfo], num_rows: int
 ) -> list[tuple[int, int, tuple[ViewInfo, ...]]]:
-    """:func:`served_states` of a rollout of ``num_rows`` rows whose applicable views
-    (:func:`serving_views`) are ``views``."""
+    """``(serves_start, serves_end, views applied)`` per state of a rollout of ``num_rows``
+    rows whose applicable views (:func:`serving_views`) are ``views``, in order; a rollout
+    without views has one state, ``(0, num_rows, ())``."""
     bounds = sorted({0, *(v.serves for v in views if v.serves < num_rows)})
     out = []
     for i, a in enumerate(bounds):
