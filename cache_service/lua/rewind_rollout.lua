@@ -24,18 +24,16 @@ for _, r in ipairs(drop) do
   redis.call('HINCRBY', key, 'n', -1)
   redis.call('HDEL', key, 's:' .. r, 'd:' .. r, 'h:' .. r, 'r:' .. r)
 end
--- Views serving a dropped segment go with it.
+-- Views serving a dropped segment go with it; the others get the rollout's TTL.
+local keys = {key}
 for _, f in ipairs(redis.call('HKEYS', key)) do
   local serves = string.match(f, '^v:(%d+)$')
   if serves and tonumber(serves) >= rows then
     redis.call('DEL', key .. ':v:' .. serves)
     redis.call('HDEL', key, f)
+  elseif serves then
+    keys[#keys + 1] = key .. ':v:' .. serves
   end
-end
-local keys = {key}
-for _, f in ipairs(redis.call('HKEYS', key)) do
-  local serves = string.match(f, '^v:(%d+)$')
-  if serves then keys[#keys + 1] = key .. ':v:' .. serves end
 end
 for _, k in ipairs(keys) do
   if ttl > 0 then redis.call('PEXPIRE', k, ttl) else redis.call('PERSIST', k) end
