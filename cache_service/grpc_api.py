@@ -246,6 +246,7 @@ class RoutingCacheServicer:
                 start=request.start,
                 end=request.end if request.HasField("end") else None,
                 layers=list(request.layers) or None,
+                ranges=[(r.start, r.end) for r in request.ranges] or None,
             )
             first = await anext(items, None)  # surfaces a limit error as a status
 

@@ -83,12 +83,14 @@ class ReadPlanResponse(BaseModel):
 
 
 class BatchGetRequest(BaseModel):
-    """Many rollouts at once, optionally the same token range and layers of each."""
+    """Many rollouts at once, optionally the same token range and layers of each, or
+    one row range per item (``ranges``: a training rank's slice, ids may repeat)."""
 
     rollout_ids: list[str] = Field(min_length=1)
     start: int = Field(default=0, ge=0)
     end: int | None = Field(default=None, ge=1)
     layers: list[int] | None = None
+    ranges: list[tuple[int, int]] | None = None
 
 
 # ---- dependencies -------------------------------------------------------------------------------
@@ -250,7 +252,9 @@ async def rewind_rollout(
 )
 async def batch_get(req: BatchGetRequest, svc: ServiceDep, ns: NamespaceDep) -> StreamingResponse:
     """Many rollouts in one streamed response, in request order, bounded memory."""
-    items = svc.batch_get(ns, req.rollout_ids, start=req.start, end=req.end, layers=req.layers)
+    items = svc.batch_get(
+        ns, req.rollout_ids, start=req.start, end=req.end, layers=req.layers, ranges=req.ranges
+    )
     first = await anext(items, None)  # a limit error still becomes a 413, not a cut stream
 
     async def body() -> AsyncIterator[bytes]:

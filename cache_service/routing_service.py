@@ -27,6 +27,9 @@ from r3_client import (
 )
 from r3_client.wire import MAX_LAYER_ID, quote_items
 
+#: The largest row index a frame may end at (the codec refuses ``end > 2**40``).
+_MAX_ROWS = 1 << 40
+
 __all__ = ["MAX_TTL_S", "RoutingService"]
 
 T = TypeVar("T")
@@ -45,6 +48,27 @@ async def _bounded(work: Awaitable[T]) -> T:
         return await work
     except MemoryError:
         raise LimitExceededError("the request needs more memory than the service allows") from None
+
+
+def _item_ranges(
+    n: int, start: int, end: int | None, ranges: Sequence[tuple[int, int]] | None
+) -> list[tuple[int, int | None]]:
+    """Each batch item's ``(start, end)``: the batch's one range, or ``ranges`` (one per
+    item, each ``0 <= start < end <= _MAX_ROWS``) when given instead of it."""
+    if ranges is None:
+        return [(start, end)] * n
+    if start != 0 or end is not None:
+        raise InvalidRequestError("give either start/end for every item or ranges, not both")
+    if len(ranges) != n:
+        raise InvalidRequestError(f"ranges names {len(ranges)} row ranges for {n} rollout ids")
+    out: list[tuple[int, int | None]] = []
+    for i, (a, b) in enumerate(ranges):
+        if not 0 <= a < b <= _MAX_ROWS:
+            raise InvalidRequestError(
+                f"ranges[{i}] = [{a}, {b}) is not a row range within [0, {_MAX_ROWS}]"
+            )
+        out.append((a, b))
+    return out
 
 
 def _check_layer_subset(layers: Sequence[int] | None) -> None:
@@ -185,8 +209,13 @@ class RoutingService:
         start: int = 0,
         end: int | None = None,
         layers: Sequence[int] | None = None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> AsyncIterator[tuple[str, bytes | R3Error]]:
         """Frames of many rollouts, in request order, each a frame or the error it met.
+
+        ``ranges``: one ``(start, end)`` of rows per item instead of the batch's one
+        ``start``/``end`` (a training rank's slice: an id may be named once per range
+        it needs); each item is then what ``GET`` answers for its range.
 
         At most ``batch_concurrency`` fetches run ahead of the consumer, so
         memory stays bounded whatever the batch size; a slow reader slows the
@@ -197,26 +226,28 @@ class RoutingService:
                 f"batch of {len(rollout_ids)} rollouts; the limit is {self.settings.max_batch}"
             )
         _check_layer_subset(layers)
+        spans = _item_ranges(len(rollout_ids), start, end, ranges)
         view = self._ns(namespace)
-        # An id named again is answered the error it already met, not asked again.
-        failed: dict[str, R3Error] = {}
+        # An item asked again is answered the error it already met, not asked again.
+        failed: dict[tuple[str, int, int | None], R3Error] = {}
 
-        async def one(rid: str) -> bytes | R3Error:
-            if rid in failed:
-                return failed[rid]
+        async def one(rid: str, a: int, b: int | None) -> bytes | R3Error:
+            if (rid, a, b) in failed:
+                return failed[rid, a, b]
             try:
-                return await _bounded(view.get_frame(rid, start=start, end=end, layers=layers))
+                return await _bounded(view.get_frame(rid, start=a, end=b, layers=layers))
             except R3Error as exc:
-                failed[rid] = exc
+                failed[rid, a, b] = exc
                 return exc
 
-        todo = iter(rollout_ids)
+        todo = iter(zip(rollout_ids, spans, strict=True))
         window: deque[tuple[str, asyncio.Task[bytes | R3Error]]] = deque()
 
         def launch() -> None:
-            rid = next(todo, None)
-            if rid is not None:
-                window.append((rid, asyncio.ensure_future(one(rid))))
+            nxt = next(todo, None)
+            if nxt is not None:
+                rid, (a, b) = nxt
+                window.append((rid, asyncio.ensure_future(one(rid, a, b))))
 
         for _ in range(self.settings.batch_concurrency):
             launch()

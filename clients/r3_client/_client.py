@@ -284,10 +284,68 @@ class RoutingClient:
                         res = exc
                 yield rid, res
             return
+        yield from self._stream(
+            rollout_ids,
+            None,
+            (start, end, layers),
+            chunk_size,
+            progress,
+            return_errors,
+            decode_workers,
+        )
+
+    def get_ranges(
+        self,
+        reads: Sequence[tuple[str, int, int]],
+        *,
+        layers: Sequence[int] | None = None,
+        chunk_size: int = 64,
+        return_errors: bool = False,
+        decode_workers: int = 2,
+    ) -> Iterator[Result]:
+        """``(rollout_id, Routing)`` for each ``(rollout_id, start, end)`` read, in order:
+        rows ``[start, end)`` of absolute MoE ``layers``, as :meth:`get` answers each.
+
+        A training rank's fetch (:mod:`r3_client.rank_local`): the service cuts each
+        item to the blocks and layer groups of its range, so the rank receives about
+        its share of the stored bytes, and a rollout may be named once per range it
+        needs.  One batch request per ``chunk_size`` reads, retried and decoded as
+        :meth:`get_many` (first computations: ``generated``).  A read outside the
+        rollout's rows is answered :class:`InvalidRequestError` naming them.
+        """
+        items = list(reads)
+        for rid, a, b in items:
+            check_rollout_id(rid)
+            self._core.check_range(a, b)
+        ranges = [(int(a), int(b)) for _, a, b in items]
+        yield from self._stream(
+            [rid for rid, _, _ in items],
+            ranges,
+            (0, None, layers),
+            chunk_size,
+            False,
+            return_errors,
+            decode_workers,
+        )
+
+    def _stream(
+        self,
+        rollout_ids: Sequence[str],
+        ranges: list[tuple[int, int]] | None,
+        rows: tuple[int, int | None, Sequence[int] | None],
+        chunk_size: int,
+        progress: bool,
+        return_errors: bool,
+        decode_workers: int,
+    ) -> Iterator[Result]:
+        """:meth:`get_many` and :meth:`get_ranges`: ``rows`` is the one range and layers
+        of every item, or ``ranges`` one range per item (with ``rows``' layers)."""
+        start, end, layers = rows
         chunks = self._core.chunks(rollout_ids, chunk_size)
         width = max(1, decode_workers)
         bar = tqdm(total=len(rollout_ids), disable=not progress, unit="rollout", leave=False)
         pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
+        offset = 0
 
         def ready(limit: int) -> Iterator[Result]:
             while len(pending) > limit or (pending and pending[0][1].done()):
@@ -301,17 +359,22 @@ class RoutingClient:
         try:
             with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
                 for chunk in chunks:
-                    cur = Cursor(self._core, chunk, return_errors, (start, end, layers))
+                    own = None if ranges is None else ranges[offset : offset + len(chunk)]
+                    spans: list[tuple[int, int | None]] = (
+                        [(start, end)] * len(chunk) if own is None else list(own)
+                    )
+                    offset += len(chunk)
+                    cur = Cursor(self._core, chunk, return_errors, rows)
                     while cur.remaining:
+                        left = None if own is None else own[len(chunk) - len(cur.remaining) :]
                         try:
                             with closing(
-                                self._t.batch_get(cur.remaining, start, end, layers)
+                                self._t.batch_get(cur.remaining, start, end, layers, left)
                             ) as items:
                                 for item in items:
+                                    a, b = spans[len(chunk) - len(cur.remaining)]
                                     rid, got = cur.take(item, decode=False)
-                                    job = pool.submit(
-                                        self._core.decoded, rid, got, start, end, layers
-                                    )
+                                    job = pool.submit(self._core.decoded, rid, got, a, b, layers)
                                     pending.append((rid, job))
                                     yield from ready(2 * width)
                         except RETRYABLE as exc:

@@ -35,9 +35,11 @@ from r3_client._exceptions import (
     AuthError,
     FormatError,
     FrameError,
+    InvalidRequestError,
     ProtocolError,
     R3Error,
     RolloutNotFoundError,
+    ShapeError,
     StoreError,
     StoreUnavailableError,
 )
@@ -64,7 +66,7 @@ class _Read:
     segment (when the policy reads views) and the frames of those read."""
 
     frames: list[bytes]
-    stored_end: int = 0  # one past the last stored row (read only when views are)
+    stored_end: int = 0  # one past the last stored row
     views: tuple[ViewInfo, ...] = ()
     view_frames: dict[int, list[bytes]] = field(default_factory=dict)
 
@@ -282,10 +284,10 @@ class DirectReader:
         frames = cls._assemble(rollout_id, fields)
         if isinstance(frames, R3Error):
             return frames
-        if span is None:
-            return _Read(frames)
         ends = [int(f.split(b":")[2]) for f in fields if f[:2] == b"s:"]
         read = _Read(frames, max(ends, default=0))
+        if span is None:
+            return read
         try:
             views = [_view_info(f, v) for f, v in fields.items() if f[:2] == b"v:"]
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
@@ -427,6 +429,60 @@ class DirectReader:
                     yield self._ready(pending.popleft(), return_errors)
             while pending:
                 yield self._ready(pending.popleft(), return_errors)
+
+    def get_ranges(
+        self,
+        reads: Sequence[tuple[str, int, int]],
+        *,
+        layers: Sequence[int] | None = None,
+        chunk_size: int = 16,
+        return_errors: bool = False,
+        workers: int = 2,
+        concurrency: int = 2,
+    ) -> Iterator[Result]:
+        """``(rollout_id, Routing)`` for each ``(rollout_id, start, end)`` read, in order,
+        as :meth:`RoutingClient.get_ranges` answers it (first computations).
+
+        Each rollout is read once (an ``HGETALL``: Redis cannot read part of a hash
+        field, so a rank fetches its rollouts' whole segments) and only the reads'
+        rows and ``layers`` are decoded.  A read outside the rollout's rows is answered
+        :class:`InvalidRequestError` naming them.
+        """
+        items = [(check_rollout_id(r), int(a), int(b)) for r, a, b in reads]
+        for _, a, b in items:
+            if a < 0 or b <= a:
+                raise ShapeError(f"token range [{a}, {b}) is empty or negative")
+        order = list(dict.fromkeys(r for r, _, _ in items))
+        width = max(1, workers)
+
+        def decode(rid: str, got: _Read | R3Error, a: int, b: int) -> Routing | R3Error:
+            if isinstance(got, R3Error):
+                return got
+            if b > got.stored_end:  # as the service answers such a read
+                return InvalidRequestError(
+                    f"token range [{a}, {b}) is outside rollout {rid}'s rows "
+                    f"[0, {got.stored_end})"
+                )
+            try:
+                return self._decode(got.frames, rid, a, b, layers)
+            except (FormatError, FrameError) as exc:
+                return exc
+
+        with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
+            jobs: dict[int, Future[Routing | R3Error]] = {}
+            by_id: dict[str, list[int]] = {}
+            for n, (rid, _, _) in enumerate(items):
+                by_id.setdefault(rid, []).append(n)
+            done = 0
+            for rid, got in self._reads(order, None, chunk_size, concurrency):
+                for n in by_id[rid]:
+                    jobs[n] = pool.submit(decode, rid, got, items[n][1], items[n][2])
+                while done in jobs and (len(jobs) > 2 * width or jobs[done].done()):
+                    yield self._ready((items[done][0], jobs.pop(done)), return_errors)
+                    done += 1
+            while done < len(items):
+                yield self._ready((items[done][0], jobs.pop(done)), return_errors)
+                done += 1
 
     def get(
         self,

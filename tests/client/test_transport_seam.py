@@ -92,6 +92,7 @@ class MemoryTransport:
         start: int,
         end: int | None,
         layers: Sequence[int] | None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> Generator[StreamItem, None, None]:
         self._enter("batch_get", list(rollout_ids))
         ids = list(rollout_ids)
@@ -142,8 +143,9 @@ class AsyncMemoryTransport:
         start: int,
         end: int | None,
         layers: Sequence[int] | None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> AsyncGenerator[StreamItem, None]:
-        for item in self.inner.batch_get(rollout_ids, start, end, layers):
+        for item in self.inner.batch_get(rollout_ids, start, end, layers, ranges):
             yield item
 
     async def aclose(self) -> None:

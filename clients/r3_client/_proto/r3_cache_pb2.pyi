@@ -69,16 +69,26 @@ class RewindRequest(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class BatchGetRequest(_message.Message):
-    __slots__ = ("rollout_ids", "start", "end", "layers")
+    __slots__ = ("rollout_ids", "start", "end", "layers", "ranges")
     ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     rollout_ids: _containers.RepeatedScalarFieldContainer[str]
     start: int
     end: int
     layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    ranges: _containers.RepeatedCompositeFieldContainer[RowRange]
+    def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., ranges: _Optional[_Iterable[_Union[RowRange, _Mapping]]] = ...) -> None: ...
+
+class RowRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "http_status")

@@ -57,8 +57,11 @@ class Transport(Protocol):
         start: int,
         end: int | None,
         layers: Sequence[int] | None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> Generator[StreamItem, None, None]:
-        """Items in request order, as they arrive (closing the generator ends the call)."""
+        """Items in request order, as they arrive (closing the generator ends the call).
+
+        ``ranges``: one ``(start, end)`` per id instead of ``start``/``end``."""
         ...
 
     def close(self) -> None:
@@ -109,6 +112,7 @@ class AsyncTransport(Protocol):
         start: int,
         end: int | None,
         layers: Sequence[int] | None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> AsyncGenerator[StreamItem, None]:
         """See :meth:`Transport.batch_get`."""
         ...

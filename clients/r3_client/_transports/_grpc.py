@@ -61,10 +61,17 @@ def _put_request(rollout_id: str, frame: bytes, view: int | None) -> pb.PutSegme
 
 
 def _batch_request(
-    ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+    ids: Sequence[str],
+    start: int,
+    end: int | None,
+    layers: Sequence[int] | None,
+    ranges: Sequence[tuple[int, int]] | None,
 ) -> pb.BatchGetRequest:
     req = pb.BatchGetRequest(
-        rollout_ids=list(ids), start=start, layers=[int(x) for x in layers or ()]
+        rollout_ids=list(ids),
+        start=start,
+        layers=[int(x) for x in layers or ()],
+        ranges=[pb.RowRange(start=int(a), end=int(b)) for a, b in ranges or ()],
     )
     if end is not None:
         req.end = end
@@ -144,11 +151,16 @@ class GrpcTransport:
         return _plain(self._call(self._stub.RewindRollout, req), RolloutInfo)
 
     def batch_get(
-        self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        rollout_ids: Sequence[str],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> Generator[StreamItem, None, None]:
         """See :class:`Transport`."""
         stream = self._stub.BatchGet(
-            _batch_request(rollout_ids, start, end, layers),
+            _batch_request(rollout_ids, start, end, layers, ranges),
             metadata=self._md,
             timeout=self._timeout,
         )
@@ -236,11 +248,16 @@ class AsyncGrpcTransport:
         return _plain(await self._call("RewindRollout", req), RolloutInfo)
 
     async def batch_get(
-        self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        rollout_ids: Sequence[str],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> AsyncGenerator[StreamItem, None]:
         """See :class:`Transport`."""
         call = self._stub.BatchGet(
-            _batch_request(rollout_ids, start, end, layers),
+            _batch_request(rollout_ids, start, end, layers, ranges),
             metadata=self._md,
             timeout=self._timeout,
         )

@@ -51,14 +51,21 @@ def _params(
 
 
 def _batch_body(
-    ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+    ids: Sequence[str],
+    start: int,
+    end: int | None,
+    layers: Sequence[int] | None,
+    ranges: Sequence[tuple[int, int]] | None,
 ) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "rollout_ids": list(ids),
         "start": start,
         "end": end,
         "layers": None if layers is None else [int(x) for x in layers],
     }
+    if ranges is not None:
+        body["ranges"] = [[int(a), int(b)] for a, b in ranges]
+    return body
 
 
 def _error(resp: httpx.Response) -> R3Error:
@@ -173,14 +180,19 @@ class HTTPTransport:
         return _json(resp)
 
     def batch_get(
-        self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        rollout_ids: Sequence[str],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> Generator[StreamItem, None, None]:
         """See :class:`Transport`."""
         dec = StreamDecoder()
         with (
             _translate(),
             self._http.stream(
-                "POST", "/v1/batch/get", json=_batch_body(rollout_ids, start, end, layers)
+                "POST", "/v1/batch/get", json=_batch_body(rollout_ids, start, end, layers, ranges)
             ) as resp,
         ):
             _raise_for(resp)
@@ -269,14 +281,19 @@ class AsyncHTTPTransport:
         return _json(resp)
 
     async def batch_get(
-        self, rollout_ids: Sequence[str], start: int, end: int | None, layers: Sequence[int] | None
+        self,
+        rollout_ids: Sequence[str],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> AsyncGenerator[StreamItem, None]:
         """See :class:`Transport`."""
         dec = StreamDecoder()
         async with (
             _atranslate(),
             self._http.stream(
-                "POST", "/v1/batch/get", json=_batch_body(rollout_ids, start, end, layers)
+                "POST", "/v1/batch/get", json=_batch_body(rollout_ids, start, end, layers, ranges)
             ) as resp,
         ):
             if resp.status_code >= 400:

@@ -41,7 +41,8 @@ This package ``__init__`` is the public surface; one module per consumer below i
 
 * :mod:`~r3_client.layouts._rows` -- validation of a batch, the layer axis, rows nobody shipped;
 * :mod:`~r3_client.layouts._packing` -- packed (THD) batches, CP / SP / stage splits;
-* :mod:`~r3_client.layouts.verl` -- :func:`verl_layout`, :func:`verl_rank_slice`;
+* :mod:`~r3_client.layouts.verl` -- :func:`verl_layout`, :func:`verl_rank_slice`,
+  :func:`verl_rank_plan` (the rows a rank needs, from lengths alone);
 * :mod:`~r3_client.layouts.samples` -- :func:`slime_layout`, :func:`miles_layout`;
 * :mod:`~r3_client.layouts.hf` -- :func:`hf_layout`;
 * :mod:`~r3_client.layouts.megatron` -- :func:`megatron_layout`.
@@ -51,18 +52,27 @@ from r3_client.layouts._rows import Missing, RoutingLike
 from r3_client.layouts.hf import hf_layout
 from r3_client.layouts.megatron import MegatronReplayBatch, megatron_layout
 from r3_client.layouts.samples import miles_layout, slime_layout
-from r3_client.layouts.verl import VerlRank, VerlRankSlice, verl_layout, verl_rank_slice
+from r3_client.layouts.verl import (
+    VerlRank,
+    VerlRankPlan,
+    VerlRankSlice,
+    verl_layout,
+    verl_rank_plan,
+    verl_rank_slice,
+)
 
 __all__ = [
     "MegatronReplayBatch",
     "Missing",
     "RoutingLike",
     "VerlRank",
+    "VerlRankPlan",
     "VerlRankSlice",
     "hf_layout",
     "megatron_layout",
     "miles_layout",
     "slime_layout",
     "verl_layout",
+    "verl_rank_plan",
     "verl_rank_slice",
 ]

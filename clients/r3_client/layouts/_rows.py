@@ -228,14 +228,20 @@ def _spans(mask: npt.NDArray[np.bool_]) -> list[tuple[int, int]]:
 
 
 def uncovered(
-    arr: npt.NDArray[Any], name: str, missing: Missing, fill: npt.NDArray[Any] | None
+    arr: npt.NDArray[Any],
+    name: str,
+    missing: Missing,
+    fill: npt.NDArray[Any] | None,
+    *,
+    first_row: int = 0,
 ) -> npt.NDArray[Any]:
     """``arr`` ``[rows, L, K]`` with its all-``-1`` (token, layer) rows handled per ``missing``.
 
     ``"raise"``: :class:`ShapeError` naming ``name`` and the token rows nobody shipped.
     ``"fill"``: a copy with each such row set to ``fill`` (``[K]``), or ``arr`` itself with
     ``fill=None`` (the consumer fills ``-1`` rows itself, as the Megatron driver does).  A
-    row that mixes ``-1`` with expert ids is corrupt whatever the policy.
+    row that mixes ``-1`` with expert ids is corrupt whatever the policy.  ``first_row``:
+    the token row ``arr[0]`` is (errors name absolute rows).
     """
     if missing not in ("raise", "fill"):
         raise ShapeError(f"missing must be 'raise' or 'fill', got {missing!r}")
@@ -246,7 +252,7 @@ def uncovered(
     if (neg.any(axis=-1) & ~empty).any():
         raise ShapeError(f"{name} has a row mixing -1 with expert ids: the routing is corrupt")
     if missing == "raise":
-        spans = _spans(np.asarray(empty.any(axis=-1)))
+        spans = [(a + first_row, b + first_row) for a, b in _spans(np.asarray(empty.any(axis=-1)))]
         shown = ", ".join(f"[{a}, {b})" for a, b in spans[:4]) + (" …" if len(spans) > 4 else "")
         raise ShapeError(
             f"{name} has no recorded route for token rows {shown}: nobody shipped them "

@@ -36,6 +36,7 @@ from r3_client.layouts._rows import (
     Missing,
     RoutingLike,
     Rows,
+    as_numpy,
     check_rows_match_tokens,
     collect,
     consumer_rows,
@@ -43,7 +44,15 @@ from r3_client.layouts._rows import (
     uncovered,
 )
 
-__all__ = ["VerlRank", "VerlRankSlice", "verl_layout", "verl_rank_slice"]
+__all__ = [
+    "VerlRank",
+    "VerlRankPlan",
+    "VerlRankSlice",
+    "rank_slice_of",
+    "verl_layout",
+    "verl_rank_plan",
+    "verl_rank_slice",
+]
 
 
 def _check_lengths(
@@ -253,6 +262,80 @@ class VerlRankSlice:
         return int(self.positions.shape[0])
 
 
+@dataclass(frozen=True)
+class VerlRankPlan:
+    """Which rows one verl rank needs for one micro-batch, known before anything is fetched.
+
+    From the samples' lengths alone (:meth:`VerlRank.plan`): the packed batch
+    (``cu_seqlens``, ``seqlens``), the rank's ``positions`` in it and its
+    ``replay_mask``, and ``runs``: ``(sample, start, end, local)``, rows ``[start,
+    end)`` of sample ``sample`` landing at local tokens ``[local, local + end -
+    start)``.  The runs cover every replayed row of the rank once: only those rows
+    need fetching (:func:`r3_client.rank_local.fetch_verl_rank_slice`); every other
+    local token holds ``0`` (the last token, padding).
+    """
+
+    cu_seqlens: npt.NDArray[np.int64]
+    seqlens: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    replay_mask: npt.NDArray[np.bool_]
+    runs: tuple[tuple[int, int, int, int], ...]
+
+    @property
+    def num_local_tokens(self) -> int:
+        """Tokens this rank's routers see."""
+        return int(self.positions.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the rank reads: the sum of its runs' lengths."""
+        return sum(b - a for _, a, b, _ in self.runs)
+
+
+def _plan(rank: VerlRank, p: npt.NDArray[np.int64], r: npt.NDArray[np.int64]) -> VerlRankPlan:
+    tokens = p + r
+    padded = rank.padded_lengths(tokens)
+    cu = cumulative(padded)
+    positions = rank.positions(padded)
+    sample = np.searchsorted(cu, positions, side="right") - 1
+    offset = positions - cu[sample]
+    # build_r3_replay_mask: every token but the last, of samples with a response.
+    replayed = np.where(r > 0, tokens - 1, 0)
+    mask = offset < replayed[sample]
+    # Every row a sample has (tokens - 1 of them) is placed, replayed or not.
+    keep = np.flatnonzero(offset < tokens[sample] - 1)
+    breaks = np.flatnonzero(
+        (np.diff(keep) != 1) | (np.diff(sample[keep]) != 0) | (np.diff(offset[keep]) != 1)
+    )
+    firsts = np.concatenate([[0], breaks + 1]).astype(np.int64)
+    lasts = np.concatenate([breaks, [keep.shape[0] - 1]]).astype(np.int64)
+    runs = tuple(
+        (int(sample[keep[f]]), int(offset[keep[f]]), int(offset[keep[t]]) + 1, int(keep[f]))
+        for f, t in zip(firsts, lasts, strict=True)
+        if keep.shape[0]
+    )
+    return VerlRankPlan(cu, tokens, positions, mask, runs)
+
+
+def verl_rank_plan(
+    prompt_lens: Sequence[int] | npt.ArrayLike,
+    response_lens: Sequence[int] | npt.ArrayLike,
+    *,
+    rank: VerlRank | None = None,
+) -> VerlRankPlan:
+    """The rows ``rank`` needs for a micro-batch of samples with these lengths, in the
+    order verl packs them (:class:`VerlRankPlan`); no routing needed."""
+    rank = VerlRank() if rank is None else rank
+    if not isinstance(rank, VerlRank):
+        raise ShapeError(f"rank must be a VerlRank, got {type(rank).__name__}")
+    n = len(as_numpy(prompt_lens))
+    if n < 1:
+        raise ShapeError("verl_rank_plan needs at least one sample")
+    return _plan(
+        rank, lengths(prompt_lens, "prompt_lens", n), lengths(response_lens, "response_lens", n)
+    )
+
+
 def verl_rank_slice(
     routings: Sequence[RoutingLike],
     prompt_lens: Sequence[int] | npt.ArrayLike,
@@ -306,16 +389,24 @@ def verl_rank_slice(
     arrays = [
         uncovered(arr, batch.routing_name(i), missing, fill) for i, arr in enumerate(batch.arrays)
     ]
-    tokens = p + r
-    padded = rank.padded_lengths(tokens)
-    cu = cumulative(padded)
-    positions = rank.positions(padded)
-    local = gather_local(arrays, cu, positions, layer_pos, batch.topk, 0, batch.out_dtype)
-    per_layer: list[Any] = [local[:, j].astype(np.int64) for j in range(len(layer_pos))]
-    # build_r3_replay_mask: every token but the last, of samples with a response.
-    sample = np.searchsorted(cu, positions, side="right") - 1
-    replayed = np.where(r > 0, tokens - 1, 0)
-    replay_mask: Any = positions - cu[sample] < replayed[sample]
+    plan = _plan(rank, p, r)
+    local = gather_local(
+        arrays, plan.cu_seqlens, plan.positions, layer_pos, batch.topk, 0, batch.out_dtype
+    )
+    return rank_slice_of(plan, local, local_ids, batch.rollout_ids, as_torch)
+
+
+def rank_slice_of(
+    plan: VerlRankPlan,
+    local: npt.NDArray[np.integer[Any]],
+    layer_ids: tuple[int, ...],
+    rollout_ids: tuple[str, ...] | None,
+    as_torch: bool,
+) -> VerlRankSlice:
+    """The :class:`VerlRankSlice` of ``plan`` with its rows ``local`` ``[local_tokens, L, K]``
+    (``0`` where the plan has no row), as verl's routers take them."""
+    per_layer: list[Any] = [local[:, j].astype(np.int64) for j in range(local.shape[1])]
+    replay_mask: Any = plan.replay_mask
     if as_torch:
         import torch  # lazy: numpy users need not install torch
 
@@ -323,10 +414,10 @@ def verl_rank_slice(
         replay_mask = torch.from_numpy(replay_mask)
     return VerlRankSlice(
         per_layer=per_layer,
-        layer_ids=local_ids,
+        layer_ids=layer_ids,
         replay_mask=replay_mask,
-        cu_seqlens=cu.astype(np.int32),
-        seqlens=tokens.astype(np.int32),
-        positions=positions,
-        rollout_ids=batch.rollout_ids,
+        cu_seqlens=plan.cu_seqlens.astype(np.int32),
+        seqlens=plan.seqlens.astype(np.int32),
+        positions=plan.positions,
+        rollout_ids=rollout_ids,
     )

@@ -1,0 +1,230 @@
+"""Rank-local fetch: each training rank reads and decodes only its own slice of a step's routing.
+
+The driver (or rollout process) hands the ranks rollout ids and lengths, which the
+trainer carries anyway; no process ever holds a step's decoded routing.  Each rank,
+for each micro-batch it runs:
+
+1. plans which rows it needs from the lengths alone (:func:`~r3_client.layouts.verl_rank_plan`:
+   its CP / TP(SP) slice of the packed micro-batch, its pipeline stage's layers);
+2. reads exactly those rows of those layers (one batch request per micro-batch:
+   :meth:`RoutingClient.get_ranges <r3_client.RoutingClient.get_ranges>` through the
+   service, which cuts each item to the stored blocks and layer groups covering it, or
+   :meth:`DirectReader.get_ranges <r3_client.DirectReader.get_ranges>` from Redis);
+3. decodes them straight into its replay targets (:class:`~r3_client.layouts.VerlRankSlice`,
+   ``int64`` as ``RouterReplay`` takes them), checking every row against its packing:
+   a rollout that is missing, shorter than its sample or holds rows nobody shipped is
+   refused naming the sample and rollout.
+
+:func:`prefetched` overlaps the next micro-batch's fetch with the current one's
+compute.  Before dispatch, the driver checks the whole step once
+(:func:`check_step`), so a missing rollout fails the step before any rank starts.
+docs/integrations.md ("Rank-local fetch") gives the recipe per framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from r3_client._answers import RolloutInfo
+from r3_client._exceptions import R3Error, RolloutNotFoundError, ShapeError
+from r3_client._routing import Routing, check_rollout_id
+from r3_client.layouts import Missing, VerlRank, VerlRankSlice
+from r3_client.layouts._rows import uncovered
+from r3_client.layouts.verl import VerlRankPlan, rank_slice_of, verl_rank_plan
+
+__all__ = [
+    "RangeSource",
+    "StatSource",
+    "check_step",
+    "fetch_verl_rank_slice",
+    "prefetched",
+]
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class RangeSource(Protocol):
+    """Where a rank reads rows from: a :class:`~r3_client.RoutingClient` (through the
+    service) or a :class:`~r3_client.DirectReader` (Redis directly)."""
+
+    def get_ranges(
+        self,
+        reads: Sequence[tuple[str, int, int]],
+        *,
+        layers: Sequence[int] | None = None,
+        return_errors: bool = False,
+    ) -> Iterator[tuple[str, Routing | R3Error]]:
+        """``(rollout_id, Routing)`` per ``(rollout_id, start, end)`` read, in order."""
+        ...
+
+
+class StatSource(Protocol):
+    """What :func:`check_step` asks: a rollout's stat."""
+
+    def stat(self, rollout_id: str) -> RolloutInfo:
+        """What is stored for the rollout."""
+        ...
+
+
+def _who(i: int, rid: str) -> str:
+    return f"sample {i} (rollout {rid!r})"
+
+
+def fetch_verl_rank_slice(
+    source: RangeSource,
+    rollout_ids: Sequence[str],
+    prompt_lens: Sequence[int] | npt.ArrayLike,
+    response_lens: Sequence[int] | npt.ArrayLike,
+    *,
+    rank: VerlRank | None = None,
+    missing: Missing = "raise",
+    as_torch: bool = False,
+) -> VerlRankSlice:
+    """One verl Megatron rank's R3 replay targets for one micro-batch, read for that rank alone.
+
+    Equal to :func:`~r3_client.layouts.verl_rank_slice` of the micro-batch's whole
+    rollouts (so to verl 0.9.1's own R3 branch on the whole batch), but only the rank's
+    rows of its stage's layers (``rank.stage_layers``, absolute MoE layer ids; default
+    every layer the rollouts hold) are fetched and decoded: one ``get_ranges`` call,
+    one read per contiguous run of rows (at most two per sample under zigzag CP, plus
+    one where the SP split cuts a sample).  ``rollout_ids``, ``prompt_lens``,
+    ``response_lens``: the micro-batch's samples in the order verl packs them.
+    A stage without MoE layers (``stage_layers=()``) fetches nothing.
+
+    Raises :class:`~r3_client.RolloutNotFoundError` for a rollout the cache does not
+    hold and :class:`~r3_client.ShapeError` for one shorter than its sample (fewer
+    than ``P_i + R_i - 1`` rows), one holding other layers or rows nobody shipped
+    (unless ``missing="fill"``: ``0``, as verl fills), each naming the sample and
+    rollout.
+    """
+    rank = VerlRank() if rank is None else rank
+    ids = [check_rollout_id(r) for r in rollout_ids]
+    plan = verl_rank_plan(prompt_lens, response_lens, rank=rank)
+    if len(ids) != plan.seqlens.shape[0]:
+        raise ShapeError(
+            f"{len(ids)} rollout ids for a micro-batch of {plan.seqlens.shape[0]} samples"
+        )
+    stage = rank.stage_layers
+    layers = None if stage is None else tuple(sorted(stage))
+    if layers == ():  # a stage of dense layers: its routers are none, nothing to read
+        empty = np.zeros((plan.num_local_tokens, 0, 0), np.int64)
+        return rank_slice_of(plan, empty, (), tuple(ids), as_torch)
+    runs = list(plan.runs)
+    if not runs:  # only last tokens and padding: one row says the layers and K
+        first = int(np.argmax(plan.seqlens > 1))
+        if plan.seqlens[first] < 2:
+            raise ShapeError("no sample of the micro-batch has a routing row (all one token)")
+        runs = [(first, 0, 1, -1)]
+    reads = [(ids[i], a, b) for i, a, b, _ in runs]
+    local: npt.NDArray[np.int64] | None = None
+    layer_ids: tuple[int, ...] = ()
+    fill = np.zeros(1, np.int64)
+    for (i, a, b, at), (_, got) in zip(
+        runs, source.get_ranges(reads, layers=layers, return_errors=True), strict=True
+    ):
+        rows = _checked(got, i, ids[i], a, b, plan)
+        if local is None:
+            layer_ids = rows.layer_ids
+            local = np.zeros((plan.num_local_tokens, len(layer_ids), rows.topk), np.int64)
+        elif rows.layer_ids != layer_ids or rows.topk != local.shape[2]:
+            raise ShapeError(
+                f"{_who(i, ids[i])} holds MoE layers {list(rows.layer_ids)} with "
+                f"top-{rows.topk}, an earlier sample {list(layer_ids)} with top-{local.shape[2]}"
+            )
+        if at >= 0:
+            name = f"{_who(i, ids[i])}'s routing"
+            local[at : at + b - a] = uncovered(rows.indices, name, missing, fill, first_row=a)
+    assert local is not None
+    return rank_slice_of(plan, local, layer_ids, tuple(ids), as_torch)
+
+
+def _checked(
+    got: Routing | R3Error, i: int, rid: str, a: int, b: int, plan: VerlRankPlan
+) -> Routing:
+    """A run's rows, or the error naming the sample: not found, or short of its tokens."""
+    if isinstance(got, RolloutNotFoundError):
+        raise RolloutNotFoundError(f"{_who(i, rid)}: {got}") from got
+    if isinstance(got, R3Error):
+        if "outside rollout" in str(got):
+            raise ShapeError(
+                f"{_who(i, rid)} has {plan.seqlens[i]} tokens, so {plan.seqlens[i] - 1} routing "
+                f"rows, but the cache does not hold rows [{a}, {b}) of it ({got}): a partial "
+                "rollout, or tokens the engine never saw"
+            ) from got
+        raise got
+    if got.start != a or got.num_rows != b - a:
+        raise ShapeError(f"{_who(i, rid)}: asked rows [{a}, {b}), got [{got.start}, {got.end})")
+    return got
+
+
+def prefetched(
+    items: Iterable[T], fetch: Callable[[T], U], *, depth: int = 1
+) -> Iterator[tuple[T, U]]:
+    """``(item, fetch(item))`` in order, fetching up to ``depth`` items ahead in a thread.
+
+    The next micro-batch's routing is read and decoded while the caller computes
+    on the current one (the decode releases the GIL in zstd and numpy); an error
+    raises when its item is reached.
+    """
+    it = iter(items)
+    with ThreadPoolExecutor(1, thread_name_prefix="r3-prefetch") as pool:
+        window: list[tuple[T, Any]] = []
+        for item in it:
+            window.append((item, pool.submit(fetch, item)))
+            if len(window) > depth:
+                head, fut = window.pop(0)
+                yield head, fut.result()
+        for head, fut in window:
+            yield head, fut.result()
+
+
+def check_step(
+    source: StatSource,
+    rollout_ids: Sequence[str],
+    num_tokens: Sequence[int] | npt.ArrayLike,
+    *,
+    missing: Missing = "raise",
+    workers: int = 16,
+) -> None:
+    """Before dispatch: every rollout of the step exists and holds a row for each token
+    of its sample but the last (``num_tokens[i] - 1`` rows, no gap unless
+    ``missing="fill"``).  One ``stat`` per rollout (metadata only, no rows), ``workers``
+    at a time; raises one :class:`~r3_client.ShapeError` or
+    :class:`~r3_client.RolloutNotFoundError` listing the first failing samples."""
+    ids = [check_rollout_id(r) for r in rollout_ids]
+    need = np.asarray(num_tokens, dtype=np.int64).reshape(-1) - 1
+    if need.shape[0] != len(ids):
+        raise ShapeError(f"{len(ids)} rollout ids for {need.shape[0]} token counts")
+
+    def one(i: int) -> str | None:
+        try:
+            info = source.stat(ids[i])
+        except RolloutNotFoundError:
+            return f"{_who(i, ids[i])} is not in the cache"
+        if info.num_rows < need[i]:
+            return f"{_who(i, ids[i])} holds {info.num_rows} rows, its sample needs {need[i]}"
+        if missing == "raise":
+            covered = 0
+            for seg in sorted((s.segment for s in info.segments), key=lambda s: s.start):
+                if covered < seg.start and covered < need[i]:
+                    return (
+                        f"{_who(i, ids[i])} has no rows [{covered}, {seg.start}): nobody "
+                        "shipped them"
+                    )
+                covered = max(covered, seg.end)
+        return None
+
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="r3-check") as pool:
+        problems = [p for p in pool.map(one, range(len(ids))) if p is not None]
+    if problems:
+        shown = "; ".join(problems[:5]) + (
+            f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        )
+        cls = RolloutNotFoundError if all("not in the cache" in p for p in problems) else ShapeError
+        raise cls(f"{len(problems)} of {len(ids)} samples cannot be replayed: {shown}")

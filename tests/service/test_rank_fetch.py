@@ -1,0 +1,249 @@
+"""Rank-local fetch: each rank reads only its rows and layers, and gets exactly its slice.
+
+Against a real cache service (HTTP and gRPC, Redis single and Cluster) and Redis read
+directly (:class:`DirectReader`): for every tp x cp x stage rank of verl's layouts,
+:func:`fetch_verl_rank_slice` equals :func:`verl_rank_slice` of the whole rollouts
+(which tests/client/test_layout_slices.py proves equal to verl 0.9.1's own R3 code),
+the rank receives fewer bytes than the whole step, and a missing, short or gapped
+rollout is refused naming its sample before (``check_step``) or at the rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from r3_client import (
+    DirectReader,
+    InvalidRequestError,
+    RolloutNotFoundError,
+    RoutingClient,
+    Segment,
+    ShapeError,
+    encode_frame,
+)
+from r3_client.layouts import VerlRank, verl_rank_slice
+from r3_client.rank_local import check_step, fetch_verl_rank_slice, prefetched
+from r3_client.synthetic import synthetic_routing
+from tests.support.frames import rid
+from tests.support.service_process import KEY_A, Service, url_of
+
+E, K, LAYERS = 32, 4, (0, 2, 3, 5)
+
+
+def _store(svc: Service, lengths: Sequence[tuple[int, int]], seed: int = 0) -> list[str]:
+    """Rollouts of ``P + R`` tokens (``P + R - 1`` rows), stored as a prompt segment and a
+    response segment (a continuation turn), as an engine writes them (2,048-row blocks)."""
+    ids = []
+    with svc.http() as c:
+        for n, (p, r) in enumerate(lengths):
+            key = rid()
+            rows = synthetic_routing(p + r - 1, len(LAYERS), E, K, skew=1.0, seed=seed + n)
+            cut = max(1, min(p, rows.shape[0] - 1))
+            for a, b in ((0, cut), (cut, rows.shape[0])):
+                if a >= b:
+                    continue
+                frame = encode_frame(
+                    rows[a:b],
+                    num_experts=E,
+                    layer_ids=LAYERS,
+                    segment=Segment(a, b, "tiny-moe", "v1"),
+                )
+                resp = c.put(f"/v1/rollouts/{key}/segments", content=frame)
+                assert resp.status_code in (200, 201), resp.text
+            ids.append(key)
+    return ids
+
+
+LENGTHS = [(1500, 4700), (8, 1), (2100, 6093), (21, 0), (4096, 4096)]
+
+RANKS = [
+    VerlRank(tp_size=tp, tp_rank=t, cp_size=cp, cp_rank=c, stage_layers=stage, cp_layout=lay)
+    for tp, cp, lay in (
+        (1, 1, "zigzag"),
+        (2, 1, "zigzag"),
+        (1, 2, "zigzag"),
+        (2, 2, "zigzag"),
+        (2, 2, "contiguous"),
+    )
+    for t in range(tp)
+    for c in range(cp)
+    for stage in (None, (0, 2), (3, 5))
+] + [VerlRank(tp_size=2, tp_rank=1, cp_size=2, cp_rank=0, fp8_padding=True)]
+
+
+class Counting:
+    """A source that counts the frame bytes the service sent (the rank's network share)."""
+
+    def __init__(self, client: RoutingClient) -> None:
+        self.client = client
+        self.bytes = 0
+        t = client._t  # the transport: its stream items carry the frames as received
+        inner = t.batch_get
+
+        def counted(*args: Any, **kw: Any) -> Iterator[Any]:
+            for item in inner(*args, **kw):
+                self.bytes += len(item.frame or b"")
+                yield item
+
+        t.batch_get = counted  # type: ignore[method-assign]
+
+    def get_ranges(self, *args: Any, **kw: Any) -> Any:
+        return self.client.get_ranges(*args, **kw)
+
+
+def _same(a: Any, b: Any) -> None:
+    assert a.layer_ids == b.layer_ids
+    assert len(a.per_layer) == len(b.per_layer)
+    for x, y in zip(a.per_layer, b.per_layer, strict=True):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(a.replay_mask, b.replay_mask)
+    np.testing.assert_array_equal(a.cu_seqlens, b.cu_seqlens)
+    np.testing.assert_array_equal(a.positions, b.positions)
+
+
+@pytest.fixture
+def step(svc: Service) -> tuple[list[str], list[int], list[int]]:
+    return _store(svc, LENGTHS), [p for p, _ in LENGTHS], [r for _, r in LENGTHS]
+
+
+def test_every_rank_fetches_exactly_its_slice(
+    svc: Service, transport: str, step: tuple[list[str], list[int], list[int]]
+) -> None:
+    ids, p, r = step
+    url = url_of(svc, transport)
+    with RoutingClient(url, api_key=KEY_A) as client:
+        whole = [routing for _, routing in client.get_many(ids)]
+        whole_bytes = sum(len(client.get_frame(k)) for k in ids)
+        counted = Counting(client)
+        for rank in RANKS:
+            want = verl_rank_slice(whole, p, r, rank=rank, rollout_ids=ids)
+            counted.bytes = 0
+            got = fetch_verl_rank_slice(counted, ids, p, r, rank=rank)
+            _same(got, want)
+            assert got.rollout_ids == tuple(ids)
+            if rank.tp_size * rank.cp_size == 4 and rank.stage_layers is not None:
+                # a quarter of the rows of half the layers: well under half the step
+                assert counted.bytes < whole_bytes / 2, (rank, counted.bytes, whole_bytes)
+
+
+def test_direct_reads_give_the_same_slices(
+    svc: Service, step: tuple[list[str], list[int], list[int]]
+) -> None:
+    ids, p, r = step
+    with (
+        RoutingClient(svc.http_url, api_key=KEY_A) as client,
+        DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader,
+    ):
+        whole = [routing for _, routing in client.get_many(ids)]
+        for rank in RANKS[::3]:
+            want = verl_rank_slice(whole, p, r, rank=rank)
+            _same(fetch_verl_rank_slice(reader, ids, p, r, rank=rank, as_torch=True), want)
+
+
+def test_a_dense_stage_reads_nothing(svc: Service, step: Any) -> None:
+    ids, p, r = step
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        counted = Counting(client)
+        got = fetch_verl_rank_slice(counted, ids, p, r, rank=VerlRank(stage_layers=()))
+        assert got.per_layer == [] and got.layer_ids == () and counted.bytes == 0
+        assert got.num_local_tokens == sum(p) + sum(r)
+
+
+def test_missing_short_and_gapped_rollouts_are_refused_naming_the_sample(svc: Service) -> None:
+    ok, short = _store(svc, [(10, 10), (10, 10)])
+    gap = rid()
+    with svc.http() as c:  # rows [0, 5) and [12, 19): nobody shipped [5, 12)
+        rows = synthetic_routing(19, len(LAYERS), E, K, seed=3)
+        for a, b in ((0, 5), (12, 19)):
+            frame = encode_frame(
+                rows[a:b], num_experts=E, layer_ids=LAYERS, segment=Segment(a, b, "m", "v1")
+            )
+            assert c.put(f"/v1/rollouts/{gap}/segments", content=frame).status_code in (200, 201)
+    lost = rid()
+    with (
+        RoutingClient(svc.http_url, api_key=KEY_A) as client,
+        DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader,
+    ):
+        for source in (client, reader):
+            with pytest.raises(RolloutNotFoundError, match=rf"sample 1 \(rollout '{lost}'\)"):
+                fetch_verl_rank_slice(source, [ok, lost], [10, 10], [10, 10])
+            with pytest.raises(
+                ShapeError, match=rf"sample 1 \(rollout '{short}'\).*rows \[\d+, 24\)"
+            ):
+                fetch_verl_rank_slice(source, [ok, short], [10, 10], [10, 15])
+            with pytest.raises(ShapeError, match=r"sample 0 \(rollout .*token rows \[5, 12\)"):
+                fetch_verl_rank_slice(source, [gap], [10], [10])
+            filled = fetch_verl_rank_slice(source, [gap], [10], [10], missing="fill")
+            assert (filled.per_layer[0][5:12] == 0).all() and (filled.per_layer[0][:5] >= 0).all()
+        check_step(client, [ok, short], [20, 20])
+        with pytest.raises(ShapeError) as info:
+            check_step(client, [ok, lost, short, gap], [20, 20, 25, 20])
+        msg = str(info.value)
+        assert msg.startswith("3 of 4 samples cannot be replayed")
+        assert f"sample 1 (rollout '{lost}') is not in the cache" in msg
+        assert f"sample 2 (rollout '{short}') holds 19 rows, its sample needs 24" in msg
+        assert f"sample 3 (rollout '{gap}') has no rows [5, 12)" in msg
+        check_step(client, [gap], [20], missing="fill")
+        with pytest.raises(RolloutNotFoundError, match="1 of 1 samples"):
+            check_step(client, [lost], [5])
+
+
+def test_the_batch_stream_answers_each_range_and_refuses_bad_ones(
+    svc: Service, transport: str
+) -> None:
+    (key,) = _store(svc, [(30, 30)])
+    url = url_of(svc, transport)
+    with RoutingClient(url, api_key=KEY_A) as client:
+        reads = [(key, 0, 7), (key, 40, 59), (key, 50, 70), (key, 3, 4)]
+        got = list(client.get_ranges(reads, layers=[2, 5], return_errors=True))
+        whole = client.get(key)
+        for (k, a, b), (gk, res) in zip(reads, got, strict=True):
+            assert gk == k
+            if b > whole.end:
+                assert isinstance(res, InvalidRequestError) and "outside" in str(res)
+                continue
+            assert not isinstance(res, Exception)
+            assert (res.start, res.end, res.layer_ids) == (a, b, (2, 5))
+            np.testing.assert_array_equal(res.indices, whole.indices[a:b, [1, 3]])
+        with pytest.raises(ShapeError):
+            list(client.get_ranges([(key, 5, 5)]))
+    with svc.http() as c:
+        for body, why in (
+            ({"rollout_ids": [key], "ranges": [[0, 1], [1, 2]]}, "2 row ranges for 1"),
+            ({"rollout_ids": [key], "start": 3, "ranges": [[0, 1]]}, "not both"),
+            ({"rollout_ids": [key], "ranges": [[4, 2]]}, r"ranges\[0\] = \[4, 2\)"),
+            ({"rollout_ids": [key], "ranges": [[-1, 2]]}, r"ranges\[0\]"),
+            ({"rollout_ids": [key], "ranges": [[0, 1 << 41]]}, r"ranges\[0\]"),
+        ):
+            resp = c.post("/v1/batch/get", json=body)
+            assert resp.status_code == 400, (body, resp.text)
+            assert re.search(why, resp.json()["error"]["message"]), resp.text
+
+
+def test_prefetched_runs_one_ahead_in_order_and_raises_at_the_item() -> None:
+    seen: list[int] = []
+
+    def fetch(i: int) -> int:
+        seen.append(i)
+        if i == 3:
+            raise ValueError("boom")
+        return i * 10
+
+    it = prefetched(range(5), fetch)
+    assert next(it) == (0, 0)
+    # the next item is fetched while the caller holds the first, without another next()
+    deadline = time.monotonic() + 10
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen[:2] == [0, 1]
+    assert next(it) == (1, 10) and next(it) == (2, 20)
+    with pytest.raises(ValueError, match="boom"):
+        next(it)
+    assert list(itertools.islice(prefetched([], fetch), 1)) == []
