@@ -460,8 +460,7 @@ class DirectReader:
                 return got
             if b > got.stored_end:  # as the service answers such a read
                 return InvalidRequestError(
-                    f"token range [{a}, {b}) is outside rollout {rid}'s rows "
-                    f"[0, {got.stored_end})"
+                    f"token range [{a}, {b}) is outside rollout {rid}'s rows [0, {got.stored_end})"
                 )
             try:
                 return self._decode(got.frames, rid, a, b, layers)
