@@ -33,14 +33,24 @@ import numpy.typing as npt
 from r3_client._answers import RolloutInfo
 from r3_client._exceptions import R3Error, RolloutNotFoundError, ShapeError
 from r3_client._routing import Routing, check_rollout_id
-from r3_client.layouts import Missing, VerlRank, VerlRankSlice
+from r3_client.layouts import (
+    MegatronReplayBatch,
+    Missing,
+    RankPlan,
+    VerlRank,
+    VerlRankSlice,
+    megatron_rank_plan,
+    verl_rank_plan,
+)
 from r3_client.layouts._rows import uncovered
-from r3_client.layouts.verl import VerlRankPlan, rank_slice_of, verl_rank_plan
+from r3_client.layouts.megatron import replay_batch_of
+from r3_client.layouts.verl import rank_slice_of
 
 __all__ = [
     "RangeSource",
     "StatSource",
     "check_step",
+    "fetch_megatron_rank_batch",
     "fetch_verl_rank_slice",
     "prefetched",
 ]
@@ -106,15 +116,72 @@ def fetch_verl_rank_slice(
     rank = VerlRank() if rank is None else rank
     ids = [check_rollout_id(r) for r in rollout_ids]
     plan = verl_rank_plan(prompt_lens, response_lens, rank=rank)
+    stage = rank.stage_layers
+    layers = None if stage is None else tuple(sorted(stage))
+    local, layer_ids = _fetch_rows(source, ids, plan, layers, missing, 0)
+    return rank_slice_of(plan, list(local), layer_ids, tuple(ids), as_torch)
+
+
+def fetch_megatron_rank_batch(
+    source: RangeSource,
+    rollout_ids: Sequence[str],
+    *,
+    seqlens: Sequence[int] | npt.ArrayLike,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    sequence_parallel: bool = False,
+    stage_layers: Sequence[int] | None = None,
+    pad_to_multiple: int | None = None,
+    missing: Missing = "raise",
+    as_torch: bool = False,
+) -> MegatronReplayBatch:
+    """One Megatron rank's :class:`~r3_client.layouts.MegatronReplayBatch` for one
+    micro-batch, read for that rank alone (for ``RouterReplayDriver.add_micro_batch``).
+
+    Equal to :func:`~r3_client.layouts.megatron_layout` of the micro-batch's whole
+    rollouts with the same arguments (``-1`` on last tokens and padding), but only the
+    rank's rows of ``stage_layers`` (absolute MoE layer ids; default every layer the
+    rollouts hold) are fetched and decoded, as :func:`fetch_verl_rank_slice` reads.
+    ``seqlens``: the trainer's token counts, in its packing order.  Raises as
+    :func:`fetch_verl_rank_slice` does; ``missing="fill"`` keeps rows nobody shipped
+    ``-1`` (the driver replays experts ``0..K-1`` there, miles' rule).
+    """
+    ids = [check_rollout_id(r) for r in rollout_ids]
+    plan = megatron_rank_plan(
+        seqlens,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        sequence_parallel=sequence_parallel,
+        pad_to_multiple=pad_to_multiple,
+    )
+    layers = None if stage_layers is None else tuple(sorted(int(x) for x in stage_layers))
+    if layers == ():
+        raise ShapeError("stage_layers is empty: a stage without MoE layers has no routers")
+    local, layer_ids = _fetch_rows(source, ids, plan, layers, missing, -1)
+    return replay_batch_of(plan, list(local), layer_ids, tuple(ids), as_torch)
+
+
+def _fetch_rows(
+    source: RangeSource,
+    ids: list[str],
+    plan: RankPlan,
+    layers: tuple[int, ...] | None,
+    missing: Missing,
+    fill: int,
+) -> tuple[npt.NDArray[np.int64], tuple[int, ...]]:
+    """``[L, local_tokens, K]`` int64 rows of ``plan`` (``fill`` where it has none) and
+    their layer ids: one ``get_ranges`` call, every run checked against the plan.  Layer
+    major, so each layer's targets are a contiguous view (no copy per layer)."""
     if len(ids) != plan.seqlens.shape[0]:
         raise ShapeError(
             f"{len(ids)} rollout ids for a micro-batch of {plan.seqlens.shape[0]} samples"
         )
-    stage = rank.stage_layers
-    layers = None if stage is None else tuple(sorted(stage))
     if layers == ():  # a stage of dense layers: its routers are none, nothing to read
-        empty = np.zeros((plan.num_local_tokens, 0, 0), np.int64)
-        return rank_slice_of(plan, empty, (), tuple(ids), as_torch)
+        return np.full((0, plan.num_local_tokens, 0), fill, np.int64), ()
     runs = list(plan.runs)
     if not runs:  # only last tokens and padding: one row says the layers and K
         first = int(np.argmax(plan.seqlens > 1))
@@ -124,14 +191,15 @@ def fetch_verl_rank_slice(
     reads = [(ids[i], a, b) for i, a, b, _ in runs]
     local: npt.NDArray[np.int64] | None = None
     layer_ids: tuple[int, ...] = ()
-    fill = np.zeros(1, np.int64)
+    # verl fills rows nobody shipped with 0 (its own fill); Megatron keeps them -1.
+    gap_fill = np.full(1, fill, np.int64) if fill >= 0 else None
     for (i, a, b, at), (_, got) in zip(
         runs, source.get_ranges(reads, layers=layers, return_errors=True), strict=True
     ):
         rows = _checked(got, i, ids[i], a, b, plan)
         if local is None:
             layer_ids = rows.layer_ids
-            local = np.zeros((plan.num_local_tokens, len(layer_ids), rows.topk), np.int64)
+            local = np.full((len(layer_ids), plan.num_local_tokens, rows.topk), fill, np.int64)
         elif rows.layer_ids != layer_ids or rows.topk != local.shape[2]:
             raise ShapeError(
                 f"{_who(i, ids[i])} holds MoE layers {list(rows.layer_ids)} with "
@@ -139,14 +207,13 @@ def fetch_verl_rank_slice(
             )
         if at >= 0:
             name = f"{_who(i, ids[i])}'s routing"
-            local[at : at + b - a] = uncovered(rows.indices, name, missing, fill, first_row=a)
+            arr = uncovered(rows.indices, name, missing, gap_fill, first_row=a)
+            local[:, at : at + b - a] = arr.transpose(1, 0, 2)
     assert local is not None
-    return rank_slice_of(plan, local, layer_ids, tuple(ids), as_torch)
+    return local, layer_ids
 
 
-def _checked(
-    got: Routing | R3Error, i: int, rid: str, a: int, b: int, plan: VerlRankPlan
-) -> Routing:
+def _checked(got: Routing | R3Error, i: int, rid: str, a: int, b: int, plan: RankPlan) -> Routing:
     """A run's rows, or the error naming the sample: not found, or short of its tokens."""
     if isinstance(got, RolloutNotFoundError):
         raise RolloutNotFoundError(f"{_who(i, rid)}: {got}") from got

@@ -45,12 +45,13 @@ This package ``__init__`` is the public surface; one module per consumer below i
   :func:`verl_rank_plan` (the rows a rank needs, from lengths alone);
 * :mod:`~r3_client.layouts.samples` -- :func:`slime_layout`, :func:`miles_layout`;
 * :mod:`~r3_client.layouts.hf` -- :func:`hf_layout`;
-* :mod:`~r3_client.layouts.megatron` -- :func:`megatron_layout`.
+* :mod:`~r3_client.layouts.megatron` -- :func:`megatron_layout`, :func:`megatron_rank_plan`.
 """
 
+from r3_client.layouts._packing import RankPlan
 from r3_client.layouts._rows import Missing, RoutingLike
 from r3_client.layouts.hf import hf_layout
-from r3_client.layouts.megatron import MegatronReplayBatch, megatron_layout
+from r3_client.layouts.megatron import MegatronReplayBatch, megatron_layout, megatron_rank_plan
 from r3_client.layouts.samples import miles_layout, slime_layout
 from r3_client.layouts.verl import (
     VerlRank,
@@ -64,12 +65,14 @@ from r3_client.layouts.verl import (
 __all__ = [
     "MegatronReplayBatch",
     "Missing",
+    "RankPlan",
     "RoutingLike",
     "VerlRank",
     "VerlRankPlan",
     "VerlRankSlice",
     "hf_layout",
     "megatron_layout",
+    "megatron_rank_plan",
     "miles_layout",
     "slime_layout",
     "verl_layout",

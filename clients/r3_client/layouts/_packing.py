@@ -24,6 +24,7 @@ its own tokens and layers, never the whole batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,14 +35,44 @@ from r3_client._routing import check_layer_ids
 from r3_client.layouts._rows import Rows
 
 __all__ = [
+    "RankPlan",
     "check_rank",
     "contiguous_positions",
     "cumulative",
     "gather_local",
+    "row_runs",
     "sp_part",
     "stage_layer_positions",
     "zigzag_positions",
 ]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Which rows one rank needs for one micro-batch, known before anything is fetched.
+
+    From the samples' lengths alone: the packed batch (``cu_seqlens``: cumulative padded
+    lengths; ``seqlens``: token counts), the rank's ``positions`` in it, and ``runs``:
+    ``(sample, start, end, local)``, rows ``[start, end)`` of sample ``sample`` landing at
+    local tokens ``[local, local + end - start)`` (:func:`row_runs`).  The runs cover
+    every row the rank holds once: only those need fetching
+    (:mod:`r3_client.rank_local`); every other local token is a last token or padding.
+    """
+
+    cu_seqlens: npt.NDArray[np.int64]
+    seqlens: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    runs: tuple[tuple[int, int, int, int], ...]
+
+    @property
+    def num_local_tokens(self) -> int:
+        """Tokens this rank's routers see."""
+        return int(self.positions.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the rank reads: the sum of its runs' lengths."""
+        return sum(b - a for _, a, b, _ in self.runs)
 
 
 def check_rank(size: int, rank: int, name: str) -> None:
@@ -176,3 +207,28 @@ def gather_local(
         keep = off < arr.shape[0]
         out[a:b][keep] = arr[np.ix_(off[keep], layers)]
     return out
+
+
+def row_runs(
+    cu: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]
+) -> tuple[tuple[int, int, int, int], ...]:
+    """The rows a rank's ``positions`` hold, as runs ``(sample, start, end, local)``.
+
+    Rows ``[start, end)`` of sample ``sample`` land at local tokens ``[local, local + end
+    - start)``; sample ``i`` has rows ``0 .. tokens[i] - 2`` (none for its last token and
+    padding).  What a rank reads (:mod:`r3_client.rank_local`), known from lengths alone.
+    """
+    sample = np.searchsorted(cu, positions, side="right") - 1
+    offset = positions - cu[sample]
+    keep = np.flatnonzero(offset < tokens[sample] - 1)
+    if not keep.shape[0]:
+        return ()
+    breaks = np.flatnonzero(
+        (np.diff(keep) != 1) | (np.diff(sample[keep]) != 0) | (np.diff(offset[keep]) != 1)
+    )
+    firsts = np.concatenate([[0], breaks + 1])
+    lasts = np.concatenate([breaks, [keep.shape[0] - 1]])
+    return tuple(
+        (int(sample[keep[f]]), int(offset[keep[f]]), int(offset[keep[t]]) + 1, int(keep[f]))
+        for f, t in zip(firsts, lasts, strict=True)
+    )

@@ -11,9 +11,11 @@ import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
 from r3_client.layouts._packing import (
+    RankPlan,
     check_rank,
     cumulative,
     gather_local,
+    row_runs,
     sp_part,
     stage_layer_positions,
     zigzag_positions,
@@ -21,13 +23,19 @@ from r3_client.layouts._packing import (
 from r3_client.layouts._rows import (
     Missing,
     RoutingLike,
+    as_numpy,
     check_rows_match_tokens,
     collect,
     lengths,
     uncovered,
 )
 
-__all__ = ["MegatronReplayBatch", "megatron_layout"]
+__all__ = [
+    "MegatronReplayBatch",
+    "megatron_layout",
+    "megatron_rank_plan",
+    "replay_batch_of",
+]
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,25 @@ def megatron_layout(
     for i, arr in enumerate(batch.arrays):
         # fill=None: "fill" keeps -1 there; the driver replays 0..K-1 on the device.
         uncovered(arr, batch.routing_name(i), missing, None)
+    plan = _plan(tokens, tp_size, tp_rank, cp_size, cp_rank, sequence_parallel, pad_to_multiple)
+    # Still int16 (or int32) here: widen per layer, only the local tokens.
+    local = gather_local(
+        batch.arrays, plan.cu_seqlens, plan.positions, layer_pos, batch.topk, -1, batch.out_dtype
+    )
+    per_layer = [local[:, j].astype(np.int64) for j in range(local.shape[1])]
+    return replay_batch_of(plan, per_layer, local_ids, batch.rollout_ids, as_torch)
+
+
+def _plan(
+    tokens: npt.NDArray[np.int64],
+    tp_size: int,
+    tp_rank: int,
+    cp_size: int,
+    cp_rank: int,
+    sequence_parallel: bool,
+    pad_to_multiple: int | None,
+) -> RankPlan:
+    """The packed batch and the rank's positions in it (:func:`megatron_layout`'s rules)."""
     if pad_to_multiple is None:
         multiple = 2 * tp_size * cp_size if cp_size > 1 else (tp_size if sequence_parallel else 1)
     else:
@@ -156,18 +183,50 @@ def megatron_layout(
     positions = zigzag_positions(cu, padded, cp_size, cp_rank)
     if sequence_parallel:
         positions = sp_part(positions, tp_size, tp_rank, "raise pad_to_multiple")
-    # Still int16 (or int32) here: widen per layer, only the local tokens.
-    local = gather_local(batch.arrays, cu, positions, layer_pos, batch.topk, -1, batch.out_dtype)
-    per_layer: list[Any] = [local[:, j].astype(np.int64) for j in range(len(layer_pos))]
+    return RankPlan(cu, tokens, positions, row_runs(cu, tokens, positions))
+
+
+def megatron_rank_plan(
+    seqlens: Sequence[int] | npt.ArrayLike,
+    *,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    sequence_parallel: bool = False,
+    pad_to_multiple: int | None = None,
+) -> RankPlan:
+    """The rows a Megatron rank needs for a micro-batch of samples with ``seqlens`` tokens
+    (:class:`~r3_client.layouts.RankPlan`), packed and split as :func:`megatron_layout`
+    packs and splits them; no routing needed."""
+    check_rank(tp_size, tp_rank, "tp")
+    check_rank(cp_size, cp_rank, "cp")
+    n = len(as_numpy(seqlens))
+    if n < 1:
+        raise ShapeError("megatron_rank_plan needs at least one sample")
+    tokens = lengths(seqlens, "seqlens", n)
+    return _plan(tokens, tp_size, tp_rank, cp_size, cp_rank, sequence_parallel, pad_to_multiple)
+
+
+def replay_batch_of(
+    plan: RankPlan,
+    per_layer: list[Any],
+    layer_ids: tuple[int, ...],
+    rollout_ids: tuple[str, ...] | None,
+    as_torch: bool,
+) -> MegatronReplayBatch:
+    """The :class:`MegatronReplayBatch` of ``plan`` with its targets ``per_layer`` (one
+    int64 ``[local_tokens, K]`` array per layer of ``layer_ids``, ``-1`` where the plan
+    has no row)."""
     if as_torch:
         import torch  # lazy: numpy users need not install torch
 
         per_layer = [torch.from_numpy(a) for a in per_layer]
     return MegatronReplayBatch(
         per_layer=per_layer,
-        layer_ids=local_ids,
-        cu_seqlens=cu.astype(np.int32),
-        seqlens=tokens.astype(np.int32),
-        positions=positions,
-        rollout_ids=batch.rollout_ids,
+        layer_ids=layer_ids,
+        cu_seqlens=plan.cu_seqlens.astype(np.int32),
+        seqlens=plan.seqlens.astype(np.int32),
+        positions=plan.positions,
+        rollout_ids=rollout_ids,
     )

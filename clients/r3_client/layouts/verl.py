@@ -14,6 +14,7 @@ rows of its layer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,10 +25,12 @@ import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
 from r3_client.layouts._packing import (
+    RankPlan,
     check_rank,
     contiguous_positions,
     cumulative,
     gather_local,
+    row_runs,
     sp_part,
     stage_layer_positions,
     zigzag_positions,
@@ -263,33 +266,14 @@ class VerlRankSlice:
 
 
 @dataclass(frozen=True)
-class VerlRankPlan:
-    """Which rows one verl rank needs for one micro-batch, known before anything is fetched.
+class VerlRankPlan(RankPlan):
+    """Which rows one verl rank needs for one micro-batch (:func:`verl_rank_plan`): a
+    :class:`~r3_client.layouts.RankPlan` of verl's packing, plus the rank's
+    ``replay_mask`` (``build_r3_replay_mask``'s, at its positions)."""
 
-    From the samples' lengths alone (:meth:`VerlRank.plan`): the packed batch
-    (``cu_seqlens``, ``seqlens``), the rank's ``positions`` in it and its
-    ``replay_mask``, and ``runs``: ``(sample, start, end, local)``, rows ``[start,
-    end)`` of sample ``sample`` landing at local tokens ``[local, local + end -
-    start)``.  The runs cover every replayed row of the rank once: only those rows
-    need fetching (:func:`r3_client.rank_local.fetch_verl_rank_slice`); every other
-    local token holds ``0`` (the last token, padding).
-    """
-
-    cu_seqlens: npt.NDArray[np.int64]
-    seqlens: npt.NDArray[np.int64]
-    positions: npt.NDArray[np.int64]
-    replay_mask: npt.NDArray[np.bool_]
-    runs: tuple[tuple[int, int, int, int], ...]
-
-    @property
-    def num_local_tokens(self) -> int:
-        """Tokens this rank's routers see."""
-        return int(self.positions.shape[0])
-
-    @property
-    def num_rows(self) -> int:
-        """Rows the rank reads: the sum of its runs' lengths."""
-        return sum(b - a for _, a, b, _ in self.runs)
+    replay_mask: npt.NDArray[np.bool_] = dataclasses.field(
+        default_factory=lambda: np.zeros(0, bool)
+    )
 
 
 def _plan(rank: VerlRank, p: npt.NDArray[np.int64], r: npt.NDArray[np.int64]) -> VerlRankPlan:
@@ -302,19 +286,10 @@ def _plan(rank: VerlRank, p: npt.NDArray[np.int64], r: npt.NDArray[np.int64]) ->
     # build_r3_replay_mask: every token but the last, of samples with a response.
     replayed = np.where(r > 0, tokens - 1, 0)
     mask = offset < replayed[sample]
-    # Every row a sample has (tokens - 1 of them) is placed, replayed or not.
-    keep = np.flatnonzero(offset < tokens[sample] - 1)
-    breaks = np.flatnonzero(
-        (np.diff(keep) != 1) | (np.diff(sample[keep]) != 0) | (np.diff(offset[keep]) != 1)
+    runs = row_runs(cu, tokens, positions)  # every row, replayed or not, is placed
+    return VerlRankPlan(
+        cu_seqlens=cu, seqlens=tokens, positions=positions, runs=runs, replay_mask=mask
     )
-    firsts = np.concatenate([[0], breaks + 1]).astype(np.int64)
-    lasts = np.concatenate([breaks, [keep.shape[0] - 1]]).astype(np.int64)
-    runs = tuple(
-        (int(sample[keep[f]]), int(offset[keep[f]]), int(offset[keep[t]]) + 1, int(keep[f]))
-        for f, t in zip(firsts, lasts, strict=True)
-        if keep.shape[0]
-    )
-    return VerlRankPlan(cu, tokens, positions, mask, runs)
 
 
 def verl_rank_plan(
@@ -393,19 +368,20 @@ def verl_rank_slice(
     local = gather_local(
         arrays, plan.cu_seqlens, plan.positions, layer_pos, batch.topk, 0, batch.out_dtype
     )
-    return rank_slice_of(plan, local, local_ids, batch.rollout_ids, as_torch)
+    per_layer = [local[:, j].astype(np.int64) for j in range(local.shape[1])]
+    return rank_slice_of(plan, per_layer, local_ids, batch.rollout_ids, as_torch)
 
 
 def rank_slice_of(
     plan: VerlRankPlan,
-    local: npt.NDArray[np.integer[Any]],
+    per_layer: list[Any],
     layer_ids: tuple[int, ...],
     rollout_ids: tuple[str, ...] | None,
     as_torch: bool,
 ) -> VerlRankSlice:
-    """The :class:`VerlRankSlice` of ``plan`` with its rows ``local`` ``[local_tokens, L, K]``
-    (``0`` where the plan has no row), as verl's routers take them."""
-    per_layer: list[Any] = [local[:, j].astype(np.int64) for j in range(local.shape[1])]
+    """The :class:`VerlRankSlice` of ``plan`` with its targets ``per_layer`` (one int64
+    ``[local_tokens, K]`` array per layer of ``layer_ids``, ``0`` where the plan has no
+    row), as verl's routers take them."""
     replay_mask: Any = plan.replay_mask
     if as_torch:
         import torch  # lazy: numpy users need not install torch
