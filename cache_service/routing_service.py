@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -69,6 +69,30 @@ def _item_ranges(
             )
         out.append((a, b))
     return out
+
+
+#: Ranges of one rollout answered from one Redis read (a rank asks two or three of each);
+#: bounded, so that a request naming one rollout many times holds few frames at once.
+_GROUP_RANGES = 8
+
+
+def _groups(
+    ids: Sequence[str], spans: list[tuple[int, int | None]], by_rollout: bool
+) -> Iterator[tuple[str, list[tuple[int, int | None]]]]:
+    """The batch's items in order, consecutive ranges of one rollout grouped (up to
+    ``_GROUP_RANGES``) when ``by_rollout``; else one item per group."""
+    rid_prev: str | None = None
+    parts: list[tuple[int, int | None]] = []
+    for rid, span in zip(ids, spans, strict=True):
+        if parts and (not by_rollout or rid != rid_prev or len(parts) == _GROUP_RANGES):
+            assert rid_prev is not None
+            yield rid_prev, parts
+            parts = []
+        rid_prev = rid
+        parts.append(span)
+    if parts:
+        assert rid_prev is not None
+        yield rid_prev, parts
 
 
 def _check_layer_subset(layers: Sequence[int] | None) -> None:
@@ -240,28 +264,36 @@ class RoutingService:
                 failed[rid, a, b] = exc
                 return exc
 
-        todo = iter(zip(rollout_ids, spans, strict=True))
-        window: deque[tuple[str, asyncio.Task[bytes | R3Error]]] = deque()
+        async def group(rid: str, parts: list[tuple[int, int | None]]) -> list[bytes | R3Error]:
+            if len(parts) == 1:
+                return [await one(rid, *parts[0])]
+            # Several ranges of one rollout (a rank's zigzag chunks): one read from Redis.
+            spans = [(a, b) for a, b in parts if b is not None]
+            return await _bounded(view.get_frames(rid, spans, layers))
+
+        todo = _groups(rollout_ids, spans, ranges is not None)
+        window: deque[tuple[str, int, asyncio.Task[list[bytes | R3Error]]]] = deque()
 
         def launch() -> None:
             nxt = next(todo, None)
             if nxt is not None:
-                rid, (a, b) = nxt
-                window.append((rid, asyncio.ensure_future(one(rid, a, b))))
+                rid, parts = nxt
+                window.append((rid, len(parts), asyncio.ensure_future(group(rid, parts))))
 
         for _ in range(self.settings.batch_concurrency):
             launch()
         try:
             while window:
-                rid, task = window.popleft()
-                result = await task
+                rid, _, task = window.popleft()
+                results = await task
                 launch()
-                self.metrics.batch_items.labels(
-                    "ok" if isinstance(result, bytes) else result.code
-                ).inc()
-                yield rid, result
+                for result in results:
+                    self.metrics.batch_items.labels(
+                        "ok" if isinstance(result, bytes) else result.code
+                    ).inc()
+                    yield rid, result
         finally:
-            for _, task in window:  # the consumer went away: stop fetching
+            for _, _, task in window:  # the consumer went away: stop fetching
                 task.cancel()
 
     async def ready(self) -> bool:

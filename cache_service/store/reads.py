@@ -16,6 +16,7 @@ from r3_client import (
     FormatError,
     FrameError,
     InvalidRequestError,
+    R3Error,
     RolloutNotFoundError,
     Routing,
     Segment,
@@ -125,6 +126,49 @@ class StoreReads(StoreBase):
         (_, _, layer_ids), stored_end, segments, contexts = await self._fetch(
             rollout_id, start, end, view
         )
+        return await self._answer(
+            rollout_id, layer_ids, stored_end, segments, contexts, start, end, layers
+        )
+
+    async def get_frames(
+        self, rollout_id: str, spans: Sequence[tuple[int, int]], layers: Sequence[int] | None
+    ) -> list[bytes | R3Error]:
+        """:meth:`get_frame` for each ``(start, end)`` of ``spans``, the rollout read from
+        Redis once (the segments overlapping their union): what a training rank's batch
+        asks of one rollout (two zigzag chunks, say).  Each answer is the frames or the
+        error :meth:`get_frame` would raise for that range."""
+        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+        try:
+            (_, _, layer_ids), stored_end, segments, contexts = await self._fetch(
+                rollout_id, lo, hi
+            )
+        except R3Error as exc:
+            return [exc] * len(spans)
+        out: list[bytes | R3Error] = []
+        for a, b in spans:
+            mine = [seg for seg in segments if seg[0] < b and seg[1] > a]
+            try:
+                out.append(
+                    await self._answer(
+                        rollout_id, layer_ids, stored_end, mine, contexts, a, b, layers
+                    )
+                )
+            except R3Error as exc:
+                out.append(exc)
+        return out
+
+    async def _answer(
+        self,
+        rollout_id: str,
+        layer_ids: tuple[int, ...],
+        stored_end: int,
+        segments: list[tuple[int, int, bytes]],
+        contexts: dict[str, bytes],
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> bytes:
+        """The frames :meth:`get_frame` answers from what :meth:`_fetch` read."""
         if end is None and start >= stored_end:
             raise InvalidRequestError(
                 f"start {start} is past the last stored row of rollout {rollout_id} "

@@ -51,6 +51,7 @@ __all__ = [
     "StatSource",
     "check_step",
     "fetch_megatron_rank_batch",
+    "fetch_plan_rows",
     "fetch_verl_rank_slice",
     "prefetched",
 ]
@@ -118,7 +119,7 @@ def fetch_verl_rank_slice(
     plan = verl_rank_plan(prompt_lens, response_lens, rank=rank)
     stage = rank.stage_layers
     layers = None if stage is None else tuple(sorted(stage))
-    local, layer_ids = _fetch_rows(source, ids, plan, layers, missing, 0)
+    local, layer_ids = fetch_plan_rows(source, ids, plan, layers, missing, 0)
     return rank_slice_of(plan, list(local), layer_ids, tuple(ids), as_torch)
 
 
@@ -161,11 +162,11 @@ def fetch_megatron_rank_batch(
     layers = None if stage_layers is None else tuple(sorted(int(x) for x in stage_layers))
     if layers == ():
         raise ShapeError("stage_layers is empty: a stage without MoE layers has no routers")
-    local, layer_ids = _fetch_rows(source, ids, plan, layers, missing, -1)
+    local, layer_ids = fetch_plan_rows(source, ids, plan, layers, missing, -1)
     return replay_batch_of(plan, list(local), layer_ids, tuple(ids), as_torch)
 
 
-def _fetch_rows(
+def fetch_plan_rows(
     source: RangeSource,
     ids: list[str],
     plan: RankPlan,
@@ -175,7 +176,13 @@ def _fetch_rows(
 ) -> tuple[npt.NDArray[np.int64], tuple[int, ...]]:
     """``[L, local_tokens, K]`` int64 rows of ``plan`` (``fill`` where it has none) and
     their layer ids: one ``get_ranges`` call, every run checked against the plan.  Layer
-    major, so each layer's targets are a contiguous view (no copy per layer)."""
+    major, so each layer's targets are a contiguous view (no copy per layer).
+
+    The fetch every rank-local layout shares (verl's, Megatron's, and the glue's for
+    trainers that pack their own way): ``layers`` are absolute MoE layer ids (``None``:
+    every stored layer; ``()``: none, nothing read); ``fill`` ``>= 0`` also replaces rows
+    nobody shipped under ``missing="fill"``, a negative one keeps them ``-1``.
+    """
     if len(ids) != plan.seqlens.shape[0]:
         raise ShapeError(
             f"{len(ids)} rollout ids for a micro-batch of {plan.seqlens.shape[0]} samples"

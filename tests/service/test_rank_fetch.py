@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 
+from cache_service.redis_proc import RedisProcess
 from r3_client import (
     DirectReader,
     InvalidRequestError,
@@ -247,3 +249,26 @@ def test_prefetched_runs_one_ahead_in_order_and_raises_at_the_item() -> None:
     with pytest.raises(ValueError, match="boom"):
         next(it)
     assert list(itertools.islice(prefetched([], fetch), 1)) == []
+
+
+def test_a_ranks_ranges_of_one_rollout_are_one_redis_read(
+    service_single: Service, redis_single: RedisProcess
+) -> None:
+    """A rank's two zigzag chunks of a rollout come from one read of its segments: Redis
+    sends the stored bytes about once, not once per range (the service cuts each)."""
+    (key,) = _store(service_single, [(7999, 1)])  # rows [0, 7998) in one segment
+    r = redis.Redis.from_url(redis_single.url)
+    try:
+        with RoutingClient(service_single.http_url, api_key=KEY_A) as client:
+            stored = client.stat(key).stored_bytes
+
+            def sent(reads: list[tuple[str, int, int]]) -> int:
+                before = int(r.info("stats")["total_net_output_bytes"])
+                list(client.get_ranges(reads, layers=[2]))
+                return int(r.info("stats")["total_net_output_bytes"]) - before
+
+            grouped = sent([(key, 0, 1000), (key, 6000, 7998)])
+            apart = sent([(key, 0, 1000)]) + sent([(key, 6000, 7998)])
+    finally:
+        r.close()
+    assert grouped < 1.2 * stored and apart > 1.8 * stored, (grouped, stored, apart)
