@@ -20,11 +20,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from r3_client._exceptions import ShapeError
-from r3_client._routing import Routing, check_rollout_id
+from r3_client._answers import RolloutInfo
+from r3_client._exceptions import R3Error, RolloutNotFoundError, ShapeError
+from r3_client._routing import Routing, check_rollout_id, token_digest
 from r3_client._views import ViewPolicy, one_routing_policy
 from r3_client.integrations.tags import tag_sampling_params
 from r3_client.layouts import Missing
+from r3_client.layouts._packing import (
+    RankPlan,
+    check_rank,
+    contiguous_positions,
+    cumulative,
+    row_runs,
+    sp_part,
+    zigzag_positions,
+)
+from r3_client.rank_local import RangeSource, StatSource, check_step, fetch_plan_rows
 
 if TYPE_CHECKING:
     from r3_client._client import AsyncRoutingClient
@@ -45,6 +56,11 @@ class Framework:
     layout: Callable[..., npt.NDArray[np.integer[Any]]]
     assign_key: Callable[[str, Any], str]  # (run, sample) -> key, set on the sample
     check_args: Callable[[Any], None]  # refuses args under which the key is not sent
+    # rank-local mode: (run, sample) -> (key, restarted), the key rebuildable on a training
+    # rank from (run, Sample.index) (index_key); restarted: a generation from no tokens
+    # under a key that may hold an earlier attempt's rows, dropped before generating
+    assign_rank_key: Callable[[str, Any], tuple[str, bool]]
+    index_key: Callable[[str, int], str]  # (run, Sample.index) -> the rank-local key
 
 
 def sample_key(fw: Framework, sample: Any) -> str:
@@ -75,7 +91,7 @@ def _layout(
         ) from exc
 
 
-async def fill(
+async def fill_samples(
     fw: Framework,
     samples: Any,
     client: AsyncRoutingClient,
@@ -123,6 +139,93 @@ async def fill(
         s.rollout_routed_experts = arr
 
 
+class _Stats:
+    """A :class:`~r3_client.rank_local.StatSource` answering from stats already read."""
+
+    def __init__(self, infos: dict[str, RolloutInfo | None]) -> None:
+        self.infos = infos
+
+    def stat(self, rollout_id: str) -> RolloutInfo:
+        info = self.infos[rollout_id]
+        if info is None:
+            raise RolloutNotFoundError(f"rollout {rollout_id!r} not found")
+        return info
+
+
+def _named(fw: Framework, exc: R3Error) -> R3Error:
+    """``exc`` said of the framework's samples (each key names its ``Sample.index``)."""
+    return type(exc)(f"{fw.name} rank-local routing: {exc}")
+
+
+def _check_infos(
+    fw: Framework,
+    group: Sequence[Any],
+    keys: Sequence[str],
+    infos: dict[str, RolloutInfo | None],
+    missing: Missing,
+) -> None:
+    """:func:`~r3_client.rank_local.check_step` on ``infos``, then each stored segment's
+    token digest against the sample's tokens (rows computed from other tokens: an earlier
+    attempt's, or another sample's)."""
+    counts = [len(s.tokens) for s in group]
+    try:
+        check_step(_Stats(infos), keys, counts, missing=missing, workers=1)
+    except (RolloutNotFoundError, ShapeError) as exc:
+        raise _named(fw, exc) from exc
+    for i, (s, key) in enumerate(zip(group, keys, strict=True)):
+        info = infos[key]
+        assert info is not None
+        tokens = [int(t) for t in s.tokens]
+        for seg in (x.segment for x in info.segments):
+            checkable = seg.tokens_digest and seg.end <= len(tokens)
+            if checkable and token_digest(tokens[: seg.end]) != seg.tokens_digest:
+                raise ShapeError(
+                    f"{fw.name} sample {i} (index={getattr(s, 'index', '?')}), rollout {key!r}: "
+                    f"stored rows [{seg.start}, {seg.end}) were computed from other tokens than "
+                    "the sample's (token digest differs)"
+                )
+
+
+async def check_stored(
+    fw: Framework, samples: Any, client: AsyncRoutingClient, *, missing: Missing = "raise"
+) -> None:
+    """Rollout side of the rank-local path: each finished sample's rollout is stored with a
+    row for every token but the last, no gap (unless ``missing="fill"``) and, where the
+    engine recorded token digests, from the sample's own tokens.  One ``stat`` per sample
+    (metadata only), run concurrently; raises naming the sample and rollout."""
+    group = list(samples) if isinstance(samples, Sequence) else [samples]
+    keys = [sample_key(fw, s) for s in group]
+
+    async def one(key: str) -> RolloutInfo | None:
+        try:
+            return await client.stat(key)
+        except RolloutNotFoundError:
+            return None
+
+    got = await asyncio.gather(*(one(k) for k in keys))
+    _check_infos(fw, group, keys, dict(zip(keys, got, strict=True)), missing)
+
+
+def check_samples(
+    fw: Framework, samples: Sequence[Any], source: StatSource, *, missing: Missing = "raise"
+) -> None:
+    """Driver side, before dispatch: :func:`~r3_client.rank_local.check_step` over a step's
+    samples (their keys and ``len(tokens)``), a missing or short rollout refused naming
+    the sample's position and framework index."""
+    keys = [sample_key(fw, s) for s in samples]
+    try:
+        check_step(source, keys, [len(s.tokens) for s in samples], missing=missing)
+    except (RolloutNotFoundError, ShapeError) as exc:
+        raise _named(fw, exc) from exc
+
+
+def index_keys(fw: Framework, run: str, sample_indices: Sequence[int]) -> list[str]:
+    """Training side: the rank-local keys of a rank's samples from ``sample_indices``, which
+    slime and miles ship to every DP rank (slime ``ray/rollout.py:665,786-807``; miles
+    ``ray/rollout/train_data_conversion.py:81,349-381``)."""
+    return [fw.index_key(run, int(i)) for i in sample_indices]
+
+
 def _framework_generate(fw: Framework) -> GenerateFn:
     """The framework's own ``generate``, imported on first use."""
     module, _, name = fw.generate_path.partition(":")
@@ -157,6 +260,7 @@ def wrap_generate(
     share_prompt: bool | None = None,
     missing: Missing = "raise",
     view: ViewPolicy = "generated",
+    fill: bool = True,
 ) -> GenerateFn:
     """A legacy custom generate function around ``generate`` (default: the framework's own).
 
@@ -167,7 +271,13 @@ def wrap_generate(
     directly reads it).  After the call, every returned sample whose status is
     ``COMPLETED`` or ``TRUNCATED`` gets ``rollout_routed_experts`` from the cache (one
     ``get_many`` when the call returns several); aborted samples get nothing until
-    their resumed call finishes.  ``view``: the policy of that fetch (:func:`fill`).
+    their resumed call finishes.  ``view``: the policy of that fetch (:func:`fill_samples`).
+
+    ``fill=False`` (rank-local training): the sample is keyed by ``fw.assign_rank_key``
+    (rebuildable on a training rank from ``Sample.index``) and nothing is fetched into
+    it; a finished sample's rollout is only checked (:func:`check_stored`: one ``stat``,
+    no rows), so a missing, short, gapped or foreign-token rollout fails here, naming the
+    sample, before slime / miles ship it to the trainer.
     """
     check_rollout_id(f"{run}.0")  # the run must make valid keys before any generation
     one_routing_policy(view, fw.name)  # refused before any generation, too
@@ -181,13 +291,223 @@ def wrap_generate(
         if evaluation:
             return await _call(inner[0], args, sample, sampling_params, evaluation)
         fw.check_args(args)
-        key = fw.assign_key(run, sample)
+        if fill:
+            key = fw.assign_key(run, sample)
+        else:
+            key, restarted = fw.assign_rank_key(run, sample)
+            if restarted:  # an earlier attempt's rows, from tokens this one will not repeat
+                await client.delete(key)
         params = tag_sampling_params(sampling_params, key, share_prompt=share_prompt)
         out = await _call(inner[0], args, sample, params, evaluation)
         done = [s for s in (out if isinstance(out, list) else [out]) if finished(s)]
-        if done:
-            await fill(fw, done, client, num_layers=num_layers, missing=missing, view=view)
+        if done and fill:
+            await fill_samples(fw, done, client, num_layers=num_layers, missing=missing, view=view)
+        elif done:
+            await check_stored(fw, done, client, missing=missing)
         return out
 
     generate_r3.__doc__ = f"{fw.name}'s generate with rollouts keyed, routing fetched by key."
     return generate_r3
+
+
+# ------------------------------------------------------------------ rank-local (training side)
+
+
+@dataclass(frozen=True)
+class SampleRank:
+    """One Megatron training rank, as slime's and miles' replay fill sees it.
+
+    ``tp_size``/``tp_rank``, ``cp_size``/``cp_rank``: the rank's tensor- and context-parallel
+    coordinates (``mpu`` in slime, ``get_parallel_state()`` in miles).
+    ``sequence_parallel``, ``allgather_cp``, ``data_pad_size_multiplier``: the trainer's
+    ``args`` of those names.  ``router_layers``: the absolute decoder layer ids of the
+    rank's MoE routers, in the order their replay objects were created (virtual stages in
+    order, layers ascending, dense layers skipped: what the actor's loop walks);
+    ``None`` is every layer the rollouts hold, ``()`` a stage without MoE layers.
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    cp_size: int = 1
+    cp_rank: int = 0
+    sequence_parallel: bool = False
+    allgather_cp: bool = False
+    data_pad_size_multiplier: int = 128
+    router_layers: Sequence[int] | None = None
+
+
+@dataclass(frozen=True)
+class RankReplay:
+    """One micro-batch's replay targets on one rank: what the actor records per router.
+
+    ``per_layer[j]`` (``[num_local_tokens, K]``, ``int32``) is what the framework's fill
+    hands the router of absolute layer ``layer_ids[j]``: ``prepared[:, layer_id]`` after
+    its own last-token row, CP split, padding and SP split.  :meth:`record` feeds them
+    to the rank's replay objects in order.
+    """
+
+    layer_ids: tuple[int, ...]
+    per_layer: list[Any]
+    rollout_ids: tuple[str, ...]
+    num_local_tokens: int
+    num_rows: int  # rows read from the cache (the rank's share)
+
+    def record(self, replays: Sequence[Any]) -> None:
+        """``replays[j].record(per_layer[j])``, refusing a count that differs (as slime's
+        ``assert routing_replay_offset == len(RoutingReplay.all_routing_replays)``)."""
+        if len(replays) != len(self.per_layer):
+            raise ShapeError(
+                f"the rank has {len(replays)} routers but this replay holds "
+                f"{len(self.per_layer)} layers {list(self.layer_ids)}"
+            )
+        for replay, rows in zip(replays, self.per_layer, strict=True):
+            replay.record(rows)
+
+
+def _rank_plan(
+    num_tokens: npt.NDArray[np.int64], rank: SampleRank
+) -> tuple[RankPlan, npt.NDArray[np.int64]]:
+    """The rank's local positions in slime's / miles' thd pack, from token counts alone.
+
+    Per sample: its ``T - 1`` rows plus the trainer's last-token row (``T``); zigzag CP
+    pads it to ``2 * cp * ceil(T / 2cp)`` and keeps chunks ``r`` and ``2cp - 1 - r``; the
+    CP-local pack is padded to ``tp * data_pad_size_multiplier``; sequence parallel keeps
+    TP rank ``t``'s part.  With ``allgather_cp`` the unsplit pack is padded to ``cp`` times
+    that and cut into ``cp`` runs.  Positions past the pack's samples (``>= cu[-1]``) are
+    pack padding.  Also returns each local position's *fill index*: the row it takes in the
+    padding call that made it (``-1`` for a routing row).
+    """
+    for name, size, r in (("tp", rank.tp_size, rank.tp_rank), ("cp", rank.cp_size, rank.cp_rank)):
+        check_rank(size, r, name)
+    if rank.data_pad_size_multiplier < 1:
+        raise ShapeError(
+            f"data_pad_size_multiplier must be >= 1, got {rank.data_pad_size_multiplier}"
+        )
+    if num_tokens.ndim != 1 or (num_tokens < 1).any():
+        raise ShapeError("num_tokens must be one count >= 1 per sample")
+    cp = rank.cp_size
+    pad_size = rank.tp_size * rank.data_pad_size_multiplier
+    if rank.allgather_cp or cp == 1:
+        padded = num_tokens.copy()
+        cu = cumulative(padded)
+        total = int(cu[-1])
+        unit = pad_size * (cp if rank.allgather_cp else 1)
+        full = total + (unit - total % unit) % unit
+        if rank.allgather_cp:
+            local = contiguous_positions(full, cp, rank.cp_rank)
+        else:
+            local = np.arange(full, dtype=np.int64)
+    else:
+        padded = 2 * cp * ((num_tokens + 2 * cp - 1) // (2 * cp))
+        cu = cumulative(padded)
+        pos = zigzag_positions(cu, padded, cp, rank.cp_rank)
+        extra = (pad_size - pos.shape[0] % pad_size) % pad_size
+        local = np.concatenate([pos, int(cu[-1]) + np.arange(extra, dtype=np.int64)])
+    if rank.sequence_parallel:
+        local = sp_part(local, rank.tp_size, rank.tp_rank, "the pack is padded to tp * multiplier")
+    inside = local < cu[-1]
+    sample = np.searchsorted(cu, np.minimum(local, cu[-1] - 1), side="right") - 1
+    offset = local - cu[sample]
+    # A routing row: -1.  The last-token row is its own padding call (row 0); a sample's
+    # CP padding starts again at 0 after it; pack padding counts from the pack's end.
+    in_sample = np.where(
+        offset < num_tokens[sample] - 1, -1, np.maximum(offset - num_tokens[sample], 0)
+    )
+    fill_index = np.where(inside, in_sample, local - cu[-1])
+    n_inside = int(inside.sum())  # positions ascend: the samples' part is a prefix
+    runs = row_runs(cu, num_tokens, local[:n_inside])
+    plan = RankPlan(cu_seqlens=cu, seqlens=num_tokens, positions=local, runs=runs)
+    return plan, fill_index.astype(np.int64)
+
+
+def _pad_values(
+    fill_index: npt.NDArray[np.int64],
+    layer_ids: Sequence[int],
+    num_layers: int,
+    topk: int,
+    num_experts: int,
+    dtype: np.dtype[Any],
+) -> npt.NDArray[np.int64]:
+    """slime's padding rows (``cp_utils.py:239-251``): row ``j`` of a padding call over a
+    ``[*, num_layers, K]`` tensor holds ``arange(pad * L * K) % E`` at ``(j, l, k)``,
+    computed in the per-sample tensor's ``dtype`` (int16 wraps, as torch's arange does)."""
+    j = fill_index[None, :, None]
+    lk = (np.asarray(layer_ids, dtype=np.int64)[:, None] * topk + np.arange(topk))[:, None]
+    flat = (j * num_layers * topk + lk).astype(dtype)  # wraps like torch.arange(dtype=)
+    return flat.astype(np.int64) % num_experts  # [L, len(fill_index), K]
+
+
+def fetch_rank_replay(
+    fw: Framework,
+    source: RangeSource,
+    rollout_ids: Sequence[str],
+    num_tokens: Sequence[int] | npt.ArrayLike,
+    *,
+    rank: SampleRank,
+    num_layers: int,
+    num_experts: int | None = None,
+    missing: Missing = "raise",
+    as_torch: bool = False,
+) -> RankReplay:
+    """One micro-batch's replay targets for one slime or miles Megatron rank, read for it alone.
+
+    Equal, router by router, to what the framework's fill hands its replay objects when
+    every sample carries the whole ``fw.layout`` of its rollout (slime
+    ``actor.py:333-350`` after ``cp_utils.py:254-297``; miles ``replay_utils.py:5-24``
+    after ``replay_data.py:73-127``), but only the rank's rows (its CP / SP slice) of its
+    routers' layers are fetched (one ``get_ranges`` call).  ``rollout_ids`` and
+    ``num_tokens`` (``len(tokens)``): the micro-batch's samples in the order the actor
+    packs them.  Padding rows are the framework's own: slime's ``arange % num_experts``
+    (``num_experts``: ``args.num_experts``), miles' ``-1``.  Raises
+    :class:`~r3_client.RolloutNotFoundError` / :class:`~r3_client.ShapeError` naming the
+    sample (``missing="fill"`` replays experts ``0..K-1`` on rows nobody shipped, as the
+    layouts fill them).
+    """
+    ids = [check_rollout_id(r) for r in rollout_ids]
+    counts = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
+    if fw.name == "slime" and num_experts is None:
+        raise ShapeError("slime pads with arange % num_experts: pass num_experts=args.num_experts")
+    routers = None if rank.router_layers is None else [int(x) for x in rank.router_layers]
+    if routers is not None:
+        bad = [x for x in routers if not 0 <= x < num_layers]
+        if bad or len(set(routers)) != len(routers):
+            raise ShapeError(
+                f"router_layers {routers} must be distinct decoder layers in [0, {num_layers})"
+            )
+    plan, fill_index = _rank_plan(counts, rank)
+    layers = None if routers is None else tuple(sorted(routers))
+    local, got_ids = fetch_plan_rows(source, ids, plan, layers, missing, -1)
+    if routers is None:
+        routers = list(got_ids)
+    if any(x >= num_layers for x in got_ids):
+        raise ShapeError(
+            f"the rollouts hold layers {list(got_ids)}, beyond num_layers={num_layers}"
+        )
+    # local: [L, local tokens, K], layer major (each router's targets one contiguous view)
+    is_row = fill_index < 0
+    if missing == "fill" and local.shape[0]:  # rows nobody shipped: experts 0..K-1
+        gap = is_row[None, :] & (local < 0).all(axis=-1)
+        local[gap] = np.arange(local.shape[2])
+    if local.shape[0]:
+        pad = ~is_row
+        if fw.name == "slime":
+            assert num_experts is not None
+            dtype = np.dtype(np.int16) if num_experts <= 1 << 15 else np.dtype(np.int32)
+            local[:, pad] = _pad_values(
+                fill_index[pad], got_ids, num_layers, local.shape[2], num_experts, dtype
+            )
+        else:
+            local[:, pad] = -1
+    order = [got_ids.index(x) for x in routers]
+    per_layer: list[Any] = [np.ascontiguousarray(local[j], dtype=np.int32) for j in order]
+    if as_torch:
+        import torch
+
+        per_layer = [torch.from_numpy(a) for a in per_layer]
+    return RankReplay(
+        layer_ids=tuple(routers),
+        per_layer=per_layer,
+        rollout_ids=tuple(ids),
+        num_local_tokens=plan.num_local_tokens,
+        num_rows=plan.num_rows,
+    )

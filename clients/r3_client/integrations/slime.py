@@ -29,8 +29,22 @@ from r3_client.layouts import Missing, slime_layout
 
 if TYPE_CHECKING:
     from r3_client._client import AsyncRoutingClient
+    from r3_client.rank_local import RangeSource, StatSource
 
-__all__ = ["fill_routed_experts", "rollout_key", "wrap_generate"]
+SampleRank = _samples.SampleRank
+RankReplay = _samples.RankReplay
+
+__all__ = [
+    "RankReplay",
+    "SampleRank",
+    "check_samples",
+    "check_stored",
+    "fetch_rank_replay",
+    "fill_routed_experts",
+    "rank_keys",
+    "rollout_key",
+    "wrap_generate",
+]
 
 
 def rollout_key(run: str, sample: Any, conversation: int | None = None) -> str:
@@ -45,6 +59,16 @@ def rollout_key(run: str, sample: Any, conversation: int | None = None) -> str:
 def _assign_key(run: str, sample: Any) -> str:
     sample.session_id = rollout_key(run, sample)
     return str(sample.session_id)
+
+
+def _assign_rank_key(run: str, sample: Any) -> tuple[str, bool]:
+    """Rank-local mode: the same key (a training rank rebuilds it from ``sample_indices``);
+    slime resubmits the same ``Sample`` to resume, never restarts it from the prompt."""
+    return _assign_key(run, sample), False
+
+
+def _index_key(run: str, index: int) -> str:
+    return check_rollout_id(f"{run}.{index}")
 
 
 def _check_args(args: Any) -> None:
@@ -64,6 +88,8 @@ _SLIME = _samples.Framework(
     layout=slime_layout,
     assign_key=_assign_key,
     check_args=_check_args,
+    assign_rank_key=_assign_rank_key,
+    index_key=_index_key,
 )
 
 
@@ -86,7 +112,9 @@ async def fill_routed_experts(
     computation of recomputed positions to read, ``"generated"`` (first computations) or
     ``"latest"`` (what the rollout's last call attended to); docs/integrations.md.
     """
-    await _samples.fill(_SLIME, samples, client, num_layers=num_layers, missing=missing, view=view)
+    await _samples.fill_samples(
+        _SLIME, samples, client, num_layers=num_layers, missing=missing, view=view
+    )
 
 
 def wrap_generate(
@@ -98,6 +126,7 @@ def wrap_generate(
     share_prompt: bool | None = None,
     missing: Missing = "raise",
     view: ViewPolicy = "generated",
+    fill: bool = True,
 ) -> _samples.GenerateFn:
     """slime's ``generate`` (or ``generate``) as a custom generate function
     ``(args, sample, sampling_params, evaluation=False)`` that keys each sample's rollout
@@ -119,4 +148,69 @@ def wrap_generate(
         share_prompt=share_prompt,
         missing=missing,
         view=view,
+        fill=fill,
+    )
+
+
+# ------------------------------------------------------------------ rank-local path
+
+
+def rank_keys(run: str, sample_indices: Sequence[int]) -> list[str]:
+    """The rollout keys of a training rank's samples, from the ``sample_indices`` the
+    trainer carries (what ``wrap_generate(..., fill=False)`` keyed them with)."""
+    return _samples.index_keys(_SLIME, run, sample_indices)
+
+
+async def check_stored(
+    samples: Any | Sequence[Any], client: AsyncRoutingClient, *, missing: Missing = "raise"
+) -> None:
+    """Rollout side of the rank-local path, for a generate function of your own: each
+    sample's rollout holds ``len(tokens) - 1`` rows, no gap (unless ``missing="fill"``),
+    from the sample's tokens where digests were recorded; one ``stat`` per sample.
+    Raises :class:`~r3_client.RolloutNotFoundError` / :class:`~r3_client.ShapeError`."""
+    await _samples.check_stored(_SLIME, samples, client, missing=missing)
+
+
+def check_samples(
+    samples: Sequence[Any], source: StatSource, *, missing: Missing = "raise"
+) -> None:
+    """Before dispatch (the driver, e.g. in a ``--custom-convert-samples-to-train-data-path``
+    function or a rollout function's end): every sample's rollout exists and holds
+    ``len(tokens) - 1`` rows (:func:`~r3_client.rank_local.check_step`, one ``stat`` each);
+    raises one error naming the failing samples and rollouts."""
+    _samples.check_samples(_SLIME, samples, source, missing=missing)
+
+
+def fetch_rank_replay(
+    source: RangeSource,
+    rollout_ids: Sequence[str],
+    num_tokens: Sequence[int],
+    *,
+    rank: SampleRank,
+    num_layers: int,
+    num_experts: int,
+    missing: Missing = "raise",
+    as_torch: bool = False,
+) -> RankReplay:
+    """One micro-batch's replay targets on one slime Megatron rank, read for that rank alone.
+
+    ``rollout_ids`` (:func:`rank_keys` of the micro-batch's ``sample_indices``) and
+    ``num_tokens`` (``len(tokens)``), in the order the actor packs them; ``rank``: the
+    rank's TP / CP / SP coordinates, ``args`` and router layers (:class:`SampleRank`);
+    ``num_layers``: ``args.num_layers``.  ``num_experts``: ``args.num_experts`` (slime
+    pads with ``arange % num_experts``, ``cp_utils.py:239-251``).  Router ``j`` of the rank records
+    ``per_layer[j]`` (:meth:`RankReplay.record`), equal to what slime's own fill records
+    from whole ``slime_layout`` arrays; only the rank's rows of its routers' layers are
+    fetched.  See :func:`r3_client.integrations._samples.fetch_rank_replay`.
+    """
+    return _samples.fetch_rank_replay(
+        _SLIME,
+        source,
+        rollout_ids,
+        num_tokens,
+        rank=rank,
+        num_layers=num_layers,
+        num_experts=num_experts,
+        missing=missing,
+        as_torch=as_torch,
     )

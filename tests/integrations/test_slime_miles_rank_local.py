@@ -1,0 +1,431 @@
+"""slime and miles on the rank-local path: each Megatron rank reads only its own slice.
+
+Against a real cache service (``svc`` x ``transport``; Redis read directly too), for every
+(TP, CP, SP, allgather_cp) x pipeline-stage rank, ``fetch_rank_replay`` equals, router by
+router, what slime's / miles' own fill records when every sample carries its whole
+``*_layout`` array.  Their fill is restated (nothing of theirs is copied) from the pinned
+lines, as tests/integrations/test_slime_miles_contract.py does:
+
+* slime  @ 624b824: ``fill_routing_replay`` (slime/backends/megatron_utils/actor.py:308-355:
+  ``get_next(["rollout_routed_experts", "tokens"])`` per micro-batch, then
+  ``prepare_routed_experts_for_routing_replay``, then router ``j`` of the rank records
+  ``prepared[:, layer_id]`` for its stage's MoE layers, :333-350);
+  ``prepare_routed_experts_for_routing_replay`` (cp_utils.py:254-297: last-token row,
+  zigzag ``slice_with_cp`` :180-209 or ``allgather_cp`` chunks :271-278, pack padding to
+  ``tp * data_pad_size_multiplier`` :269,285-286, SP slice :288-295), padding rows
+  ``arange % num_experts`` in the tensor's dtype (:239-251); ``RoutingReplay.pop_forward``
+  casts to int32 (slime/utils/routing_replay.py:118-127).
+* miles  @ 31f1ca9: ``fill_replay_data`` (miles/backends/training_utils/replay_data.py:30-134,
+  thd: last-token row :83, zigzag :110 or ``allgather_cp`` :102-108, pack padding :118-120,
+  SP :123-127, ``-1`` padding :63-71) and ``register_replay_list_moe``
+  (miles/backends/megatron_utils/replay_utils.py:5-24), called at
+  miles/backends/megatron_utils/actor.py:482-495.
+
+The rollout side runs ``wrap_generate(..., fill=False)`` through the stub frameworks and
+fake engine of test_glue.py; a missing, short or foreign-token rollout is refused before
+dispatch, naming the sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from r3_client import (
+    AsyncRoutingClient,
+    DirectReader,
+    RolloutNotFoundError,
+    RoutingClient,
+    Segment,
+    ShapeError,
+    token_digest,
+)
+from r3_client.integrations import miles as r3_miles
+from r3_client.integrations import slime as r3_slime
+from r3_client.integrations._samples import SampleRank
+from r3_client.layouts import miles_layout, slime_layout
+from r3_client.synthetic import synthetic_routing
+from tests.integrations import test_glue as glue
+from tests.integrations.test_slime_miles_contract import miles_pad, slime_pad, zigzag
+from tests.support.service_process import KEY_A, Service, url_of
+
+E, K = 16, 2
+NUM_LAYERS, MOE = 6, (1, 2, 4, 5)  # dense layers 0 and 3
+LENGTHS = [37, 2, 120, 9, 64]  # len(tokens) per sample of the micro-batch
+STAGES: dict[int, list[tuple[int, ...]]] = {
+    1: [(1, 2, 4, 5)],
+    2: [(1, 2), (4, 5)],
+}  # pp -> each stage's MoE routers
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    tp: int
+    cp: int
+    sp: bool
+    allgather_cp: bool = False
+    mult: int = 4
+
+
+CONFIGS = [
+    Cfg(1, 1, False),
+    Cfg(2, 1, True),
+    Cfg(2, 1, False),  # TP without SP: every TP rank keeps the whole CP-local pack
+    Cfg(1, 2, False),
+    Cfg(2, 2, True),
+    Cfg(1, 3, False, mult=128),  # slime's and miles' default multiplier
+    Cfg(2, 2, True, allgather_cp=True),
+    Cfg(1, 3, False, allgather_cp=True),
+]
+
+
+def ranks(cfgs: Sequence[Cfg] = CONFIGS) -> list[tuple[Cfg, SampleRank]]:
+    out = []
+    for c in cfgs:
+        for t, r, pp in itertools.product(range(c.tp), range(c.cp), (1, 2)):
+            for stage in STAGES[pp]:
+                rank = SampleRank(
+                    tp_size=c.tp,
+                    tp_rank=t,
+                    cp_size=c.cp,
+                    cp_rank=r,
+                    sequence_parallel=c.sp,
+                    allgather_cp=c.allgather_cp,
+                    data_pad_size_multiplier=c.mult,
+                    router_layers=stage,
+                )
+                out.append((c, rank))
+    return out
+
+
+# ------------------------------------------------------------------ their fill, restated
+
+
+def slime_prepare(
+    experts: Sequence[torch.Tensor], tokens: Sequence[int], rank: SampleRank, num_experts: int = E
+) -> Any:
+    """prepare_routed_experts_for_routing_replay, slime cp_utils.py:254-297."""
+    for e, n in zip(experts, tokens, strict=True):
+        assert e.shape[0] == n - 1  # :264-266
+
+    def pad(x: torch.Tensor, n: int) -> torch.Tensor:  # _pad_routed_experts, :239-251
+        return slime_pad(x, n, num_experts)
+
+    padded = [pad(e, 1) for e in experts]  # :268
+    pad_size = rank.tp_size * rank.data_pad_size_multiplier  # :269
+    if rank.allgather_cp:  # :271-278
+        out = torch.cat(padded)
+        unit = rank.cp_size * pad_size
+        out = pad(out, (unit - out.size(0) % unit) % unit).chunk(rank.cp_size)[rank.cp_rank]
+    else:  # :280-286
+        out = torch.cat([zigzag(e, rank.cp_size, rank.cp_rank, pad) for e in padded])
+        out = pad(out, (pad_size - out.size(0) % pad_size) % pad_size)
+    if rank.sequence_parallel:  # :288-295
+        n = out.size(0)
+        assert n % rank.tp_size == 0
+        out = out[n // rank.tp_size * rank.tp_rank : n // rank.tp_size * (rank.tp_rank + 1)]
+    return out
+
+
+def miles_prepare(experts: Sequence[np.ndarray], tokens: Sequence[int], rank: SampleRank) -> Any:
+    """fill_replay_data (thd), miles replay_data.py:73-127, after data.py:117-118."""
+    data = [torch.from_numpy(e) for e in experts]
+    for a, n in zip(data, tokens, strict=True):
+        assert a.shape[0] == n - 1  # :77-79
+    data = [miles_pad(a, 1) for a in data]  # :83
+    pad_size = rank.tp_size * rank.data_pad_size_multiplier  # :101
+    if rank.allgather_cp and rank.cp_size > 1:  # :102-108
+        out = torch.cat(data)
+        unit = rank.cp_size * pad_size
+        out = miles_pad(out, (unit - out.size(0) % unit) % unit).chunk(rank.cp_size)[rank.cp_rank]
+    else:  # :110-120
+        out = torch.cat([zigzag(a, rank.cp_size, rank.cp_rank, miles_pad) for a in data])
+        out = miles_pad(out, (pad_size - out.size(0) % pad_size) % pad_size)
+    if rank.sequence_parallel:  # :123-127
+        n = out.size(0)
+        assert n % rank.tp_size == 0
+        out = out[n // rank.tp_size * rank.tp_rank : n // rank.tp_size * (rank.tp_rank + 1)]
+    return out
+
+
+def routers(prepared: torch.Tensor, router_layers: Sequence[int]) -> list[torch.Tensor]:
+    """slime actor.py:333-350 / miles replay_utils.py:5-24: router j records column layer_id."""
+    return [prepared[:, layer_id] for layer_id in router_layers]
+
+
+class Recorder:
+    """A replay object: ``record`` keeps what the actor hands it (routing_replay.py:91-103)."""
+
+    def __init__(self) -> None:
+        self.recorded: list[torch.Tensor] = []
+
+    def record(self, top_indices: torch.Tensor) -> None:
+        self.recorded.append(top_indices.clone())
+
+
+# ------------------------------------------------------------------ storage
+
+
+def store(client: RoutingClient, lengths: Sequence[int], seed: int = 0) -> list[str]:
+    """Rollouts of ``T - 1`` rows each, stored as two segments (prompt, then response)."""
+    ids = []
+    for n, length in enumerate(lengths):
+        key = f"rl-{uuid.uuid4().hex[:10]}.{n}"
+        rows = synthetic_routing(length - 1, len(MOE), E, K, seed=seed + n)
+        cut = max(1, (length - 1) // 3)
+        for a, b in ((0, cut), (cut, length - 1)):
+            if a < b:
+                seg = Segment(a, b, "tiny-moe", "v1")
+                client.put(key, rows[a:b], num_experts=E, layer_ids=MOE, segment=seg)
+        ids.append(key)
+    return ids
+
+
+def whole(client: RoutingClient, ids: Sequence[str], framework: str) -> list[Any]:
+    """Each sample's whole field, as the rollout side fills it today."""
+    layout = slime_layout if framework == "slime" else miles_layout
+    return [
+        layout(client.get(k), n, num_layers=NUM_LAYERS) for k, n in zip(ids, LENGTHS, strict=True)
+    ]
+
+
+def theirs(framework: str, fields: Sequence[Any], rank: SampleRank) -> list[torch.Tensor]:
+    if framework == "slime":
+        prepared = slime_prepare([torch.as_tensor(f) for f in fields], LENGTHS, rank)
+    else:
+        prepared = miles_prepare(fields, LENGTHS, rank)
+    assert rank.router_layers is not None
+    return routers(prepared, rank.router_layers)
+
+
+def ours(source: Any, framework: str, ids: Sequence[str], rank: SampleRank, **kw: Any) -> Any:
+    if framework == "slime":
+        return r3_slime.fetch_rank_replay(
+            source, ids, LENGTHS, rank=rank, num_layers=NUM_LAYERS, num_experts=E, **kw
+        )
+    return r3_miles.fetch_rank_replay(source, ids, LENGTHS, rank=rank, num_layers=NUM_LAYERS, **kw)
+
+
+def same(framework: str, got: Any, want: list[torch.Tensor]) -> None:
+    """Router by router: the values each replay object is handed (slime casts to int32 when
+    it pops, routing_replay.py:123-127; miles keeps the dtype, replay_base.py:37)."""
+    assert len(got.per_layer) == len(want)
+    for g, w in zip(got.per_layer, want, strict=True):
+        assert isinstance(g, torch.Tensor) and g.dtype == torch.int32
+        if framework == "miles":
+            assert w.dtype == torch.int32
+        assert g.shape == w.shape, (g.shape, w.shape)
+        assert torch.equal(g, w.to(torch.int32))
+
+
+def keyed(sample: Any, field: str, key: str) -> Any:
+    setattr(sample, field, key)
+    return sample
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("framework", ["slime", "miles"])
+def test_every_rank_replays_what_the_whole_sample_path_records(
+    svc: Service, transport: str, framework: str
+) -> None:
+    with RoutingClient(url_of(svc, transport), api_key=KEY_A) as client:
+        ids = store(client, LENGTHS)
+        fields = whole(client, ids, framework)
+        total_rows = sum(n - 1 for n in LENGTHS)
+        for cfg, rank in ranks():
+            want = theirs(framework, fields, rank)
+            got = ours(client, framework, ids, rank, as_torch=True)
+            same(framework, got, want)
+            assert got.layer_ids == tuple(rank.router_layers or ())
+            assert got.rollout_ids == tuple(ids)
+            split = cfg.cp * (cfg.tp if cfg.sp else 1)
+            if split > 1:  # a rank reads about its share of the rows, never all of them
+                assert got.num_rows < total_rows, (cfg, rank, got.num_rows)
+            # the actor's record loop, fed from our replay
+            recorders = [Recorder() for _ in got.per_layer]
+            got.record(recorders)
+            for rec, w in zip(recorders, want, strict=True):
+                assert torch.equal(rec.recorded[0], w.to(torch.int32))
+        # every layer the rollouts hold (router_layers=None), and a dense stage (no routers)
+        rank = SampleRank(data_pad_size_multiplier=1)
+        full = ours(client, framework, ids, rank)
+        assert full.layer_ids == MOE
+        want = theirs(framework, fields, dataclasses.replace(rank, router_layers=MOE))
+        same(framework, ours(client, framework, ids, rank, as_torch=True), want)
+        dense = ours(client, framework, ids, dataclasses.replace(rank, router_layers=()))
+        assert dense.per_layer == [] and dense.layer_ids == ()
+        with pytest.raises(ShapeError, match="routers"):
+            full.record([Recorder()])
+
+
+@pytest.mark.parametrize("framework", ["slime", "miles"])
+def test_direct_reads_give_the_same_replay(svc: Service, framework: str) -> None:
+    with (
+        RoutingClient(svc.http_url, api_key=KEY_A) as client,
+        DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader,
+    ):
+        ids = store(client, LENGTHS, seed=7)
+        fields = whole(client, ids, framework)
+        for _, rank in ranks()[::5]:
+            got = ours(reader, framework, ids, rank, as_torch=True)
+            same(framework, got, theirs(framework, fields, rank))
+
+
+def test_slime_padding_wraps_in_int16_as_slime_computes_it(svc: Service) -> None:
+    """slime pads in the per-sample tensor's dtype (int16 from slime_layout): past 32767
+    elements its arange wraps (cp_utils.py:243-248); ours wraps the same way."""
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        ids = store(client, LENGTHS, seed=3)
+        fields = whole(client, ids, "slime")
+        assert all(f.dtype == np.int16 for f in fields)
+        # 6 layers * K=2 = 12 per padding row: 3000+ rows of padding wrap int16
+        rank = SampleRank(data_pad_size_multiplier=3000, router_layers=MOE)
+        same(
+            "slime", ours(client, "slime", ids, rank, as_torch=True), theirs("slime", fields, rank)
+        )
+
+
+@pytest.mark.parametrize("framework", ["slime", "miles"])
+async def test_rollout_side_tags_without_filling_and_ranks_fetch_it(
+    service_single: Service, framework: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wrap_generate(..., fill=False)``: keyed as before, nothing fetched into the sample;
+    the key is rebuilt on a rank from ``sample_indices`` and the rank's replay equals the
+    whole-sample path's (the field ``fill=True`` would have set)."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    module = r3_slime if framework == "slime" else r3_miles
+    async with AsyncRoutingClient(service_single.http_url, api_key=KEY_A) as client:
+        engine = glue.FakeEngine(client, behind_router=True)
+        glue.stub_framework(monkeypatch, framework, engine)
+        gen = module.wrap_generate(run=run, client=client, num_layers=glue.NUM_LAYERS, fill=False)
+        group = [glue.Sample(index=i) for i in (3, 4)]
+        for s in group:
+            assert await gen(glue.args_for(framework), s, glue.params()) is s
+            assert s.status is glue.Status.COMPLETED and s.rollout_routed_experts is None
+        keys = module.rank_keys(run, [s.index for s in group])
+        field = "session_id" if framework == "slime" else "routing_key"
+        assert keys == [getattr(s, field) for s in group]
+        assert keys[0] == (f"{run}.3" if framework == "slime" else f"{run}.3.0")
+        layout = slime_layout if framework == "slime" else miles_layout
+        fields = [
+            layout(await client.get(k), len(s.tokens), num_layers=glue.NUM_LAYERS)
+            for k, s in zip(keys, group, strict=True)
+        ]
+    counts = [len(s.tokens) for s in group]
+    with RoutingClient(service_single.http_url, api_key=KEY_A) as sync:
+        module.check_samples(group, sync)
+        for pp_stage in ((2, 3), (4, 5)):
+            rank = SampleRank(cp_size=2, cp_rank=1, data_pad_size_multiplier=1)
+            rank = dataclasses.replace(rank, router_layers=pp_stage)
+            kw: dict[str, Any] = {"num_experts": glue.E} if framework == "slime" else {}
+            got = module.fetch_rank_replay(
+                sync, keys, counts, rank=rank, num_layers=glue.NUM_LAYERS, as_torch=True, **kw
+            )
+            if framework == "slime":
+                prepared = slime_prepare([torch.as_tensor(f) for f in fields], counts, rank, glue.E)
+            else:
+                prepared = miles_prepare(fields, counts, rank)
+            same(framework, got, routers(prepared, pp_stage))
+
+
+async def test_miles_retry_keeps_the_rank_key_and_drops_the_old_attempt(
+    service_single: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rank sees ``sample_indices``, not ``metadata``: under ``fill=False`` a retry from the
+    prompt keeps ``f"{run}.{index}.0"`` and the earlier attempt's rows are deleted first."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    async with AsyncRoutingClient(service_single.http_url, api_key=KEY_A) as client:
+        engine = glue.FakeEngine(client, behind_router=True)
+        glue.stub_framework(monkeypatch, "miles", engine)
+        deleted: list[str] = []
+        real_delete = client.delete
+
+        async def delete(key: str) -> bool:  # the engine's view of a key is the store's
+            deleted.append(key)
+            engine.tokens.pop(key, None)
+            engine.truth.pop(key, None)
+            return await real_delete(key)
+
+        monkeypatch.setattr(client, "delete", delete)
+        gen = r3_miles.wrap_generate(run=run, client=client, num_layers=glue.NUM_LAYERS, fill=False)
+        sample = glue.Sample(index=7)
+        await gen(glue.args_for("miles"), sample, glue.params())
+        assert deleted == [] and sample.routing_key == f"{run}.7.0"
+        sample.reset_for_retry()
+        await gen(glue.args_for("miles"), sample, glue.params())
+        assert deleted == [f"{run}.7.0"] and sample.routing_key == f"{run}.7.0"
+        got = await client.get(f"{run}.7.0")
+        assert np.array_equal(got.indices, engine.truth[f"{run}.7.0"])
+        assert got.num_rows == len(sample.tokens) - 1
+
+
+@pytest.mark.parametrize("framework", ["slime", "miles"])
+def test_missing_and_short_rollouts_are_refused_before_dispatch(
+    svc: Service, framework: str
+) -> None:
+    module = r3_slime if framework == "slime" else r3_miles
+    field = "session_id" if framework == "slime" else "routing_key"
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        ok, short = store(client, [12, 12])
+        lost = f"rl-lost-{uuid.uuid4().hex[:8]}.0"
+        samples = [
+            keyed(glue.Sample(index=i, tokens=list(range(n))), field, key)
+            for i, (key, n) in enumerate(((ok, 12), (lost, 12), (short, 20)))
+        ]
+        module.check_samples(samples[:1], client)
+        with pytest.raises(ShapeError) as info:
+            module.check_samples(samples, client)
+        msg = str(info.value)
+        assert msg.startswith(f"{framework} rank-local routing: 2 of 3 samples cannot be replayed")
+        assert f"sample 1 (rollout '{lost}') is not in the cache" in msg
+        assert f"sample 2 (rollout '{short}') holds 11 rows, its sample needs 19" in msg
+        with pytest.raises(RolloutNotFoundError, match=rf"sample 0 \(rollout '{lost}'\)"):
+            module.check_samples(samples[1:2], client)
+        # and at the rank, had it been dispatched anyway
+        rank = SampleRank(data_pad_size_multiplier=1, router_layers=(1, 2))
+        kw: dict[str, Any] = {"num_experts": E} if framework == "slime" else {}
+        with pytest.raises(RolloutNotFoundError, match=rf"sample 1 \(rollout '{lost}'\)"):
+            module.fetch_rank_replay(client, [ok, lost], [12, 12], rank=rank, num_layers=6, **kw)
+        with pytest.raises(ShapeError, match=rf"sample 1 \(rollout '{short}'\) has 20 tokens"):
+            module.fetch_rank_replay(client, [ok, short], [12, 20], rank=rank, num_layers=6, **kw)
+
+
+@pytest.mark.parametrize("framework", ["slime", "miles"])
+async def test_rollout_side_check_refuses_missing_gapped_and_foreign_tokens(
+    service_single: Service, framework: str
+) -> None:
+    module = r3_slime if framework == "slime" else r3_miles
+    field = "session_id" if framework == "slime" else "routing_key"
+    tokens = list(range(100, 112))
+    rows = synthetic_routing(11, len(MOE), E, K, seed=1)
+    async with AsyncRoutingClient(service_single.http_url, api_key=KEY_A) as client:
+        good, foreign, gap = (f"rl-{uuid.uuid4().hex[:8]}.{n}" for n in range(3))
+        for key, toks, spans in (
+            (good, tokens, ((0, 11),)),
+            (foreign, [t + 1 for t in tokens], ((0, 11),)),
+            (gap, tokens, ((0, 4), (6, 11))),
+        ):
+            for a, b in spans:
+                seg = Segment(a, b, "m", "v1", tokens_digest=token_digest(toks[:b]))
+                await client.put(key, rows[a:b], num_experts=E, layer_ids=MOE, segment=seg)
+
+        def sample(key: str) -> Any:
+            return keyed(glue.Sample(index=0, tokens=tokens), field, key)
+
+        await module.check_stored(sample(good), client)
+        with pytest.raises(ShapeError, match="token digest differs"):
+            await module.check_stored(sample(foreign), client)
+        with pytest.raises(ShapeError, match=r"has no rows \[4, 6\)"):
+            await module.check_stored(sample(gap), client)
+        await module.check_stored(sample(gap), client, missing="fill")
+        with pytest.raises(RolloutNotFoundError, match="is not in the cache"):
+            await module.check_stored([sample(good), sample(f"rl-none-{uuid.uuid4().hex}")], client)
