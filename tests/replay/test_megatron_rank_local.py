@@ -33,7 +33,7 @@ from tests.replay.test_megatron_model import (
     replayed,
 )
 from tests.support.frames import rid
-from tests.support.megatron_model import Shape, build_gpt, forward, megatron_env
+from tests.support.megatron_model import Shape, build_gpt, forward, megatron_env, schedule_env
 from tests.support.service_process import KEY_A, Service, url_of
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay")
@@ -125,3 +125,60 @@ def test_real_routers_replay_a_rank_local_fetch(
             at += t
         np.testing.assert_array_equal(np.sort(batch.per_layer[layer], 1), np.sort(want, 1))
         assert_routes(got, replayed(want, shape.topk))
+
+
+def test_megatrons_schedule_replays_batches_fetched_while_it_runs(
+    svc: Service, cpu: torch.device
+) -> None:
+    """``wrap_forward_step`` over a lazy ``prefetched`` stream: each micro-batch's routing
+    is read from the cache (the next one while the schedule runs the current one) and
+    every router of every forward and recompute routes as the cache holds it."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from r3_client.rank_local import prefetched
+
+    lengths = [[7, 5], [4, 8], [12]]
+    model = build_gpt(SHAPE, cpu, recompute=True)
+    spy = RoutingSpy(model)
+    driver = RouterReplayDriver(model.config, model=model)
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        stored = [
+            _store(client, foreign_routings(mb, SHAPE.moe_layer_ids, 20 + n))
+            for n, mb in enumerate(lengths)
+        ]
+        fetched: list = []  # type: ignore[type-arg]
+
+        def fetch(n: int) -> object:
+            batch = fetch_megatron_rank_batch(client, stored[n], seqlens=lengths[n])
+            fetched.append(batch)
+            return batch
+
+        data = iter([torch.randint(0, 256, (1, sum(mb))) for mb in lengths])
+
+        def forward_step(data_iterator: object, model: object) -> object:
+            output = forward(model, next(data_iterator))  # type: ignore[call-overload]
+
+            def loss_func(output_tensor: torch.Tensor) -> object:
+                loss = loss_of(output_tensor)
+                return loss, {"loss": loss.detach()}
+
+            return output, loss_func
+
+        stream = (batch for _, batch in prefetched(range(len(lengths)), fetch))
+        with schedule_env(cpu):
+            get_forward_backward_func()(
+                forward_step_func=driver.wrap_forward_step(forward_step, stream),  # type: ignore[arg-type]
+                data_iterator=data,
+                model=[model],
+                num_microbatches=len(lengths),
+                seq_length=12,
+                micro_batch_size=1,
+                forward_only=False,
+            )
+    driver.finish_step()
+    spy.close()
+    assert len(fetched) == len(lengths)
+    assert len(spy.calls) == len(lengths) * 2 * SHAPE.layers
+    for n, (layer, ids) in enumerate(spy.calls):
+        batch = fetched[n // (2 * SHAPE.layers)]
+        assert_routes(ids, replayed(batch.per_layer[layer], SHAPE.topk))
