@@ -199,6 +199,27 @@ class RoutingCacheServicer:
 
         return await self._call("StatRollout", pb.RolloutRef, context, run)
 
+    async def BatchStat(  # noqa: N802
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.BatchStatResponse:
+        """See the .proto."""
+
+        async def run(ns: str, request: pb.BatchStatRequest) -> pb.BatchStatResponse:
+            ids = list(request.rollout_ids)
+            out = pb.BatchStatResponse()
+            for rid, res in zip(ids, await self.service.batch_stat(ns, ids), strict=True):
+                if isinstance(res, R3Error):
+                    err = pb.Error(
+                        code=res.code, message=error_message(res), http_status=status_for(res).http
+                    )
+                    out.items.append(pb.BatchStatItem(rollout_id=rid, error=err))
+                else:
+                    stat = _message(res, pb.RolloutStat)
+                    out.items.append(pb.BatchStatItem(rollout_id=rid, stat=stat))
+            return out
+
+        return await self._call("BatchStat", pb.BatchStatRequest, context, run)
+
     async def DeleteRollout(  # noqa: N802
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteResponse:
@@ -278,6 +299,7 @@ _OPS = {
     "TouchRollout": "touch_rollout",
     "RewindRollout": "rewind_rollout",
     "BatchGet": "batch_get",
+    "BatchStat": "batch_stat",
 }
 
 

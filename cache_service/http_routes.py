@@ -93,6 +93,27 @@ class BatchGetRequest(BaseModel):
     ranges: list[tuple[int, int]] | None = None
 
 
+class BatchStatRequest(BaseModel):
+    """Many rollouts' stats at once (metadata only)."""
+
+    rollout_ids: list[str] = Field(min_length=1)
+
+
+class BatchStatItem(BaseModel):
+    """One rollout's stat, or the error its own ``GET .../stat`` would answer."""
+
+    rollout_id: str
+    stat: RolloutInfo | None = None
+    error: ErrorBody | None = None
+    status: int | None = None  # the HTTP status of ``error``
+
+
+class BatchStatResponse(BaseModel):
+    """One item per id asked, in request order."""
+
+    items: list[BatchStatItem]
+
+
 # ---- dependencies -------------------------------------------------------------------------------
 def _service(request: Request) -> RoutingService:
     service: RoutingService = request.state.service
@@ -274,6 +295,23 @@ async def batch_get(req: BatchGetRequest, svc: ServiceDep, ns: NamespaceDep) -> 
         yield encode_trailer(count)
 
     return StreamingResponse(body(), media_type=STREAM_MEDIA_TYPE)
+
+
+@batch.post("/v1/batch/stat", name="batch_stat", response_model=BatchStatResponse)
+async def batch_stat(req: BatchStatRequest, svc: ServiceDep, ns: NamespaceDep) -> BatchStatResponse:
+    """Many rollouts' stats in one request, in request order, each its stat or its error."""
+    results = await svc.batch_stat(ns, req.rollout_ids)
+    items = [
+        BatchStatItem(rollout_id=rid, stat=res)
+        if isinstance(res, RolloutInfo)
+        else BatchStatItem(
+            rollout_id=rid,
+            error=ErrorBody(code=res.code, message=error_message(res)),
+            status=status_for(res).http,
+        )
+        for rid, res in zip(req.rollout_ids, results, strict=True)
+    ]
+    return BatchStatResponse(items=items)
 
 
 @batch.post("/v1/read-plan", name="read_plan", response_model=ReadPlanResponse)

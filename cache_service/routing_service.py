@@ -208,6 +208,28 @@ class RoutingService:
         """What is stored for a rollout."""
         return await self._ns(namespace).stat(rollout_id)
 
+    async def batch_stat(
+        self, namespace: str, rollout_ids: Sequence[str]
+    ) -> list[RolloutInfo | R3Error]:
+        """Each rollout's stat or the error it met, in request order: a driver checking a
+        whole training step before dispatch (metadata only, no rows).  At most
+        ``batch_concurrency`` stats run at once; at most ``max_batch`` ids."""
+        if len(rollout_ids) > self.settings.max_batch:
+            raise LimitExceededError(
+                f"batch of {len(rollout_ids)} rollouts; the limit is {self.settings.max_batch}"
+            )
+        store = self._ns(namespace)
+        gate = asyncio.Semaphore(self.settings.batch_concurrency)
+
+        async def one(rid: str) -> RolloutInfo | R3Error:
+            async with gate:
+                try:
+                    return await store.stat(rid)
+                except R3Error as exc:
+                    return exc
+
+        return list(await asyncio.gather(*(one(r) for r in rollout_ids)))
+
     async def delete(self, namespace: str, rollout_id: str) -> bool:
         """Delete a rollout; True if it existed."""
         return await self._ns(namespace).delete(rollout_id)

@@ -13,11 +13,13 @@ drive a transport (HTTP or gRPC, chosen by the URL scheme) and sleep between ret
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing, closing
+from typing import Any
 
 import numpy.typing as npt
 from tqdm import tqdm
@@ -35,7 +37,9 @@ from r3_client._client_core import (
 )
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
+    InvalidRequestError,
     R3Error,
+    RolloutNotFoundError,
 )
 from r3_client._routing import Routing, Segment, check_rollout_id
 from r3_client._transports import (
@@ -214,6 +218,30 @@ class RoutingClient:
         """What is stored for the rollout (no rows)."""
         check_rollout_id(rollout_id)
         return RolloutInfo.from_dict(self._retrying(lambda: self._t.stat(rollout_id)))
+
+    def stat_many(
+        self, rollout_ids: Sequence[str], *, chunk_size: int = 1024
+    ) -> list[RolloutInfo | R3Error]:
+        """Each rollout's :class:`RolloutInfo` or the error its :meth:`stat` would raise,
+        in order: one request per ``chunk_size`` ids (the service's ``max_batch`` is 1,024
+        by default), metadata only.  What a driver checks a step with before dispatch
+        (:func:`r3_client.rank_local.check_step`)."""
+        out: list[RolloutInfo | R3Error] = []
+        for chunk in self._core.chunks(rollout_ids, chunk_size):
+            try:
+                got = self._retrying(functools.partial(self._t.stat_many, chunk))
+            except R3Error as exc:
+                if not self._core.no_batch_stat(exc):
+                    raise
+                got = [(rid, self._stat_or_error(rid)) for rid in chunk]  # an older service
+            out += self._core.stats(chunk, got)
+        return out
+
+    def _stat_or_error(self, rollout_id: str) -> dict[str, Any] | R3Error:
+        try:
+            return self._retrying(lambda: self._t.stat(rollout_id))
+        except (RolloutNotFoundError, InvalidRequestError) as exc:
+            return exc
 
     def delete(self, rollout_id: str) -> bool:
         """Delete the rollout; True if it existed."""
@@ -535,6 +563,27 @@ class AsyncRoutingClient:
         """See :meth:`RoutingClient.stat`."""
         check_rollout_id(rollout_id)
         return RolloutInfo.from_dict(await self._retrying(lambda: self._t.stat(rollout_id)))
+
+    async def stat_many(
+        self, rollout_ids: Sequence[str], *, chunk_size: int = 1024
+    ) -> list[RolloutInfo | R3Error]:
+        """See :meth:`RoutingClient.stat_many`."""
+        out: list[RolloutInfo | R3Error] = []
+        for chunk in self._core.chunks(rollout_ids, chunk_size):
+            try:
+                got = await self._retrying(functools.partial(self._t.stat_many, chunk))
+            except R3Error as exc:
+                if not self._core.no_batch_stat(exc):
+                    raise
+                got = list(await asyncio.gather(*(self._stat_or_error(r) for r in chunk)))
+            out += self._core.stats(chunk, got)
+        return out
+
+    async def _stat_or_error(self, rollout_id: str) -> tuple[str, dict[str, Any] | R3Error]:
+        try:
+            return rollout_id, await self._retrying(lambda: self._t.stat(rollout_id))
+        except (RolloutNotFoundError, InvalidRequestError) as exc:
+            return rollout_id, exc
 
     async def delete(self, rollout_id: str) -> bool:
         """See :meth:`RoutingClient.delete`."""

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import numpy.typing as npt
 
+from r3_client._answers import RolloutInfo
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     ConnectError,
@@ -21,8 +22,10 @@ from r3_client._exceptions import (
     ProtocolError,
     R3Error,
     RequestTimeoutError,
+    ServiceError,
     ShapeError,
     StoreUnavailableError,
+    TransportError,
     error_for_code,
 )
 from r3_client._routing import Routing, Segment, check_rollout_id
@@ -141,6 +144,24 @@ class ClientCore:
             return self.decode(got, rid, start, end, layers)
         except (FormatError, FrameError) as exc:
             return exc
+
+    @staticmethod
+    def no_batch_stat(exc: R3Error) -> bool:
+        """True when ``exc`` says the service predates batch stats (HTTP 404/405 on the
+        route itself, gRPC ``UNIMPLEMENTED``): the client then stats id by id."""
+        if isinstance(exc, ServiceError):
+            return exc.status in (404, 405)
+        return isinstance(exc, TransportError) and "UNIMPLEMENTED" in str(exc)
+
+    @staticmethod
+    def stats(
+        asked: Sequence[str], got: Sequence[tuple[str, dict[str, Any] | R3Error]]
+    ) -> list[RolloutInfo | R3Error]:
+        """A batch stat's answers for ``asked``, each a :class:`RolloutInfo` or its error;
+        :class:`ProtocolError` when the service answered for other ids."""
+        if [rid for rid, _ in got] != list(asked):
+            raise ProtocolError("batch stat answered other ids than it was asked")
+        return [r if isinstance(r, R3Error) else RolloutInfo.from_dict(r) for _, r in got]
 
     @staticmethod
     def chunks(ids: Sequence[str], size: int) -> list[list[str]]:

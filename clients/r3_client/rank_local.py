@@ -268,17 +268,26 @@ def check_step(
 ) -> None:
     """Before dispatch: every rollout of the step exists and holds a row for each token
     of its sample but the last (``num_tokens[i] - 1`` rows, no gap unless
-    ``missing="fill"``).  One ``stat`` per rollout (metadata only, no rows), ``workers``
-    at a time; raises one :class:`~r3_client.ShapeError` or
-    :class:`~r3_client.RolloutNotFoundError` listing the first failing samples."""
+    ``missing="fill"``).  Metadata only, no rows: one batched request per 1,024 ids
+    where ``source`` has ``stat_many`` (:class:`~r3_client.RoutingClient`), else one
+    ``stat`` per rollout, ``workers`` at a time.  Raises one
+    :class:`~r3_client.ShapeError` or :class:`~r3_client.RolloutNotFoundError` listing
+    the first failing samples; any other error (auth, an unreachable service) raises
+    as it is."""
     ids = [check_rollout_id(r) for r in rollout_ids]
     need = np.asarray(num_tokens, dtype=np.int64).reshape(-1) - 1
     if need.shape[0] != len(ids):
         raise ShapeError(f"{len(ids)} rollout ids for {need.shape[0]} token counts")
 
+    many = getattr(source, "stat_many", None)
+    infos: list[RolloutInfo | R3Error] | None = many(ids) if many is not None else None
+
     def one(i: int) -> str | None:
         try:
-            info = source.stat(ids[i])
+            got = source.stat(ids[i]) if infos is None else infos[i]
+            if isinstance(got, R3Error):
+                raise got
+            info = got
         except RolloutNotFoundError:
             return f"{_who(i, ids[i])} is not in the cache"
         if info.num_rows < need[i]:
@@ -294,8 +303,11 @@ def check_step(
                 covered = max(covered, seg.end)
         return None
 
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="r3-check") as pool:
-        problems = [p for p in pool.map(one, range(len(ids))) if p is not None]
+    if infos is not None:
+        problems = [p for p in map(one, range(len(ids))) if p is not None]
+    else:
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="r3-check") as pool:
+            problems = [p for p in pool.map(one, range(len(ids))) if p is not None]
     if problems:
         shown = "; ".join(problems[:5]) + (
             f"; and {len(problems) - 5} more" if len(problems) > 5 else ""

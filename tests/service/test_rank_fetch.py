@@ -10,6 +10,8 @@ rollout is refused naming its sample before (``check_step``) or at the rank.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import re
 import time
@@ -22,12 +24,15 @@ import redis
 
 from cache_service.redis_proc import RedisProcess
 from r3_client import (
+    AsyncRoutingClient,
     DirectReader,
     InvalidRequestError,
     RolloutNotFoundError,
     RoutingClient,
     Segment,
+    ServiceError,
     ShapeError,
+    TransportError,
     encode_frame,
 )
 from r3_client.layouts import VerlRank, verl_rank_slice
@@ -272,3 +277,71 @@ def test_a_ranks_ranges_of_one_rollout_are_one_redis_read(
     finally:
         r.close()
     assert grouped < 1.2 * stored and apart > 1.8 * stored, (grouped, stored, apart)
+
+
+def test_batch_stat_answers_every_id_in_one_request(svc: Service, transport: str) -> None:
+    ids = _store(svc, [(10, 10), (5, 3)])
+    lost = rid()
+    with RoutingClient(url_of(svc, transport), api_key=KEY_A) as client:
+        got = client.stat_many([ids[0], lost, ids[1], ids[0]])
+
+        def same(a: object, b: object) -> bool:  # the TTL ticks between two stats
+            return dataclasses.replace(a, ttl_s=None) == dataclasses.replace(b, ttl_s=None)  # type: ignore[type-var]
+
+        assert same(got[0], client.stat(ids[0])) and same(got[3], got[0])
+        assert same(got[2], client.stat(ids[1]))
+        assert isinstance(got[1], RolloutNotFoundError) and lost in str(got[1])
+
+        def no_single_stat(rollout_id: str) -> object:
+            raise AssertionError("check_step must not stat rollouts one by one")
+
+        client._t.stat = no_single_stat  # type: ignore[method-assign]
+        check_step(client, ids, [20, 8])
+        with pytest.raises(RolloutNotFoundError, match=rf"sample 1 \(rollout '{lost}'\)"):
+            check_step(client, [ids[0], lost], [20, 8])
+
+    async def from_async() -> list[object]:
+        async with AsyncRoutingClient(url_of(svc, transport), api_key=KEY_A) as ac:
+            return list(await ac.stat_many([lost, ids[1]], chunk_size=1))
+
+    async_got = asyncio.run(from_async())
+    assert isinstance(async_got[0], RolloutNotFoundError) and same(async_got[1], got[2])
+    with svc.http() as c:  # the service answers a hostile id in its item, the others too
+        body = c.post("/v1/batch/stat", json={"rollout_ids": [ids[0], "../x", lost]}).json()
+        codes = [item["error"]["code"] if item["error"] else "ok" for item in body["items"]]
+        assert codes == ["ok", "invalid_request", "not_found"]
+        assert [item["status"] for item in body["items"]] == [None, 400, 404]
+        too_many = c.post("/v1/batch/stat", json={"rollout_ids": ["a"] * 5000})
+        assert too_many.status_code == 413, too_many.text
+        assert c.post("/v1/batch/stat", json={"rollout_ids": []}).status_code in (400, 422)
+    with svc.http(key=None) as c:
+        assert c.post("/v1/batch/stat", json={"rollout_ids": [ids[0]]}).status_code == 401
+
+
+def test_a_service_without_batch_stat_is_asked_id_by_id(svc: Service, transport: str) -> None:
+    """A service older than ``POST /v1/batch/stat`` (HTTP 404 on the route, gRPC
+    UNIMPLEMENTED; simulated: the running service has the route) is asked one ``stat``
+    per id; any other failure of the batch stat still raises."""
+    (key,) = _store(svc, [(6, 6)])
+    lost = rid()
+    old = (
+        TransportError("gRPC call failed with UNIMPLEMENTED: Method not found!")
+        if transport == "grpc"
+        else ServiceError("Not Found", status=404)
+    )
+    with RoutingClient(url_of(svc, transport), api_key=KEY_A) as client:
+
+        def older(ids: object) -> object:
+            raise old
+
+        client._t.stat_many = older  # type: ignore[method-assign]
+        got = client.stat_many([key, lost])
+        assert got[0].num_rows == 11 and isinstance(got[1], RolloutNotFoundError)  # type: ignore[union-attr]
+        check_step(client, [key], [12])
+
+        def down(ids: object) -> object:
+            raise ServiceError("internal error", status=500)
+
+        client._t.stat_many = down  # type: ignore[method-assign]
+        with pytest.raises(ServiceError, match="internal"):
+            client.stat_many([key])

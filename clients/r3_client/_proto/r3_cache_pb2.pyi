@@ -110,6 +110,28 @@ class BatchItem(_message.Message):
     error: Error
     def __init__(self, rollout_id: _Optional[str] = ..., frame: _Optional[bytes] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
+class BatchStatRequest(_message.Message):
+    __slots__ = ("rollout_ids",)
+    ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    rollout_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BatchStatItem(_message.Message):
+    __slots__ = ("rollout_id", "stat", "error")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    STAT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    stat: RolloutStat
+    error: Error
+    def __init__(self, rollout_id: _Optional[str] = ..., stat: _Optional[_Union[RolloutStat, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class BatchStatResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[BatchStatItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[BatchStatItem, _Mapping]]] = ...) -> None: ...
+
 class Segment(_message.Message):
     __slots__ = ("start", "end", "model_id", "weight_version", "tokens_digest")
     START_FIELD_NUMBER: _ClassVar[int]

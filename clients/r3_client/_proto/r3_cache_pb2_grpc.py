@@ -69,6 +69,11 @@ class RoutingCacheStub:
                 request_serializer=r3__cache__pb2.BatchGetRequest.SerializeToString,
                 response_deserializer=r3__cache__pb2.BatchItem.FromString,
                 _registered_method=True)
+        self.BatchStat = channel.unary_unary(
+                '/r3.cache.v1.RoutingCache/BatchStat',
+                request_serializer=r3__cache__pb2.BatchStatRequest.SerializeToString,
+                response_deserializer=r3__cache__pb2.BatchStatResponse.FromString,
+                _registered_method=True)
 
 
 class RoutingCacheServicer:
@@ -120,6 +125,13 @@ class RoutingCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BatchStat(self, request, context):
+        """Many rollouts' stats (metadata only), in request order, each its stat or its error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoutingCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +169,11 @@ def add_RoutingCacheServicer_to_server(servicer, server):
                     servicer.BatchGet,
                     request_deserializer=r3__cache__pb2.BatchGetRequest.FromString,
                     response_serializer=r3__cache__pb2.BatchItem.SerializeToString,
+            ),
+            'BatchStat': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchStat,
+                    request_deserializer=r3__cache__pb2.BatchStatRequest.FromString,
+                    response_serializer=r3__cache__pb2.BatchStatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,6 +365,33 @@ class RoutingCache:
             '/r3.cache.v1.RoutingCache/BatchGet',
             r3__cache__pb2.BatchGetRequest.SerializeToString,
             r3__cache__pb2.BatchItem.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchStat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/r3.cache.v1.RoutingCache/BatchStat',
+            r3__cache__pb2.BatchStatRequest.SerializeToString,
+            r3__cache__pb2.BatchStatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any, Protocol
 
+from r3_client._exceptions import R3Error
 from r3_client.codec.stream import StreamItem
 
 __all__ = ["AsyncTransport", "Transport"]
@@ -37,6 +38,10 @@ class Transport(Protocol):
 
     def stat(self, rollout_id: str) -> dict[str, Any]:
         """The rollout's description as a dict."""
+        ...
+
+    def stat_many(self, rollout_ids: Sequence[str]) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """Each rollout's description or its error, in request order (one request)."""
         ...
 
     def delete(self, rollout_id: str) -> bool:
@@ -92,6 +97,12 @@ class AsyncTransport(Protocol):
 
     async def stat(self, rollout_id: str) -> dict[str, Any]:
         """See :meth:`Transport.stat`."""
+        ...
+
+    async def stat_many(
+        self, rollout_ids: Sequence[str]
+    ) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """See :meth:`Transport.stat_many`."""
         ...
 
     async def delete(self, rollout_id: str) -> bool:

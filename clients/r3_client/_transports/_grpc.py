@@ -10,7 +10,7 @@ import grpc
 from r3_client._answer_forms import from_message, to_plain
 from r3_client._answers import PutResult, RolloutInfo
 from r3_client._config import Timeout
-from r3_client._exceptions import ProtocolError, from_grpc
+from r3_client._exceptions import ProtocolError, R3Error, error_for_code, from_grpc
 from r3_client._proto import r3_cache_pb2 as pb
 from r3_client._proto import r3_cache_pb2_grpc as pb_grpc
 from r3_client.codec.stream import StreamItem
@@ -88,6 +88,20 @@ def _item(msg: pb.BatchItem) -> StreamItem:
     raise ProtocolError(f"batch item for {msg.rollout_id!r} has neither frame nor error")
 
 
+def _stat_items(msg: pb.BatchStatResponse) -> list[tuple[str, dict[str, Any] | R3Error]]:
+    out: list[tuple[str, dict[str, Any] | R3Error]] = []
+    for item in msg.items:
+        which = item.WhichOneof("result")
+        if which == "stat":
+            out.append((item.rollout_id, _plain(item.stat, RolloutInfo)))
+        elif which == "error":
+            e = item.error
+            out.append((item.rollout_id, error_for_code(e.code, e.message, status=e.http_status)))
+        else:
+            raise ProtocolError(f"batch stat item for {item.rollout_id!r} has neither result")
+    return out
+
+
 def _target(url: str) -> str:
     return url.removeprefix("grpc://")
 
@@ -132,6 +146,11 @@ class GrpcTransport:
         """See :class:`Transport`."""
         req = pb.RolloutRef(rollout_id=rollout_id)
         return _plain(self._call(self._stub.StatRollout, req), RolloutInfo)
+
+    def stat_many(self, rollout_ids: Sequence[str]) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """See :class:`Transport`."""
+        req = pb.BatchStatRequest(rollout_ids=list(rollout_ids))
+        return _stat_items(self._call(self._stub.BatchStat, req))
 
     def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport`."""
@@ -229,6 +248,13 @@ class AsyncGrpcTransport:
         """See :class:`Transport`."""
         req = pb.RolloutRef(rollout_id=rollout_id)
         return _plain(await self._call("StatRollout", req), RolloutInfo)
+
+    async def stat_many(
+        self, rollout_ids: Sequence[str]
+    ) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """See :class:`Transport`."""
+        req = pb.BatchStatRequest(rollout_ids=list(rollout_ids))
+        return _stat_items(await self._call("BatchStat", req))
 
     async def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport`."""

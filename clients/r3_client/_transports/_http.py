@@ -68,6 +68,28 @@ def _batch_body(
     return body
 
 
+def _stat_items(body: dict[str, Any]) -> list[tuple[str, dict[str, Any] | R3Error]]:
+    """``POST /v1/batch/stat``'s items: each a stat's JSON or the error it names."""
+    items = body.get("items")
+    if not isinstance(items, list):
+        raise ProtocolError("batch stat answer has no items list")
+    out: list[tuple[str, dict[str, Any] | R3Error]] = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("rollout_id"), str):
+            raise ProtocolError("batch stat item is not an object with a rollout_id")
+        rid, stat, err = item["rollout_id"], item.get("stat"), item.get("error")
+        if isinstance(stat, dict):
+            out.append((rid, stat))
+        elif isinstance(err, dict):
+            code, msg = str(err.get("code", "service_error")), str(err.get("message", ""))
+            status = item.get("status")
+            status = status if isinstance(status, int) else None
+            out.append((rid, error_for_code(code, msg, status=status)))
+        else:
+            raise ProtocolError(f"batch stat item for {rid!r} has neither stat nor error")
+    return out
+
+
 def _error(resp: httpx.Response) -> R3Error:
     """The exception for a non-2xx answer (its JSON error code, else the status)."""
     try:
@@ -156,6 +178,13 @@ class HTTPTransport:
             resp = self._http.get(_path(rollout_id, "/stat"))
         _raise_for(resp)
         return _json(resp)
+
+    def stat_many(self, rollout_ids: Sequence[str]) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """See :class:`Transport`."""
+        with _translate():
+            resp = self._http.post("/v1/batch/stat", json={"rollout_ids": list(rollout_ids)})
+        _raise_for(resp)
+        return _stat_items(_json(resp))
 
     def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport` (404 is "did not exist", not an error)."""
@@ -257,6 +286,15 @@ class AsyncHTTPTransport:
             resp = await self._http.get(_path(rollout_id, "/stat"))
         _raise_for(resp)
         return _json(resp)
+
+    async def stat_many(
+        self, rollout_ids: Sequence[str]
+    ) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """See :class:`Transport`."""
+        async with _atranslate():
+            resp = await self._http.post("/v1/batch/stat", json={"rollout_ids": list(rollout_ids)})
+        _raise_for(resp)
+        return _stat_items(_json(resp))
 
     async def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport`."""
