@@ -38,3 +38,37 @@ class FakeGroup:
 
     def rank(self) -> int:
         return self._rank
+
+
+def import_megatron_engine() -> types.ModuleType:
+    """verl's ``workers.engine.megatron.transformer_impl``, imported even where the other
+    engines' dependencies are absent.
+
+    ``verl/workers/engine/__init__.py`` imports the FSDP engine unconditionally, which needs
+    ``peft`` (not installed: verl is ``--no-deps``).  Where that import fails, the package is
+    put in ``sys.modules`` without running its ``__init__`` (its ``__path__`` and the two
+    names it exports from ``base``), so the Megatron engine and the modules it imports load
+    as they ship.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module("verl.workers.engine.megatron.transformer_impl")
+    except ModuleNotFoundError:
+        pass
+    for name in [m for m in sys.modules if m.startswith("verl.workers.engine")]:
+        del sys.modules[name]  # a half-run __init__ left behind
+    import verl.workers as workers
+
+    spec = importlib.util.find_spec("verl.workers.engine")
+    assert spec is not None and spec.submodule_search_locations is not None
+    package = types.ModuleType("verl.workers.engine")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    package.__package__ = "verl.workers.engine"
+    sys.modules["verl.workers.engine"] = package
+    workers.engine = package  # type: ignore[attr-defined]
+    base = importlib.import_module("verl.workers.engine.base")
+    package.BaseEngine = base.BaseEngine  # type: ignore[attr-defined]  # what __init__ exports
+    package.EngineRegistry = base.EngineRegistry  # type: ignore[attr-defined]
+    return importlib.import_module("verl.workers.engine.megatron.transformer_impl")
