@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from r3_client._answers import RolloutInfo
 from r3_client._exceptions import R3Error, RolloutNotFoundError, ShapeError
-from r3_client._routing import Routing, check_rollout_id
+from r3_client._routing import Routing, check_rollout_id, token_digest
 from r3_client.layouts import (
     MegatronReplayBatch,
     Missing,
@@ -264,20 +264,34 @@ def check_step(
     num_tokens: Sequence[int] | npt.ArrayLike,
     *,
     missing: Missing = "raise",
+    tokens: Sequence[Sequence[int]] | None = None,
+    longer: Sequence[bool] | bool = True,
     workers: int = 16,
 ) -> None:
     """Before dispatch: every rollout of the step exists and holds a row for each token
     of its sample but the last (``num_tokens[i] - 1`` rows, no gap unless
     ``missing="fill"``).  Metadata only, no rows: one batched request per 1,024 ids
     where ``source`` has ``stat_many`` (:class:`~r3_client.RoutingClient`), else one
-    ``stat`` per rollout, ``workers`` at a time.  Raises one
-    :class:`~r3_client.ShapeError` or :class:`~r3_client.RolloutNotFoundError` listing
-    the first failing samples; any other error (auth, an unreachable service) raises
-    as it is."""
+    ``stat`` per rollout, ``workers`` at a time.
+
+    ``tokens``: each sample's token ids; a stored segment that recorded a token digest
+    and lies within them must have been computed from them (rows from other tokens: an
+    earlier attempt's, another sample's).  ``longer``: whether a rollout may hold more
+    rows than its sample needs (per sample, or for all): a trainer that cut a response
+    allows it, one whose sample should be the whole rollout does not.
+
+    Raises one :class:`~r3_client.ShapeError` or :class:`~r3_client.RolloutNotFoundError`
+    listing the first failing samples; any other error (auth, an unreachable service)
+    raises as it is."""
     ids = [check_rollout_id(r) for r in rollout_ids]
     need = np.asarray(num_tokens, dtype=np.int64).reshape(-1) - 1
     if need.shape[0] != len(ids):
         raise ShapeError(f"{len(ids)} rollout ids for {need.shape[0]} token counts")
+    if tokens is not None and len(tokens) != len(ids):
+        raise ShapeError(f"{len(ids)} rollout ids for {len(tokens)} token lists")
+    may_be_longer = [bool(longer)] * len(ids) if isinstance(longer, bool) else list(longer)
+    if len(may_be_longer) != len(ids):
+        raise ShapeError(f"{len(ids)} rollout ids for {len(may_be_longer)} 'longer' flags")
 
     many = getattr(source, "stat_many", None)
     infos: list[RolloutInfo | R3Error] | None = many(ids) if many is not None else None
@@ -292,6 +306,20 @@ def check_step(
             return f"{_who(i, ids[i])} is not in the cache"
         if info.num_rows < need[i]:
             return f"{_who(i, ids[i])} holds {info.num_rows} rows, its sample needs {need[i]}"
+        if info.num_rows > need[i] and not may_be_longer[i]:
+            return (
+                f"{_who(i, ids[i])} holds {info.num_rows} rows, more than its sample's "
+                f"{need[i]}, and the sample was not cut short"
+            )
+        if tokens is not None:
+            seq = [int(t) for t in tokens[i]]
+            for seg in (s.segment for s in info.segments):
+                checkable = seg.tokens_digest and seg.end <= len(seq)
+                if checkable and token_digest(seq[: seg.end]) != seg.tokens_digest:
+                    return (
+                        f"{_who(i, ids[i])}: stored rows [{seg.start}, {seg.end}) were "
+                        "computed from other tokens than the sample's (token digest differs)"
+                    )
         if missing == "raise":
             covered = 0
             for seg in sorted((s.segment for s in info.segments), key=lambda s: s.start):

@@ -40,7 +40,14 @@ if importlib.util.find_spec("verl") is None:
         allow_module_level=True,
     )
 
-from r3_client import RolloutNotFoundError, Routing, RoutingClient, Segment, ShapeError
+from r3_client import (
+    RolloutNotFoundError,
+    Routing,
+    RoutingClient,
+    Segment,
+    ShapeError,
+    token_digest,
+)
 from r3_client.integrations import verl as r3_verl
 from r3_client.layouts import verl_layout
 from r3_client.synthetic import synthetic_routing
@@ -498,6 +505,25 @@ def test_driver_refuses_a_missing_or_short_rollout_before_dispatch(
         client.put(short[5], routings[5].indices[:4], num_experts=E, layer_ids=MODELS[0].moe_ids)
         manager.wrapped = Manager(_rollout(verl, short))
         with pytest.raises(ShapeError, match=rf"sample 5 \(rollout '{short[5]}'\) holds 4 rows"):
+            manager.generate_sequences(verl.DataProto())
+        # rows computed from other tokens (an earlier attempt's): their digest differs
+        foreign = list(ids)
+        foreign[0] = rid()  # sample 0: P=3, R=4, so 7 tokens and 6 rows
+        digest = token_digest(list(range(1, 7)))
+        seg = Segment(0, 6, "tiny-moe", "v1", digest)
+        client.put(
+            foreign[0], routings[0].indices, num_experts=E, layer_ids=MODELS[0].moe_ids, segment=seg
+        )
+        manager.wrapped = Manager(_rollout(verl, foreign))
+        with pytest.raises(ShapeError, match=r"sample 0 .*computed from other tokens"):
+            manager.generate_sequences(verl.DataProto())
+        # more rows than the sample, whose response verl did not cut (R=1 < response_length)
+        longer = list(ids)
+        longer[1] = rid()  # sample 1: P=5, R=1, so 5 rows
+        extra = routings[1].indices[np.arange(8) % 5]
+        client.put(longer[1], extra, num_experts=E, layer_ids=MODELS[0].moe_ids)
+        manager.wrapped = Manager(_rollout(verl, longer))
+        with pytest.raises(ShapeError, match=r"sample 1 .*holds 8 rows, more than .* 5"):
             manager.generate_sequences(verl.DataProto())
         validation = verl.DataProto(meta_info={"validate": True})
         assert manager.generate_sequences(validation) is manager.wrapped.batch  # not checked

@@ -358,9 +358,12 @@ def check_rank_local_batch(
 
     Every sample's rollout (``rollout_ids``, default ``non_tensor_batch["r3_rollout_id"]``;
     given ids are written there) must be in the cache with a row for each of its tokens
-    but the last (``attention_mask.sum(1) - 1``; no gap unless ``missing="fill"``): one
-    ``stat`` per rollout (:func:`r3_client.rank_local.check_step`), so a missing or short
-    rollout fails the step naming its sample before anything is dispatched.  The ids
+    but the last (``attention_mask.sum(1) - 1``; no gap unless ``missing="fill"``),
+    computed from the sample's tokens where the engine recorded their digest, and no
+    more rows unless verl cut the response at ``response_length`` (the checks
+    :func:`attach_routed_experts` makes): one batched stat
+    (:func:`r3_client.rank_local.check_step`), so such a rollout fails the step naming
+    its sample before anything is dispatched.  The ids
     are then the batch's only routing: verl carries ``non_tensor_batch`` into the
     workers' micro-batches (``protocol.py:1119-1121``, ``tensordict_utils.index_select``)
     and :class:`RankLocalReplay` reads each rank's slice there.  A batch that already
@@ -374,8 +377,25 @@ def check_rank_local_batch(
             "rank-local mode verl's workers replay the cache's rows, not this tensor; "
             "drop it or use attach_routed_experts"
         )
-    counts = [int(n) for n in data.batch["attention_mask"].sum(dim=1).tolist()]
-    check_step(source, ids, counts, missing=missing)
+    mask = data.batch["attention_mask"]
+    plen = int(data.batch["prompts"].shape[1])
+    rlen = int(data.batch["responses"].shape[1])
+    prompt_lens = mask[:, :plen].sum(dim=1).tolist()
+    response_lens = mask[:, plen:].sum(dim=1).tolist()
+    input_ids = data.batch["input_ids"].cpu().numpy()
+    tokens = [
+        input_ids[i, plen - int(p) : plen + int(r)]
+        for i, (p, r) in enumerate(zip(prompt_lens, response_lens, strict=True))
+    ]
+    # As attach_routed_experts' _fit: more rows only where verl cut the response.
+    check_step(
+        source,
+        ids,
+        [len(t) for t in tokens],
+        missing=missing,
+        tokens=tokens,
+        longer=[int(r) >= rlen for r in response_lens],
+    )
     if rollout_ids is not None:
         data.non_tensor_batch[ROLLOUT_ID_KEY] = np.array(ids, dtype=object)
     return data
