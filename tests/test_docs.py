@@ -202,3 +202,20 @@ def test_the_newcomers_map_matches_the_tree() -> None:
         for init in (ROOT / top).rglob("__init__.py")
     }
     assert packages - set(rows) == set(), "package folders missing from the README's map"
+
+
+def test_step_fetch_benchmark_runs_small(tmp_path: Path) -> None:
+    """bench/step_fetch_bench.py end to end on a tiny step (its own Redis and service, rank
+    processes): every figure issue 36 asks for is printed and written."""
+    out = _run_bench(
+        "step_fetch_bench.py", "--rollouts", "4", "--tokens", "2048", "--dp", "2", "--pp", "2",
+        "--cp", "1", "--tp", "2", "--micro", "2", "--dist", "skewed",
+        "--json", str(tmp_path / "sfb.json"),
+    )  # fmt: skip
+    assert "bytes/share max" in out and "time ratio" in out
+    import json
+
+    report = json.loads((tmp_path / "sfb.json").read_text())["skewed"]
+    ranks = report["rank_local"]["ranks"]
+    assert len(ranks) == 8 and all(r["bytes"] > 0 for r in ranks)
+    assert report["rank_local"]["driver"]["rss_growth_mib"] < 64
