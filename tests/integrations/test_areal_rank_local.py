@@ -52,6 +52,7 @@ from r3_client.integrations.areal import (
 )
 from r3_client.synthetic import synthetic_routing
 from tests.support.service_process import KEY_A, Service, url_of
+from tests.support.verl_stubs import FakeGroup
 
 torch = pytest.importorskip("torch")
 mappings = pytest.importorskip("megatron.core.tensor_parallel.mappings")
@@ -175,19 +176,6 @@ def ref_cp_split(tensor: Any, cu_seqlens: Any, cp_size: int, cp_rank: int) -> An
     return out
 
 
-class _Group:
-    """A TP group of ``size`` seen from ``rank``: what ``_split_along_first_dim`` asks."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def ref_set_router_replay_data(
     layers_topk_idx: Any,
     cu_seqlens: Any,
@@ -225,7 +213,7 @@ def ref_set_router_replay_data(
         packed = ref_cp_split(packed, cu_seqlens, cp_size, cp_rank)
         valid = ref_cp_split(valid.to(torch.int32), cu_seqlens, cp_size, cp_rank).bool()
     if tp_size > 1:  # :369-381, Megatron-Core's own split
-        group = _Group(tp_size, tp_rank)
+        group = FakeGroup(tp_size, tp_rank)
         local = mappings._split_along_first_dim(packed, group)
         mask_buf = valid.to(packed.dtype).unsqueeze(-1).unsqueeze(-1)
         local_mask = mappings._split_along_first_dim(mask_buf, group)[..., 0, 0].bool()

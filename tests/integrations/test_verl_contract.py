@@ -51,7 +51,7 @@ from r3_client.synthetic import synthetic_routing
 from tests.support.frames import rid
 from tests.support.megatron_model import _hide_broken_flash_mla, causal_mask, megatron_env
 from tests.support.service_process import KEY_A, Service
-from tests.support.verl_stubs import FakeGroup, stub_ray
+from tests.support.verl_stubs import FakeGroup, stub_ray, verl_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 E, K, HIDDEN, VOCAB = 8, 2, 64, 256
@@ -167,24 +167,10 @@ def _routings(model: Model, seed: int = 0) -> list[Routing]:
 
 def _batch(verl: Verl, routed_experts: np.ndarray) -> Any:
     """The DataProto verl's agent loop hands the trainer: prompts left-, responses right-padded."""
-    bs = len(PROMPTS)
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.zeros(bs, PROMPT_LEN, dtype=torch.int64)
-    responses = torch.zeros(bs, RESPONSE_LEN, dtype=torch.int64)
-    attention_mask = torch.zeros(bs, PROMPT_LEN + RESPONSE_LEN, dtype=torch.int64)
-    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
-        prompts[i, PROMPT_LEN - p :] = torch.randint(1, VOCAB, (p,), generator=gen)
-        responses[i, :r] = torch.randint(1, VOCAB, (r,), generator=gen)
-        attention_mask[i, PROMPT_LEN - p : PROMPT_LEN + r] = 1
-    tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "response_mask": attention_mask[:, PROMPT_LEN:].clone(),
-        "position_ids": verl.compute_position_id_with_mask(attention_mask),
-        "routed_experts": torch.from_numpy(routed_experts),
-    }
+    tensors = verl_tensors(
+        PROMPTS, RESPONSES, PROMPT_LEN, RESPONSE_LEN, VOCAB, verl.compute_position_id_with_mask
+    )
+    tensors["routed_experts"] = torch.from_numpy(routed_experts)
     return verl.DataProto.from_dict(tensors=tensors)
 
 

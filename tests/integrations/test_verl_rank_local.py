@@ -63,7 +63,7 @@ from tests.client.test_layout_slices import (
 from tests.support.frames import rid
 from tests.support.megatron_model import _hide_broken_flash_mla, megatron_env, schedule_env
 from tests.support.service_process import KEY_A, Service
-from tests.support.verl_stubs import import_megatron_engine, stub_ray
+from tests.support.verl_stubs import import_megatron_engine, stub_ray, verl_tensors
 
 # A zero-length response (not replayed), a one-token response (its only token is the last).
 PROMPTS = (3, 5, 2, 4, 7, 1, 6)
@@ -157,23 +157,9 @@ def _store(client: RoutingClient, routings: Sequence[Routing]) -> list[str]:
 def _rollout(v: Verl, ids: Sequence[str] | None = None, routed: np.ndarray | None = None) -> Any:
     """The DataProto verl's agent loop hands the trainer (prompts left-, responses
     right-padded), with ``r3_rollout_id`` and/or ``routed_experts``."""
-    bs = len(PROMPTS)
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.zeros(bs, PROMPT_LEN, dtype=torch.int64)
-    responses = torch.zeros(bs, RESPONSE_LEN, dtype=torch.int64)
-    mask = torch.zeros(bs, PROMPT_LEN + RESPONSE_LEN, dtype=torch.int64)
-    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
-        prompts[i, PROMPT_LEN - p :] = torch.randint(1, VOCAB, (p,), generator=gen)
-        responses[i, :r] = torch.randint(1, VOCAB, (r,), generator=gen)
-        mask[i, PROMPT_LEN - p : PROMPT_LEN + r] = 1
-    tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": mask,
-        "response_mask": mask[:, PROMPT_LEN:].clone(),
-        "position_ids": v.compute_position_id_with_mask(mask),
-    }
+    tensors = verl_tensors(
+        PROMPTS, RESPONSES, PROMPT_LEN, RESPONSE_LEN, VOCAB, v.compute_position_id_with_mask
+    )
     if routed is not None:
         tensors["routed_experts"] = torch.from_numpy(routed)
     data = v.DataProto.from_dict(tensors=tensors)

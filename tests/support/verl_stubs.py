@@ -1,12 +1,14 @@
 """What the tests that drive verl's own code on one process stand in for (tests only):
 ``ray``, which ``verl.protocol`` imports at module level where it is not installed, and
-process groups of other sizes and ranks."""
+process groups of other sizes and ranks, and the batch verl's agent loop hands the trainer."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 import types
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def stub_ray() -> None:
@@ -72,3 +74,35 @@ def import_megatron_engine() -> types.ModuleType:
     package.BaseEngine = base.BaseEngine  # type: ignore[attr-defined]  # what __init__ exports
     package.EngineRegistry = base.EngineRegistry  # type: ignore[attr-defined]
     return importlib.import_module("verl.workers.engine.megatron.transformer_impl")
+
+
+def verl_tensors(
+    prompts_lens: Sequence[int],
+    response_lens: Sequence[int],
+    prompt_len: int,
+    response_len: int,
+    vocab: int,
+    position_ids: Callable[[Any], Any],
+) -> dict[str, Any]:
+    """The tensors of the DataProto verl's agent loop hands the trainer: prompts left-,
+    responses right-padded, random token ids (seed 0), ``position_ids`` by verl's own
+    ``compute_position_id_with_mask`` (passed in: importing verl needs :func:`stub_ray`)."""
+    import torch
+
+    bs = len(prompts_lens)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.zeros(bs, prompt_len, dtype=torch.int64)
+    responses = torch.zeros(bs, response_len, dtype=torch.int64)
+    mask = torch.zeros(bs, prompt_len + response_len, dtype=torch.int64)
+    for i, (p, r) in enumerate(zip(prompts_lens, response_lens, strict=True)):
+        prompts[i, prompt_len - p :] = torch.randint(1, vocab, (p,), generator=gen)
+        responses[i, :r] = torch.randint(1, vocab, (r,), generator=gen)
+        mask[i, prompt_len - p : prompt_len + r] = 1
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": mask,
+        "response_mask": mask[:, prompt_len:].clone(),
+        "position_ids": position_ids(mask),
+    }
