@@ -24,15 +24,23 @@ lines, as tests/integrations/test_slime_miles_contract.py does:
 The rollout side runs ``wrap_generate(..., fill=False)`` through the stub frameworks and
 fake engine of test_glue.py; a missing, short or foreign-token rollout is refused before
 dispatch, naming the sample.
+
+The training-side hooks (``install_rank_local``, ``rank_local_fill_routing_replay`` /
+``rank_local_fill_replay_data``) run inside stand-in slime / miles modules, driven by
+restated data iterators over several micro-batches with Megatron-Core ``TransformerConfig``
+model chunks, and must leave every router holding what the restated fill records.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import sys
+import types
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -173,11 +181,16 @@ class Recorder:
 # ------------------------------------------------------------------ storage
 
 
-def store(client: RoutingClient, lengths: Sequence[int], seed: int = 0) -> list[str]:
+def store(
+    client: RoutingClient,
+    lengths: Sequence[int],
+    seed: int = 0,
+    keys: Sequence[str] | None = None,
+) -> list[str]:
     """Rollouts of ``T - 1`` rows each, stored as two segments (prompt, then response)."""
     ids = []
     for n, length in enumerate(lengths):
-        key = f"rl-{uuid.uuid4().hex[:10]}.{n}"
+        key = keys[n] if keys is not None else f"rl-{uuid.uuid4().hex[:10]}.{n}"
         rows = synthetic_routing(length - 1, len(MOE), E, K, seed=seed + n)
         cut = max(1, (length - 1) // 3)
         for a, b in ((0, cut), (cut, length - 1)):
@@ -429,3 +442,454 @@ async def test_rollout_side_check_refuses_missing_gapped_and_foreign_tokens(
         await module.check_stored(sample(gap), client, missing="fill")
         with pytest.raises(RolloutNotFoundError, match="is not in the cache"):
             await module.check_stored([sample(good), sample(f"rl-none-{uuid.uuid4().hex}")], client)
+
+
+# ------------------------------------------------------------------ the installed hooks
+#
+# The product hooks (r3_slime.install_rank_local / r3_miles.install_rank_local) run inside
+# stand-ins of the modules they patch, driven the way the actors drive their fill, and
+# must leave every router holding what the restated fill above records from whole
+# fields.  Megatron's own get_transformer_layer_offset / get_num_layers_to_build walk
+# real TransformerConfigs.  Megatron's parallel state is answered by monkeypatching the
+# mpu getters the code reads (TP / CP in slime's fill, the pipeline rank in Megatron's
+# layer walk): initialize_model_parallel would need a torch.distributed world of
+# tp * cp * pp processes, while one process must stand as every rank in turn here.
+
+INDICES = [40, 41, 42, 43, 44]  # Sample.index of LENGTHS' samples (sample_indices)
+MICRO_BATCHES = [[2, 0], [4, 1, 3]]  # rollout_data["micro_batch_indices"]: local positions
+HOOK_CFGS = [
+    Cfg(1, 1, False),
+    Cfg(2, 1, True),
+    Cfg(2, 2, True),
+    Cfg(1, 2, False, allgather_cp=True),
+]
+#: (pp, vpp, pp_rank) -> the rank's routers as slime's actor / miles' walk finds them
+PIPELINES: dict[tuple[int, int | None, int], tuple[int, ...]] = {
+    (1, None, 0): (1, 2, 4, 5),
+    (2, None, 0): (1, 2),
+    (2, None, 1): (4, 5),
+    (2, 3, 0): (2, 4),  # virtual stages hold layers 0, 2, 4 (0 is dense)
+    (2, 3, 1): (1, 5),  # and 1, 3, 5
+}
+
+
+class DataIterator:
+    """slime's ``DataIterator`` (slime/backends/megatron_utils/data.py:152-189; miles'
+    training_utils/data.py:353-410 with ``micro_batch_indices`` is the same), restated."""
+
+    def __init__(self, rollout_data: dict[str, Any], micro_batch_indices: list[list[int]]):
+        self.rollout_data = rollout_data
+        self.micro_batch_indices = micro_batch_indices
+        self.offset = 0
+        self.resets = 0
+
+    def get_next(self, keys: Sequence[str]) -> dict[str, list[Any] | None]:
+        batch: dict[str, list[Any] | None] = {}
+        indices = self.micro_batch_indices[self.offset]
+        for key in keys:
+            vals = self.rollout_data.get(key, None)
+            batch[key] = None if vals is None else [vals[i] for i in indices]
+        self.offset += 1
+        return batch
+
+    def reset(self) -> DataIterator:
+        self.offset = 0
+        self.resets += 1
+        return self
+
+
+@functools.cache
+def model_chunks(pp: int, vpp: int | None) -> list[Any]:
+    """The actor's ``self.model``: one DDP-wrapped chunk per virtual stage, whose
+    ``.module.config`` is what slime's actor.py:335 and miles' replay_utils.py:9 read."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=NUM_LAYERS,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        moe_ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_layer_freq=[1 if i in MOE else 0 for i in range(NUM_LAYERS)],
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+    )
+    return [types.SimpleNamespace(module=types.SimpleNamespace(config=config))] * (vpp or 1)
+
+
+def answer_mpu(
+    mp: pytest.MonkeyPatch, tp: int, tp_rank: int, cp: int, cp_rank: int, pp_rank: int
+) -> None:
+    """The mpu getters slime's fill and Megatron's layer walk read, answering for one rank."""
+    from megatron.core import parallel_state
+
+    for name, value in (
+        ("get_tensor_model_parallel_world_size", tp),
+        ("get_tensor_model_parallel_rank", tp_rank),
+        ("get_context_parallel_world_size", cp),
+        ("get_context_parallel_rank", cp_rank),
+        ("get_pipeline_model_parallel_rank", pp_rank),
+    ):
+        mp.setattr(parallel_state, name, lambda *a, v=value, **k: v)
+
+
+def stand_in(mp: pytest.MonkeyPatch, name: str, **attrs: Any) -> types.ModuleType:
+    """A module in ``sys.modules`` (its parent packages too, unless already there)."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        parent = ".".join(parts[:i])
+        if parent not in sys.modules:
+            mp.setitem(sys.modules, parent, types.ModuleType(parent))
+    module = types.ModuleType(name)
+    for k, v in attrs.items():
+        setattr(module, k, v)
+    mp.setitem(sys.modules, name, module)
+    return module
+
+
+class RoutingReplay:
+    """slime.utils.routing_replay.RoutingReplay's class list (routing_replay.py:81-89)."""
+
+    all_routing_replays: ClassVar[list[Any]] = []
+
+
+def stub_slime(mp: pytest.MonkeyPatch) -> type:
+    """slime's actor module and routing replay module, as far as the hook touches them."""
+
+    class MegatronTrainRayActor:
+        def fill_routing_replay(
+            self, data_iterator: Any, num_microbatches: Any, rollout_data: Any
+        ) -> None:
+            raise AssertionError("slime's own fill ran")
+
+    stand_in(mp, "slime.backends.megatron_utils.actor", MegatronTrainRayActor=MegatronTrainRayActor)
+    mp.setattr(RoutingReplay, "all_routing_replays", [])
+    stand_in(mp, "slime.utils.routing_replay", RoutingReplay=RoutingReplay)
+    return MegatronTrainRayActor
+
+
+def miles_own_fill(calls: list[dict[str, Any]]) -> Any:
+    def fill_replay_data(
+        *,
+        args: Any,
+        models: Any,
+        data_iterator: Any,
+        num_microbatches: Any,
+        rollout_data: Any,
+        data_key: str,
+        replay_list: list[Any],
+        register_replay_list_func: Any,
+        if_sp_region: bool = True,
+        indices_are_token_positions: bool = False,
+    ) -> None:
+        calls.append({"data_key": data_key, "if_sp_region": if_sp_region})
+
+    return fill_replay_data
+
+
+def stub_miles(mp: pytest.MonkeyPatch, calls: list[dict[str, Any]], state: list[Any]) -> Any:
+    """miles' actor module (binding fill_replay_data, actor.py:49) and get_parallel_state."""
+    own = miles_own_fill(calls)
+    stand_in(mp, "miles.backends.training_utils.replay_data", fill_replay_data=own)
+    stand_in(mp, "miles.backends.training_utils.parallel", get_parallel_state=lambda: state[0])
+    return stand_in(mp, "miles.backends.megatron_utils.actor", fill_replay_data=own)
+
+
+def group(size: int, rank: int) -> Any:
+    """miles' GroupInfo as the fill reads it (``.size``, ``.rank``)."""
+    return types.SimpleNamespace(size=size, rank=rank)
+
+
+def hook_args(cfg: Cfg, bshd: bool = False) -> types.SimpleNamespace:
+    """The trainer's ``args``, as far as the fills read them."""
+    return types.SimpleNamespace(
+        use_rollout_routing_replay=True,
+        sequence_parallel=cfg.sp,
+        allgather_cp=cfg.allgather_cp,
+        data_pad_size_multiplier=cfg.mult,
+        num_layers=NUM_LAYERS,
+        num_experts=E,
+        qkv_format="bshd" if bshd else "thd",
+    )
+
+
+def rollout_data(
+    vpp: int | None, fields: Sequence[Any] | None = None
+) -> tuple[dict[str, Any], list[DataIterator]]:
+    """One DP rank's rollout_data (only what the fills read) and its iterators, one per
+    virtual stage (slime data.py:192-196)."""
+    data: dict[str, Any] = {
+        "tokens": [torch.arange(n, dtype=torch.long) for n in LENGTHS],
+        "sample_indices": list(INDICES),
+        "micro_batch_indices": MICRO_BATCHES,
+    }
+    if fields is not None:
+        data["rollout_routed_experts"] = list(fields)
+    return data, [DataIterator(data, MICRO_BATCHES) for _ in range(vpp or 1)]
+
+
+def hook_ranks() -> list[tuple[Cfg, int, int, tuple[int, int | None, int], SampleRank]]:
+    out = []
+    for cfg in HOOK_CFGS:
+        for t, r, pipe in itertools.product(range(cfg.tp), range(cfg.cp), PIPELINES):
+            rank = SampleRank(
+                tp_size=cfg.tp,
+                tp_rank=t,
+                cp_size=cfg.cp,
+                cp_rank=r,
+                sequence_parallel=cfg.sp,
+                allgather_cp=cfg.allgather_cp,
+                data_pad_size_multiplier=cfg.mult,
+                router_layers=PIPELINES[pipe],
+            )
+            out.append((cfg, t, r, pipe, rank))
+    return out
+
+
+def their_micro_batches(
+    framework: str, fields: Sequence[Any], rank: SampleRank
+) -> list[list[torch.Tensor]]:
+    """Per router, what the restated fill records for each micro-batch, in order."""
+    per_router: list[list[torch.Tensor]] = [[] for _ in rank.router_layers or ()]
+    for mb in MICRO_BATCHES:
+        counts = [LENGTHS[i] for i in mb]
+        if framework == "slime":
+            prepared = slime_prepare([torch.as_tensor(fields[i]) for i in mb], counts, rank)
+        else:
+            prepared = miles_prepare([fields[i] for i in mb], counts, rank)
+        assert rank.router_layers is not None
+        for j, got in enumerate(routers(prepared, rank.router_layers)):
+            per_router[j].append(got)
+    return per_router
+
+
+def same_records(recorders: Sequence[Recorder], want: list[list[torch.Tensor]]) -> None:
+    assert len(recorders) == len(want)
+    for rec, w in zip(recorders, want, strict=True):
+        assert len(rec.recorded) == len(MICRO_BATCHES)
+        for g, x in zip(rec.recorded, w, strict=True):
+            assert g.dtype == torch.int32 and g.shape == x.shape
+            assert torch.equal(g, x.to(torch.int32))
+
+
+def test_slime_hook_records_what_slime_fill_records(
+    svc: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = f"hk-{uuid.uuid4().hex[:8]}"
+    actor_cls = stub_slime(monkeypatch)
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        keys = store(client, LENGTHS, seed=11, keys=r3_slime.rank_keys(run, INDICES))
+        assert keys[0] == f"{run}.40"
+        fields = whole(client, keys, "slime")
+        fill = r3_slime.install_rank_local(hook_args(Cfg(1, 1, False)), source=client, run=run)
+        assert actor_cls.fill_routing_replay is fill  # type: ignore[attr-defined]
+        for cfg, t, r, (pp, vpp, pp_rank), rank in hook_ranks():
+            with monkeypatch.context() as mp:
+                answer_mpu(mp, cfg.tp, t, cfg.cp, r, pp_rank)
+                actor = actor_cls()
+                actor.args = hook_args(cfg)  # type: ignore[attr-defined]
+                actor.model = model_chunks(pp, vpp)  # type: ignore[attr-defined]
+                recorders = [Recorder() for _ in PIPELINES[(pp, vpp, pp_rank)]]
+                RoutingReplay.all_routing_replays[:] = recorders
+                data, iterators = rollout_data(vpp)
+                actor.fill_routing_replay(iterators, [1, 1], data)  # type: ignore[attr-defined]
+                same_records(recorders, their_micro_batches("slime", fields, rank))
+                assert all(it.offset == 0 and it.resets == 2 for it in iterators)
+        # a shipped whole field is dropped unread, as slime deletes it (actor.py:352)
+        with monkeypatch.context() as mp:
+            answer_mpu(mp, 1, 0, 1, 0, 0)
+            actor = actor_cls()
+            actor.args, actor.model = hook_args(Cfg(1, 1, False)), model_chunks(1, None)  # type: ignore[attr-defined]
+            RoutingReplay.all_routing_replays[:] = [Recorder() for _ in MOE]
+            data, iterators = rollout_data(None, fields)
+            actor.fill_routing_replay(iterators, [2], data)  # type: ignore[attr-defined]
+            assert "rollout_routed_experts" not in data
+            # one router too few: refused, as slime asserts (actor.py:350)
+            RoutingReplay.all_routing_replays[:] = [Recorder() for _ in MOE[1:]]
+            data, iterators = rollout_data(None)
+            with pytest.raises(ShapeError, match="the rank has 3 routers"):
+                actor.fill_routing_replay(iterators, [2], data)  # type: ignore[attr-defined]
+
+
+def test_miles_hook_records_what_miles_fill_records(
+    svc: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = f"hk-{uuid.uuid4().hex[:8]}"
+    calls: list[dict[str, Any]] = []
+    state: list[Any] = [None]
+    actor_mod = stub_miles(monkeypatch, calls, state)
+    own = actor_mod.fill_replay_data
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        keys = store(client, LENGTHS, seed=13, keys=r3_miles.rank_keys(run, INDICES))
+        assert keys[0] == f"{run}.40.0"
+        fields = whole(client, keys, "miles")
+        fill = r3_miles.install_rank_local(hook_args(Cfg(1, 1, False)), source=client, run=run)
+        assert actor_mod.fill_replay_data is fill and fill._r3_original is own  # type: ignore[attr-defined]
+
+        def call(cfg: Cfg, pipe: tuple[int, int | None, int], replays: list[Any], **kw: Any) -> Any:
+            data, iterators = rollout_data(pipe[1])
+            kwargs: dict[str, Any] = dict(
+                args=hook_args(cfg),
+                models=model_chunks(pipe[0], pipe[1]),
+                data_iterator=iterators,
+                num_microbatches=[1, 1],
+                rollout_data=data,
+                data_key="rollout_routed_experts",
+                replay_list=replays,
+                register_replay_list_func=None,  # miles' register_replay_list_moe: not called
+                if_sp_region=True,
+                indices_are_token_positions=False,
+            )
+            kwargs.update(kw)
+            actor_mod.fill_replay_data(**kwargs)  # as train_actor calls it, actor.py:484-495
+            return iterators
+
+        for cfg, t, r, pipe, rank in hook_ranks():
+            with monkeypatch.context() as mp:
+                answer_mpu(mp, 99, 0, 99, 0, pipe[2])  # miles reads TP / CP from its own state
+                state[0] = types.SimpleNamespace(tp=group(cfg.tp, t), cp=group(cfg.cp, r))
+                recorders = [Recorder() for _ in PIPELINES[pipe]]
+                iterators = call(cfg, pipe, recorders)
+                same_records(recorders, their_micro_batches("miles", fields, rank))
+                assert all(it.offset == 0 and it.resets == 2 for it in iterators)
+        assert calls == []
+        with monkeypatch.context() as mp:
+            answer_mpu(mp, 99, 0, 99, 0, 0)
+            state[0] = types.SimpleNamespace(tp=group(2, 1), cp=group(1, 0))
+            # outside an SP region no SP slice (replay_data.py:123)
+            recorders = [Recorder() for _ in MOE]
+            call(Cfg(2, 1, True), (1, None, 0), recorders, if_sp_region=False)
+            rank = SampleRank(tp_size=2, tp_rank=1, data_pad_size_multiplier=4, router_layers=MOE)
+            same_records(recorders, their_micro_batches("miles", fields, rank))
+            # other data keys go to miles' own fill
+            call(
+                Cfg(1, 1, False),
+                (1, None, 0),
+                [],
+                data_key="rollout_indexer_topk",
+                if_sp_region=False,
+            )
+            assert calls == [{"data_key": "rollout_indexer_topk", "if_sp_region": False}]
+            with pytest.raises(ShapeError, match="2 routing replays but 4 MoE layers"):
+                call(Cfg(1, 1, False), (1, None, 0), [Recorder(), Recorder()])
+            with pytest.raises(ValueError, match="qkv_format 'thd', not 'bshd'"):
+                call(Cfg(1, 1, False), (1, None, 0), [], args=hook_args(Cfg(1, 1, False), True))
+            with pytest.raises(ValueError, match="not token positions"):
+                call(Cfg(1, 1, False), (1, None, 0), [], indices_are_token_positions=True)
+
+
+def test_install_replaces_never_wraps_and_reads_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    actor_cls = stub_slime(monkeypatch)
+    own = actor_cls.fill_routing_replay  # type: ignore[attr-defined]
+    miles_actor = stub_miles(monkeypatch, [], [None])
+    miles_own = miles_actor.fill_replay_data
+    args = hook_args(Cfg(1, 1, False))
+    for var in ("R3_URL", "R3_KEY", "R3_RUN"):
+        monkeypatch.delenv(var, raising=False)
+    for module in (r3_slime, r3_miles):
+        with pytest.raises(RuntimeError, match=r"R3_URL and R3_RUN .*unset here: R3_URL, R3_RUN"):
+            module.install_rank_local(args)
+        off = hook_args(Cfg(1, 1, False))
+        off.use_rollout_routing_replay = False
+        with pytest.raises(ValueError, match="--use-rollout-routing-replay"):
+            module.install_rank_local(off, source=object, run="r")
+    monkeypatch.setenv("R3_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("R3_RUN", "run-env")
+    first = r3_slime.install_rank_local(args)
+    second = r3_slime.install_rank_local(args, run="run-other")
+    assert actor_cls.fill_routing_replay is second  # type: ignore[attr-defined]
+    assert first._r3_original is own and second._r3_original is own  # type: ignore[attr-defined]
+    assert "run-other" in (second.__doc__ or "") and "run-env" in (first.__doc__ or "")
+    m1 = r3_miles.install_rank_local(args)
+    m2 = r3_miles.install_rank_local(args)
+    assert miles_actor.fill_replay_data is m2 and m2._r3_original is miles_own  # type: ignore[attr-defined]
+    assert m1._r3_original is miles_own  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="get_ranges"):
+        r3_slime.rank_local_fill_routing_replay(3, "run")
+    with pytest.raises(ValueError, match="bad run/"):
+        r3_miles.rank_local_fill_replay_data(object, "bad run/")
+
+
+def test_the_canary_names_what_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = hook_args(Cfg(1, 1, False))
+    for name in [m for m in sys.modules if m.split(".")[0] in ("slime", "miles")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(
+        RuntimeError, match=r"slime is not the code .*actor\.py:308-355.*cannot be imported"
+    ):
+        r3_slime.install_rank_local(args, source=object, run="r")
+    with pytest.raises(RuntimeError, match=r"miles is not the code .*cannot be imported"):
+        r3_miles.install_rank_local(args, source=object, run="r")
+    with monkeypatch.context() as mp:  # slime's actor without the method
+        stub_slime(mp)
+        stand_in(mp, "slime.backends.megatron_utils.actor", MegatronTrainRayActor=type("A", (), {}))
+        with pytest.raises(RuntimeError, match="MegatronTrainRayActor has no fill_routing_replay"):
+            r3_slime.install_rank_local(args, source=object, run="r")
+        stand_in(mp, "slime.backends.megatron_utils.actor")
+        with pytest.raises(RuntimeError, match="actor has no MegatronTrainRayActor"):
+            r3_slime.install_rank_local(args, source=object, run="r")
+
+        class Moved:
+            def fill_routing_replay(self, data_iterator: Any, rollout_data: Any) -> None: ...
+
+        stand_in(mp, "slime.backends.megatron_utils.actor", MegatronTrainRayActor=Moved)
+        stand_in(mp, "slime.utils.routing_replay", RoutingReplay=type("R", (), {}))
+        with pytest.raises(RuntimeError) as info:
+            r3_slime.install_rank_local(args, source=object, run="r")
+        assert "fill_routing_replay takes ['self', 'data_iterator', 'rollout_data']" in str(
+            info.value
+        )
+        assert "has no RoutingReplay.all_routing_replays" in str(info.value)
+        assert Moved.fill_routing_replay.__name__ == "fill_routing_replay"  # not patched
+    with monkeypatch.context() as mp:  # miles' actor no longer binding fill_replay_data
+        stub_miles(mp, [], [None])
+        stand_in(mp, "miles.backends.megatron_utils.actor")
+        with pytest.raises(RuntimeError, match=r"megatron_utils\.actor has no fill_replay_data"):
+            r3_miles.install_rank_local(args, source=object, run="r")
+        stand_in(mp, "miles.backends.megatron_utils.actor", fill_replay_data=lambda *, args: None)
+        stand_in(mp, "miles.backends.training_utils.parallel")
+        with pytest.raises(RuntimeError) as info:
+            r3_miles.install_rank_local(args, source=object, run="r")
+        assert "fill_replay_data takes ['args'], not ['args', 'models'" in str(info.value)
+        assert "parallel has no get_parallel_state" in str(info.value)
+
+
+def test_docs_rank_local_recipe_installs(svc: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The python block of docs/integrations.md's '### slime and miles' (rank-local fetch),
+    as written: its install(args) hooks slime, whose fill then reads Redis directly."""
+    import re
+
+    text = (glue.ROOT / "docs" / "integrations.md").read_text()
+    m = re.search(r"^### slime and miles\n.*?(?=^##)", text, flags=re.S | re.M)
+    assert m
+    blocks = re.findall(r"```python\n(.*?)```", m.group(0), flags=re.S)
+    assert len(blocks) == 1
+    run = f"dr-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("R3_URL", svc.http_url)
+    monkeypatch.setenv("R3_KEY", KEY_A)
+    monkeypatch.setenv("R3_RUN", run)
+    actor_cls = stub_slime(monkeypatch)
+    ns: dict[str, Any] = {}
+    exec(compile(blocks[0], "docs/integrations.md#rank-local-slime", "exec"), ns)
+    args = hook_args(Cfg(2, 1, True))
+    ns["install"](args)
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        keys = store(client, LENGTHS, seed=17, keys=r3_slime.rank_keys(run, INDICES))
+        fields = whole(client, keys, "slime")
+    answer_mpu(monkeypatch, 2, 1, 1, 0, 1)
+    actor = actor_cls()
+    actor.args, actor.model = args, model_chunks(2, None)  # type: ignore[attr-defined]
+    recorders = [Recorder(), Recorder()]
+    RoutingReplay.all_routing_replays[:] = recorders
+    data, iterators = rollout_data(None)
+    actor.fill_routing_replay(iterators, [1, 1], data)  # type: ignore[attr-defined]
+    rank = SampleRank(tp_size=2, tp_rank=1, sequence_parallel=True, data_pad_size_multiplier=4)
+    want = their_micro_batches("slime", fields, dataclasses.replace(rank, router_layers=(4, 5)))
+    same_records(recorders, want)

@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from r3_client._answers import RolloutInfo
 from r3_client._exceptions import R3Error, RolloutNotFoundError, ShapeError
-from r3_client._routing import Routing, check_rollout_id, token_digest
+from r3_client._routing import Routing, check_rollout_id
 from r3_client._views import ViewPolicy, one_routing_policy
 from r3_client.integrations.tags import tag_sampling_params
 from r3_client.layouts import Missing
@@ -164,26 +164,16 @@ def _check_infos(
     infos: dict[str, RolloutInfo | None],
     missing: Missing,
 ) -> None:
-    """:func:`~r3_client.rank_local.check_step` on ``infos``, then each stored segment's
-    token digest against the sample's tokens (rows computed from other tokens: an earlier
-    attempt's, or another sample's)."""
-    counts = [len(s.tokens) for s in group]
+    """:func:`~r3_client.rank_local.check_step` on ``infos``, each stored segment's token
+    digest included (rows computed from other tokens: an earlier attempt's, or another
+    sample's)."""
+    tokens = [[int(t) for t in s.tokens] for s in group]
     try:
-        check_step(_Stats(infos), keys, counts, missing=missing, workers=1)
+        check_step(
+            _Stats(infos), keys, [len(t) for t in tokens], missing=missing, tokens=tokens, workers=1
+        )
     except (RolloutNotFoundError, ShapeError) as exc:
         raise _named(fw, exc) from exc
-    for i, (s, key) in enumerate(zip(group, keys, strict=True)):
-        info = infos[key]
-        assert info is not None
-        tokens = [int(t) for t in s.tokens]
-        for seg in (x.segment for x in info.segments):
-            checkable = seg.tokens_digest and seg.end <= len(tokens)
-            if checkable and token_digest(tokens[: seg.end]) != seg.tokens_digest:
-                raise ShapeError(
-                    f"{fw.name} sample {i} (index={getattr(s, 'index', '?')}), rollout {key!r}: "
-                    f"stored rows [{seg.start}, {seg.end}) were computed from other tokens than "
-                    "the sample's (token digest differs)"
-                )
 
 
 async def check_stored(
@@ -511,3 +501,165 @@ def fetch_rank_replay(
         num_local_tokens=plan.num_local_tokens,
         num_rows=plan.num_rows,
     )
+
+
+# ------------------------------------------------------------------ rank-local fill (the hook)
+
+#: The field slime's and miles' own fill reads (and deletes once filled).
+ROUTED_EXPERTS = "rollout_routed_experts"
+
+#: What a rank-local fill asks of the actor's data iterator per micro-batch: the keys
+#: slime and miles ship to every DP rank anyway (slime ray/rollout.py:786-807; miles
+#: ray/rollout/train_data_conversion.py:357-381).
+FILL_KEYS = ("sample_indices", "tokens")
+
+
+def source_getter(source: Any) -> Callable[[], RangeSource]:
+    """``source``: a :class:`~r3_client.rank_local.RangeSource` (has ``get_ranges``), or a
+    callable making one, called once, on the first fill (in the training process)."""
+    if hasattr(source, "get_ranges"):
+        made: list[RangeSource] = [source]
+    elif callable(source):
+        made = []
+    else:
+        raise TypeError("source must have get_ranges, or make such an object when called")
+
+    def get() -> RangeSource:
+        if not made:
+            made.append(source())
+            if not hasattr(made[0], "get_ranges"):
+                raise TypeError(f"the source factory made {type(made[0]).__name__}, no get_ranges")
+        return made[0]
+
+    return get
+
+
+def model_router_layers(models: Sequence[Any]) -> tuple[int, ...]:
+    """The absolute decoder layers of a rank's MoE routers, in replay order, walked the way
+    slime's actor (``actor.py:334-349``) and miles' ``register_replay_list_moe``
+    (``megatron_utils/replay_utils.py:8-20``) walk them: per virtual stage ``vp_stage``
+    (each model chunk's ``.module.config``), layers ``get_transformer_layer_offset`` to
+    ``+ get_num_layers_to_build`` (Megatron's, answering from its parallel state), dense
+    layers skipped by ``moe_layer_freq`` (an int: ``layer_id % freq != 0``; a list: ``0``).
+    Imports megatron.core."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    out: list[int] = []
+    for vp_stage, model in enumerate(models):
+        config = model.module.config
+        num_layers_to_build = get_num_layers_to_build(config, vp_stage=vp_stage)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        freq = config.moe_layer_freq
+        for layer_id in range(offset, offset + num_layers_to_build):
+            if isinstance(freq, int):
+                if layer_id % freq != 0:
+                    continue
+            elif isinstance(freq, list):
+                if len(freq) != config.num_layers:
+                    raise ShapeError(
+                        f"moe_layer_freq has {len(freq)} entries for {config.num_layers} layers"
+                    )
+                if freq[layer_id] == 0:
+                    continue
+            out.append(int(layer_id))
+    return tuple(out)
+
+
+def fill_micro_batches(
+    fw: Framework,
+    source: RangeSource,
+    run: str,
+    data_iterator: Sequence[Any],
+    num_microbatches: Sequence[int],
+    *,
+    rank: SampleRank,
+    num_layers: int,
+    num_experts: int | None,
+    missing: Missing,
+    record: Callable[[RankReplay], None],
+) -> int:
+    """The loop of slime's ``fill_routing_replay`` (``actor.py:319-323, 354-355``) and miles'
+    ``fill_replay_data`` (``replay_data.py:55-56, 73-74, 133-134``), reading
+    ``sample_indices`` and ``tokens`` instead of the routing: every iterator reset, then
+    ``sum(num_microbatches)`` times ``data_iterator[0].get_next(FILL_KEYS)``, each
+    micro-batch's :func:`fetch_rank_replay` (keys :func:`index_keys`, ``len(tokens)`` per
+    sample) handed to ``record``, then every iterator reset again.  Returns the count."""
+    for iterator in data_iterator:
+        iterator.reset()
+    done = 0
+    for _ in range(sum(int(n) for n in num_microbatches)):
+        batch = data_iterator[0].get_next(list(FILL_KEYS))
+        indices, tokens = batch.get("sample_indices"), batch.get("tokens")
+        if indices is None or tokens is None:
+            raise ValueError(
+                f"{fw.name} rank-local routing: micro-batch {done} carries no "
+                f"{'sample_indices' if indices is None else 'tokens'}; the rollout keys are "
+                "rebuilt from sample_indices, which the trainer ships to every DP rank"
+            )
+        if len(indices) != len(tokens):
+            raise ShapeError(
+                f"{fw.name} micro-batch {done}: {len(indices)} sample_indices for "
+                f"{len(tokens)} samples"
+            )
+        if any(i is None for i in indices):
+            raise ValueError(f"{fw.name} micro-batch {done}: a sample has no index")
+        replay = fetch_rank_replay(
+            fw,
+            source,
+            index_keys(fw, run, indices),
+            [len(t) for t in tokens],
+            rank=rank,
+            num_layers=num_layers,
+            num_experts=num_experts,
+            missing=missing,
+            as_torch=True,
+        )
+        record(replay)
+        done += 1
+    for iterator in data_iterator:
+        iterator.reset()
+    return done
+
+
+def hook_env(framework: str) -> tuple[str, str | None, str]:
+    """``(R3_URL, R3_KEY, R3_RUN)`` from the training process's environment; a clear error
+    naming what is unset."""
+    import os
+
+    unset = [v for v in ("R3_URL", "R3_RUN") if not os.environ.get(v)]
+    if unset:
+        raise RuntimeError(
+            f"r3_client.integrations.{framework}.install_rank_local reads the cache's URL and "
+            f"the run from R3_URL and R3_RUN (R3_KEY: its API key), unset here: "
+            f"{', '.join(unset)}.  Set them in every training process's environment, or "
+            "pass source= and run="
+        )
+    return os.environ["R3_URL"], os.environ.get("R3_KEY") or None, os.environ["R3_RUN"]
+
+
+def client_factory(url: str, api_key: str | None) -> Callable[[], RangeSource]:
+    """A :class:`~r3_client.RoutingClient` made on first use (in the process that fills)."""
+
+    def make() -> RangeSource:
+        from r3_client._client import RoutingClient
+
+        return RoutingClient(url, api_key=api_key)
+
+    return make
+
+
+def unwrapped(fn: Any) -> Any:
+    """The framework's own function under an installed hook (``_r3_original``)."""
+    return getattr(fn, "_r3_original", fn)
+
+
+def check_params(fn: Any, want: Sequence[str], where: str, pinned: str) -> str | None:
+    """A problem when ``fn``'s parameters (unwrapped) are not ``want``, else ``None``."""
+    try:
+        params = list(inspect.signature(unwrapped(fn)).parameters)
+    except (TypeError, ValueError):
+        return f"{where} has no signature"
+    if params != list(want):
+        return f"{where} takes {params}, not {list(want)} ({pinned})"
+    return None

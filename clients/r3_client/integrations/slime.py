@@ -19,7 +19,8 @@ Nothing here imports slime; its ``generate`` is imported on the first call that 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from r3_client._routing import check_rollout_id
@@ -38,11 +39,15 @@ __all__ = [
     "RankReplay",
     "SampleRank",
     "check_samples",
+    "check_slime_hooks",
     "check_stored",
     "fetch_rank_replay",
     "fill_routed_experts",
+    "install_rank_local",
     "rank_keys",
+    "rank_local_fill_routing_replay",
     "rollout_key",
+    "sample_rank",
     "wrap_generate",
 ]
 
@@ -214,3 +219,154 @@ def fetch_rank_replay(
         missing=missing,
         as_torch=as_torch,
     )
+
+
+# ------------------------------------------------------------------ rank-local hook (training side)
+
+#: slime's fill, hooked by :func:`install_rank_local` (slime/backends/megatron_utils/actor.py:308).
+_FILL_PARAMS = ("self", "data_iterator", "num_microbatches", "rollout_data")
+_PINNED = "slime 624b824, slime/backends/megatron_utils/actor.py:308-355"
+_REPLAY = "slime.utils.routing_replay"
+
+
+def sample_rank(args: Any, models: Sequence[Any]) -> SampleRank:
+    """This rank's :class:`SampleRank`, read where slime's fill reads it: TP / CP from
+    ``megatron.core.mpu`` (``cp_utils.py:183-184, 269, 273-274, 289-290``), the SP / CP
+    mode and pack multiplier from ``args`` (``actor.py:327-330``), the routers from the
+    model chunks (``actor.py:334-349``).  Imports megatron.core."""
+    from megatron.core import mpu
+
+    return SampleRank(
+        tp_size=int(mpu.get_tensor_model_parallel_world_size()),
+        tp_rank=int(mpu.get_tensor_model_parallel_rank()),
+        cp_size=int(mpu.get_context_parallel_world_size()),
+        cp_rank=int(mpu.get_context_parallel_rank()),
+        sequence_parallel=bool(args.sequence_parallel),
+        allgather_cp=bool(args.allgather_cp),
+        data_pad_size_multiplier=int(args.data_pad_size_multiplier),
+        router_layers=_samples.model_router_layers(models),
+    )
+
+
+def rank_local_fill_routing_replay(
+    source: Any, run: str, *, missing: Missing = "raise"
+) -> Callable[[Any, Any, Any, Any], None]:
+    """A replacement for slime's ``MegatronTrainRayActor.fill_routing_replay(self,
+    data_iterator, num_microbatches, rollout_data)`` (``actor.py:308-355``) that reads each
+    micro-batch's routing for this rank alone from the cache.
+
+    ``source``: a :class:`~r3_client.RoutingClient` / :class:`~r3_client.DirectReader`, or a
+    callable making one on the first fill (in the training process).  ``run``: the run the
+    rollout side keyed with (``wrap_generate(run=..., fill=False)``).
+
+    Per call, as slime's own: every iterator reset (``:319-320``); per micro-batch
+    (``sum(num_microbatches)``, ``:322``) ``data_iterator[0].get_next(["sample_indices",
+    "tokens"])`` in place of ``["rollout_routed_experts", "tokens"]`` (``:323``); the rank
+    (:func:`sample_rank`, from ``self.args`` and ``self.model``); :func:`fetch_rank_replay`
+    of :func:`rank_keys` (``num_layers=args.num_layers``, ``num_experts=args.num_experts``);
+    router ``j`` = ``RoutingReplay.all_routing_replays[j]`` records ``per_layer[j]``,
+    refused unless the counts match (``:333-350``); a shipped
+    ``rollout_data["rollout_routed_experts"]`` is dropped unread (``:352``); every iterator
+    reset again (``:354-355``).  Imports megatron.core and slime when called.
+    """
+    check_rollout_id(f"{run}.0")
+    get_source = _samples.source_getter(source)
+
+    def fill_routing_replay(
+        self: Any, data_iterator: Any, num_microbatches: Any, rollout_data: Any
+    ) -> None:
+        args = self.args
+        replays = importlib.import_module(_REPLAY).RoutingReplay.all_routing_replays
+        _samples.fill_micro_batches(
+            _SLIME,
+            get_source(),
+            run,
+            data_iterator,
+            num_microbatches,
+            rank=sample_rank(args, self.model),
+            num_layers=int(args.num_layers),
+            num_experts=int(args.num_experts),
+            missing=missing,
+            record=lambda replay: replay.record(replays),
+        )
+        rollout_data.pop(_samples.ROUTED_EXPERTS, None)
+
+    fill_routing_replay.__doc__ = (
+        f"slime's fill_routing_replay, each rank reading its own slice of run {run!r}."
+    )
+    return fill_routing_replay
+
+
+def check_slime_hooks() -> type:
+    """The canary of :func:`install_rank_local`: returns slime's ``MegatronTrainRayActor``,
+    or raises ``RuntimeError`` naming what moved unless ``fill_routing_replay(self,
+    data_iterator, num_microbatches, rollout_data)`` and ``RoutingReplay.all_routing_replays``
+    are where slime 624b824 has them.  Imports slime."""
+    problems: list[str] = []
+    cls: Any = None
+    try:
+        actor = importlib.import_module("slime.backends.megatron_utils.actor")
+        cls = getattr(actor, "MegatronTrainRayActor", None)
+    except ImportError as exc:
+        problems.append(f"slime.backends.megatron_utils.actor cannot be imported ({exc})")
+    if cls is None and not problems:
+        problems.append("slime.backends.megatron_utils.actor has no MegatronTrainRayActor")
+    elif cls is not None:
+        fill = getattr(cls, "fill_routing_replay", None)
+        if fill is None:
+            problems.append("MegatronTrainRayActor has no fill_routing_replay")
+        elif bad := _samples.check_params(
+            fill, _FILL_PARAMS, "MegatronTrainRayActor.fill_routing_replay", _PINNED
+        ):
+            problems.append(bad)
+    try:
+        replay = importlib.import_module(_REPLAY)
+        replays = getattr(getattr(replay, "RoutingReplay", None), "all_routing_replays", None)
+        if not isinstance(replays, list):
+            problems.append("slime.utils.routing_replay has no RoutingReplay.all_routing_replays")
+    except ImportError as exc:
+        problems.append(f"slime.utils.routing_replay cannot be imported ({exc})")
+    if problems:
+        raise RuntimeError(
+            "slime is not the code r3_client's rank-local fill replaces "
+            f"({_PINNED}): " + "; ".join(problems)
+        )
+    assert isinstance(cls, type)
+    return cls
+
+
+def install_rank_local(
+    args: Any = None,
+    *,
+    source: Any = None,
+    run: str | None = None,
+    missing: Missing = "raise",
+) -> Callable[[Any, Any, Any, Any], None]:
+    """Make every slime Megatron actor of this process fill its routing replay rank-locally:
+    ``MegatronTrainRayActor.fill_routing_replay`` becomes
+    :func:`rank_local_fill_routing_replay` (class-wide; installing again replaces the hook,
+    never wraps it).  Returns the installed function.
+
+    Usable as slime's ``--custom-megatron-init-path
+    r3_client.integrations.slime.install_rank_local``: slime calls it with ``args`` in every
+    training process (``slime/backends/megatron_utils/initialize.py:100-104``).  Without
+    ``source`` / ``run`` it reads ``R3_URL``, ``R3_KEY`` (optional) and ``R3_RUN`` from the
+    environment and makes a :class:`~r3_client.RoutingClient` on the first fill.  Refuses
+    (``ValueError``) ``args`` without ``use_rollout_routing_replay``, under which slime never
+    calls the fill (``actor.py:430-431``), and (``RuntimeError``, :func:`check_slime_hooks`)
+    a slime whose fill moved.
+    """
+    if args is not None and not getattr(args, "use_rollout_routing_replay", False):
+        raise ValueError(
+            "slime calls fill_routing_replay only with --use-rollout-routing-replay "
+            "(slime/backends/megatron_utils/actor.py:430-431): without it nothing is replayed"
+        )
+    cls = check_slime_hooks()
+    if source is None or run is None:
+        url, key, env_run = _samples.hook_env("slime")
+        source = _samples.client_factory(url, key) if source is None else source
+        run = env_run if run is None else run
+    fill = rank_local_fill_routing_replay(source, run, missing=missing)
+    fill._r3_original = _samples.unwrapped(cls.fill_routing_replay)  # type: ignore[attr-defined]
+    cls.fill_routing_replay = fill  # type: ignore[attr-defined]
+    return fill
