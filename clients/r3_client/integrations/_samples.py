@@ -181,19 +181,16 @@ async def check_stored(
 ) -> None:
     """Rollout side of the rank-local path: each finished sample's rollout is stored with a
     row for every token but the last, no gap (unless ``missing="fill"``) and, where the
-    engine recorded token digests, from the sample's own tokens.  One ``stat`` per sample
-    (metadata only), run concurrently; raises naming the sample and rollout."""
+    engine recorded token digests, from the sample's own tokens.  One batched stat
+    (metadata only); raises naming the sample and rollout."""
     group = list(samples) if isinstance(samples, Sequence) else [samples]
     keys = [sample_key(fw, s) for s in group]
-
-    async def one(key: str) -> RolloutInfo | None:
-        try:
-            return await client.stat(key)
-        except RolloutNotFoundError:
-            return None
-
-    got = await asyncio.gather(*(one(k) for k in keys))
-    _check_infos(fw, group, keys, dict(zip(keys, got, strict=True)), missing)
+    infos: dict[str, RolloutInfo | None] = {}
+    for key, got in zip(keys, await client.stat_many(keys), strict=True):
+        if isinstance(got, R3Error) and not isinstance(got, RolloutNotFoundError):
+            raise got
+        infos[key] = got if isinstance(got, RolloutInfo) else None
+    _check_infos(fw, group, keys, infos, missing)
 
 
 def check_samples(

@@ -188,7 +188,7 @@ async def check_stored(
 ) -> None:
     """Rollout side of the rank-local path, for a generate function of your own: each
     sample's rollout holds ``len(tokens) - 1`` rows, no gap (unless ``missing="fill"``),
-    from the sample's tokens where digests were recorded; one ``stat`` per sample.
+    from the sample's tokens where digests were recorded; one batched stat.
     Raises :class:`~r3_client.RolloutNotFoundError` / :class:`~r3_client.ShapeError`."""
     await _samples.check_stored(_MILES, samples, client, missing=missing)
 
@@ -198,7 +198,7 @@ def check_samples(
 ) -> None:
     """Before dispatch (the driver, e.g. in a ``--custom-convert-samples-to-train-data-path``
     function or a rollout function's end): every sample's rollout exists and holds
-    ``len(tokens) - 1`` rows (:func:`~r3_client.rank_local.check_step`, one ``stat`` each);
+    ``len(tokens) - 1`` rows (:func:`~r3_client.rank_local.check_step`, one batched stat);
     raises one error naming the failing samples and rollouts."""
     _samples.check_samples(_MILES, samples, source, missing=missing)
 
