@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from r3_client import Routing, Segment, ViewInfo
 from r3_client._views import ServedRouting, served
@@ -24,7 +25,7 @@ from r3_client.replay import (
     supported_model_types,
 )
 from r3_client.replay._core import _ReplayForward
-from tests.support.tiny_hf_models import FAMILIES, build
+from tests.support.tiny_hf_models import FAMILIES, build, config
 
 B, S, E, K = 2, 11, 8, 2
 WITH_AUX = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss"]
@@ -340,3 +341,17 @@ def test_exact_gradients_and_refusals() -> None:
         served_logprobs(model, ids.reshape(1, 1, -1), states)
     with pytest.raises(ReplayError, match="one state at least"):
         served_logprobs(model, ids, [])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_real_shape_of_every_family_runs_on_cpu(family: str) -> None:
+    """The GPU tests' ``real`` configs, with fewer layers and experts (the attention shapes
+    kept), run a forward here: a config transformers cannot run fails on CPU, not only
+    on a GPU machine (DeepSeek-V3 with fewer KV heads than query heads did, in 5.19)."""
+    small = dict(layers=2, experts=16, moe_ffn=64, ffn=256, vocab=512)
+    cfg = config(family, "real", **small)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        out = model(torch.randint(3, 500, (1, 12)))
+    assert out.logits.shape == (1, 12, 512)

@@ -117,7 +117,10 @@ def test_replay_adds_no_host_copy_and_top_k_only_for_holes(
     whole[:, -1] = whole[:, -2]  # no -1 row at all (router op counts do not depend on ids)
     full = counted(model, ids, whole)
     holes = counted(model, ids, routing)  # as hf_layout returns it: -1 on the last token
-    assert full.from_host == 0 and holes.from_host == 0
+    # Replay adds no copy from the host. The model may make its own: GPT-OSS's sliding-window
+    # KV cache moves a scalar to the device when it starts (transformers 5.19,
+    # cache_utils.py:235), 2 per forward on an H200, with or without replay.
+    assert full.from_host == native.from_host and holes.from_host == native.from_host
     assert full.names["topk"] == 0, full.names
     assert holes.names["topk"] > 0  # the -1 rows are routed natively
     assert full.total <= native.total, (full.total, native.total)

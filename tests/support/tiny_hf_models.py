@@ -16,18 +16,26 @@ REAL: dict[str, Any] = dict(
     moe_ffn=256, vocab=4096, positions=4096,
 )  # fmt: skip
 REAL_EXTRA: dict[str, dict[str, Any]] = {
+    # MLA has one KV head per query head (DeepSeek-V3's own config: 128 and 128);
+    # transformers 5.19 repeats MLA's keys by heads / kv_heads again, so fewer do not run.
     "deepseek_v3": dict(
-        n_group=8, topk_group=4, kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64
+        n_group=8,
+        topk_group=4,
+        kv_lora_rank=256,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=64,
+        kv_heads=16,
     ),
     "gpt_oss": dict(sliding_window=512),
 }
 
 
-def config(family: str, size: str = "tiny") -> Any:
-    """The family's config: ``tiny`` (8 experts, top-2) or ``real`` (64 experts, top-8)."""
+def config(family: str, size: str = "tiny", **overrides: Any) -> Any:
+    """The family's config: ``tiny`` (8 experts, top-2) or ``real`` (64 experts, top-8);
+    ``overrides`` replace any of their fields."""
     if size == "real":
-        return tiny_moe_config(family, **REAL, **REAL_EXTRA.get(family, {}))
-    return tiny_moe_config(family)
+        return tiny_moe_config(family, **{**REAL, **REAL_EXTRA.get(family, {}), **overrides})
+    return tiny_moe_config(family, **overrides)
 
 
 def build(
