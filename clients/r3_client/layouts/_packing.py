@@ -41,6 +41,7 @@ __all__ = [
     "cumulative",
     "gather_local",
     "row_runs",
+    "sample_offsets",
     "sp_part",
     "stage_layer_positions",
     "zigzag_positions",
@@ -177,6 +178,15 @@ def stage_layer_positions(
     return local_ids, [ids.index(lid) for lid in local_ids]
 
 
+def sample_offsets(
+    cu: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """For each packed-batch position, its sample ``i`` (``cu[i] <= p < cu[i + 1]``) and
+    its offset ``p - cu[i]`` in that sample."""
+    sample = np.searchsorted(cu, positions, side="right") - 1
+    return sample, positions - cu[sample]
+
+
 def gather_local(
     arrays: Sequence[npt.NDArray[Any]],
     cu: npt.NDArray[np.int64],
@@ -194,8 +204,7 @@ def gather_local(
     are read.
     """
     out = np.full((positions.shape[0], len(layer_pos), topk), fill, dtype=dtype)
-    sample = np.searchsorted(cu, positions, side="right") - 1
-    offset = positions - cu[sample]
+    sample, offset = sample_offsets(cu, positions)
     # positions ascend, so each sample's local positions are one run [bounds[i], bounds[i+1]).
     bounds = np.searchsorted(sample, np.arange(len(arrays) + 1))
     layers = np.asarray(layer_pos, dtype=np.intp)
@@ -218,8 +227,7 @@ def row_runs(
     - start)``; sample ``i`` has rows ``0 .. tokens[i] - 2`` (none for its last token and
     padding).  What a rank reads (:mod:`r3_client.rank_local`), known from lengths alone.
     """
-    sample = np.searchsorted(cu, positions, side="right") - 1
-    offset = positions - cu[sample]
+    sample, offset = sample_offsets(cu, positions)
     keep = np.flatnonzero(offset < tokens[sample] - 1)
     if not keep.shape[0]:
         return ()

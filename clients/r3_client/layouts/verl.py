@@ -31,6 +31,7 @@ from r3_client.layouts._packing import (
     cumulative,
     gather_local,
     row_runs,
+    sample_offsets,
     sp_part,
     stage_layer_positions,
     zigzag_positions,
@@ -281,8 +282,7 @@ def _plan(rank: VerlRank, p: npt.NDArray[np.int64], r: npt.NDArray[np.int64]) ->
     padded = rank.padded_lengths(tokens)
     cu = cumulative(padded)
     positions = rank.positions(padded)
-    sample = np.searchsorted(cu, positions, side="right") - 1
-    offset = positions - cu[sample]
+    sample, offset = sample_offsets(cu, positions)
     # build_r3_replay_mask: every token but the last, of samples with a response.
     replayed = np.where(r > 0, tokens - 1, 0)
     mask = offset < replayed[sample]
