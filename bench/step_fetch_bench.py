@@ -54,6 +54,7 @@ from r3_client import Routing, RoutingClient, Segment, encode_frame  # noqa: E40
 from r3_client.layouts import VerlRank, verl_layout, verl_rank_plan  # noqa: E402
 from r3_client.rank_local import check_step, fetch_verl_rank_slice, prefetched  # noqa: E402
 from r3_client.synthetic import synthetic_routing  # noqa: E402
+from tests.support.counting import Counting  # noqa: E402
 from tests.support.service_process import KEY_A, start_service  # noqa: E402
 
 LAYERS, E, K = 48, 128, 8  # Qwen3-30B-A3B
@@ -128,24 +129,6 @@ def driver_local(url: str, ids: list[str], tokens: int, out: Any) -> None:
         check_step(client, ids, np.full(len(ids), tokens))
         dt = time.perf_counter() - t0
         out.put({"s": dt, "rss_growth_mib": peak_growth(before)})
-
-
-class Counting:
-    """A RoutingClient whose batch stream counts the frame bytes received."""
-
-    def __init__(self, client: RoutingClient) -> None:
-        self.client, self.bytes = client, 0
-        inner = client._t.batch_get
-
-        def counted(*a: Any, **kw: Any) -> Any:
-            for item in inner(*a, **kw):
-                self.bytes += len(item.frame or b"")
-                yield item
-
-        client._t.batch_get = counted  # type: ignore[method-assign]
-
-    def get_ranges(self, *a: Any, **kw: Any) -> Any:
-        return self.client.get_ranges(*a, **kw)
 
 
 def rank_proc(

@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from r3_client import (
 from r3_client.layouts import VerlRank, verl_rank_slice
 from r3_client.rank_local import check_step, fetch_verl_rank_slice, prefetched
 from r3_client.synthetic import synthetic_routing
+from tests.support.counting import Counting
 from tests.support.frames import rid
 from tests.support.service_process import KEY_A, Service, url_of
 
@@ -83,26 +84,6 @@ RANKS = [
     for c in range(cp)
     for stage in (None, (0, 2), (3, 5))
 ] + [VerlRank(tp_size=2, tp_rank=1, cp_size=2, cp_rank=0, fp8_padding=True)]
-
-
-class Counting:
-    """A source that counts the frame bytes the service sent (the rank's network share)."""
-
-    def __init__(self, client: RoutingClient) -> None:
-        self.client = client
-        self.bytes = 0
-        t = client._t  # the transport: its stream items carry the frames as received
-        inner = t.batch_get
-
-        def counted(*args: Any, **kw: Any) -> Iterator[Any]:
-            for item in inner(*args, **kw):
-                self.bytes += len(item.frame or b"")
-                yield item
-
-        t.batch_get = counted  # type: ignore[method-assign]
-
-    def get_ranges(self, *args: Any, **kw: Any) -> Any:
-        return self.client.get_ranges(*args, **kw)
 
 
 def _same(a: Any, b: Any) -> None:
