@@ -43,7 +43,7 @@ from r3_client.layouts import (
     verl_layout,
     verl_rank_slice,
 )
-from tests.support.verl_stubs import FakeGroup, stub_ray
+from tests.support.verl_stubs import FakeGroup, router_shells, stub_ray
 
 NUM_LAYERS, E, K = 8, 16, 2
 
@@ -239,14 +239,7 @@ def verl_targets(
     routes = v.rru.align_r3_router_replay_data(td["routed_experts"], input_ids)
     replay_mask = v.rru.build_r3_replay_mask(input_ids, td["response_mask"])
 
-    def shell(layer: int) -> Any:
-        router = v.TopKRouter.__new__(v.TopKRouter)
-        torch.nn.Module.__init__(router)
-        router.layer_number = layer + 1
-        router.router_replay = v.RouterReplay()
-        return router
-
-    chunk = torch.nn.ModuleList([shell(layer) for layer in layers])
+    chunk = router_shells(v.TopKRouter, v.RouterReplay, layers)
     v.rru.set_router_replay_data(
         routes, None, config, 0, replay_mask=replay_mask, local_cp_size=None, model=chunk
     )

@@ -63,7 +63,12 @@ from tests.client.test_layout_slices import (
 from tests.support.frames import rid
 from tests.support.megatron_model import _hide_broken_flash_mla, megatron_env, schedule_env
 from tests.support.service_process import KEY_A, Service
-from tests.support.verl_stubs import import_megatron_engine, stub_ray, verl_tensors
+from tests.support.verl_stubs import (
+    import_megatron_engine,
+    router_shells,
+    stub_ray,
+    verl_tensors,
+)
 
 # A zero-length response (not replayed), a one-token response (its only token is the last).
 PROMPTS = (3, 5, 2, 4, 7, 1, 6)
@@ -220,14 +225,7 @@ class Recorder:
 
 
 def _chunk(v: Verl, layers: Sequence[int], config: Any, vp: int) -> torch.nn.Module:
-    def shell(layer: int) -> Any:
-        router = v.TopKRouter.__new__(v.TopKRouter)
-        torch.nn.Module.__init__(router)
-        router.layer_number = layer + 1
-        router.router_replay = v.RouterReplay()
-        return router
-
-    chunk = torch.nn.ModuleList([shell(layer) for layer in layers])
+    chunk = router_shells(v.TopKRouter, v.RouterReplay, layers)
     chunk.config = config  # type: ignore[assignment]  # _get_context_parallel_layout reads it
     chunk.vp_stage = vp  # type: ignore[assignment]
     return chunk

@@ -106,3 +106,20 @@ def verl_tensors(
         "response_mask": mask[:, prompt_len:].clone(),
         "position_ids": position_ids(mask),
     }
+
+
+def router_shells(top_k_router: Any, router_replay: Any, layers: Sequence[int]) -> Any:
+    """A model chunk of ``TopKRouter`` shells, one per 0-based layer id: each carries verl's
+    ``RouterReplay`` and its ``layer_number``, all verl's ``iter_model_routers`` and
+    ``set_router_replay_data`` read (the classes are passed in: importing them needs
+    :func:`stub_ray` and Megatron's environment)."""
+    import torch
+
+    def shell(layer: int) -> Any:
+        router = top_k_router.__new__(top_k_router)
+        torch.nn.Module.__init__(router)
+        router.layer_number = layer + 1
+        router.router_replay = router_replay()
+        return router
+
+    return torch.nn.ModuleList([shell(layer) for layer in layers])
