@@ -20,7 +20,7 @@ default), skewed (Zipf 1.0, AR(1) 0.9) and uniform synthetic routing:
    idle (the floor the sleep itself costs).
 
 Every figure is taken once per codec backend (``--backends``: the numpy reference and the
-compiled ``r3_client._r3codec``) in the same run, and the native/numpy speed-ups are
+compiled ``r3_client.codec._r3codec``) in the same run, and the native/numpy speed-ups are
 printed after the table.  Times are the best of ``--repeat`` runs (encode and base64
 interleaved); stalls are the median and worst of ``--repeat`` runs.
 

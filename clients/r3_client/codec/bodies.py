@@ -14,10 +14,10 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from r3_client import _native
 from r3_client._exceptions import CodecError, FormatError
 from r3_client._routing import canonical_rows, index_dtype
-from r3_client._sortnet import sort_rows
+from r3_client.codec import _native
+from r3_client.codec._sortnet import sort_rows
 from r3_client.codec.frame import TRIAL_ROWS, check_decoded_size, raw_dtype
 from r3_client.codec.inflate import inflate_exact
 from r3_client.codec.setrank import pack_bits, ranker, unpack_bits

@@ -26,7 +26,7 @@ from r3_client._routing import (
     check_params,
     index_dtype,
 )
-from r3_client._sortnet import sort_rows
+from r3_client.codec._sortnet import sort_rows
 from r3_client.codec.frame import (
     MAX_HEADER,
     MAX_SEGMENTS,
