@@ -50,9 +50,10 @@ def _routing(rows: int, nl: int, e: int, k: int, seed: int) -> np.ndarray:
     return idx
 
 
+@pytest.mark.parametrize("version", [2, 3])
 @settings(max_examples=120, deadline=None)
-@given(geometry)
-def test_chunked_round_trip_and_every_slice(g: tuple) -> None:  # type: ignore[type-arg]
+@given(g=geometry)
+def test_chunked_round_trip_and_every_slice(g: tuple, version: int) -> None:  # type: ignore[type-arg]
     rows, nl, (e, k), br, ng, codec, seed = g
     ng = min(ng, nl)
     layers = tuple(range(3, 3 + 2 * nl, 2))
@@ -66,9 +67,10 @@ def test_chunked_round_trip_and_every_slice(g: tuple) -> None:  # type: ignore[t
         codec=codec,  # type: ignore[arg-type]
         block_rows=br,
         layer_groups=ng,
+        version=version,
     )
     hdr = read_header(frame)
-    assert hdr.version == 2 and sum(hdr.blocks) == rows and len(hdr.groups) == ng
+    assert hdr.version == version and sum(hdr.blocks) == rows and len(hdr.groups) == ng
     assert np.array_equal(_sets(decode_frame(frame).routing.indices), _sets(idx))
     # every (start, end) boundary pair and a layer subset: slice, decode, trim
     for a in range(start, start + rows):
@@ -136,15 +138,17 @@ def test_continuation_segments_stitch(g: tuple, turns: list[int]) -> None:  # ty
 
 @settings(max_examples=40, deadline=None)
 @given(geometry)
-def test_v1_frames_still_decode_and_match_v2(g: tuple) -> None:  # type: ignore[type-arg]
+def test_v1_and_v2_frames_still_decode_and_match_v3(g: tuple) -> None:  # type: ignore[type-arg]
     rows, nl, (e, k), _, _, codec, seed = g
     idx = _routing(rows, nl, e, k, seed)
     kw = {"num_experts": e, "layer_ids": range(nl), "codec": codec}
     v1 = encode_frame(idx, version=1, **kw)  # type: ignore[arg-type]
-    v2 = encode_frame(idx, **kw)  # type: ignore[arg-type]
-    assert read_header(v1).version == 1 and read_header(v2).version == 2
+    v2 = encode_frame(idx, version=2, **kw)  # type: ignore[arg-type]
+    v3 = encode_frame(idx, **kw)  # type: ignore[arg-type]
+    assert [read_header(f).version for f in (v1, v2, v3)] == [1, 2, 3]
     a, b = decode_frame(v1).routing, decode_rollout(v1)
     assert np.array_equal(_sets(a.indices), _sets(decode_frame(v2).routing.indices))
+    assert np.array_equal(_sets(a.indices), _sets(decode_frame(v3).routing.indices))
     assert np.array_equal(_sets(a.indices), _sets(b.indices))
 
 
@@ -164,7 +168,8 @@ def test_gaps_read_as_minus_one_and_overlaps_are_refused() -> None:
 
 def test_damage_behind_a_forged_outer_crc_is_caught_by_chunk_crcs() -> None:
     idx = synthetic_routing(20, 2, 16, 2, seed=2)
-    frame = bytearray(encode_frame(idx, num_experts=16, layer_ids=(0, 1), codec="raw"))
+    kw = {"num_experts": 16, "layer_ids": (0, 1), "codec": "raw", "version": 2}
+    frame = bytearray(encode_frame(idx, **kw))  # type: ignore[arg-type]
     hdr = read_header(bytes(frame))
     at = hdr.frame_length - 4 - hdr.body_length
     frame[at] ^= 1  # a still-valid expert id: only a checksum can tell

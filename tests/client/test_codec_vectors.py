@@ -1,6 +1,6 @@
 """docs/format.md's test vectors decode (and, for raw/set, encode) exactly as the spec says.
 
-Version 2 vectors (``"version": 2``) also carry the content digest, optionally the chunk plan
+Version 2 and 3 vectors (``"version": 2`` / ``3``) also carry the content digest, optionally the chunk plan
 (``block_rows``, ``layer_groups``) and, for continuation frames, the context frame they
 continue (``context_hex``); version 1 vectors (``"version": 1``) are the old single-body format.
 """
@@ -68,27 +68,28 @@ def _hex_ok(text: str) -> bool:
 
 
 def test_doc_has_vectors() -> None:
-    by_version: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
+    by_version: dict[int, list[dict[str, Any]]] = {1: [], 2: [], 3: []}
     for vec in VECTORS:
-        assert vec.get("version") in by_version, f"vector {vec.get('name')} needs version 1 or 2"
+        assert vec.get("version") in by_version, f"vector {vec.get('name')} needs version 1-3"
         by_version[vec["version"]].append(vec)
     assert len(by_version[1]) >= 4, f"{DOC} must keep at least 4 version 1 vectors"
     for version, vecs in by_version.items():
         have = {v["codec"] for v in vecs}
         assert have >= CODECS, f"version {version} vectors lack codecs {CODECS - have}"
-    v2 = by_version[2]
-    assert any("context_hex" in v for v in v2), "need a version 2 continuation vector"
-    assert any("block_rows" in v and "layer_groups" in v for v in v2), (
-        "need a version 2 vector with several blocks and layer groups"
-    )
+    for version in (2, 3):
+        vecs = by_version[version]
+        assert any("context_hex" in v for v in vecs), f"need a version {version} continuation"
+        assert any("block_rows" in v and "layer_groups" in v for v in vecs), (
+            f"need a version {version} vector with several blocks and layer groups"
+        )
     for vec in VECTORS:
-        keys = REQUIRED_V2_KEYS if vec["version"] == 2 else REQUIRED_KEYS
+        keys = REQUIRED_V2_KEYS if vec["version"] >= 2 else REQUIRED_KEYS
         assert set(vec) >= keys, f"vector {vec['name']} misses keys {keys - set(vec)}"
         assert len(vec["frame_hex"]) < 1024, f"vector {vec['name']} is not small"
         assert _hex_ok(vec["frame_hex"]), "frame_hex is lowercase hex"
         assert bytes.fromhex(vec["frame_hex"])[4] == vec["version"], "prefix byte 4 is the version"
         if "context_hex" in vec:
-            assert vec["version"] == 2 and _hex_ok(vec["context_hex"])
+            assert vec["version"] >= 2 and _hex_ok(vec["context_hex"])
 
 
 @pytest.mark.parametrize("vec", VECTORS, ids=IDS)
@@ -110,11 +111,14 @@ def test_vector_decodes_to_input(vec: dict[str, Any]) -> None:
         assert routing.indices.tolist() == want.tolist()
     else:
         assert _as_sets(routing.indices) == _as_sets(want)
-    if vec["version"] == 2:
+    if vec["version"] >= 2:
         seg = _segment(vec)
         assert seg is not None
         assert hdr.digest == vec["digest"]
-        assert content_digest(vec["num_experts"], vec["layer_ids"], seg, want) == vec["digest"]
+        digest = content_digest(
+            vec["num_experts"], vec["layer_ids"], seg, want, version=vec["version"]
+        )
+        assert digest == vec["digest"]
         assert hdr.base == ("" if ctx is None else ctx.digest)
         if "block_rows" in vec:
             assert all(b == vec["block_rows"] for b in hdr.blocks[:-1])

@@ -12,13 +12,12 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import zstandard
 
 from r3_client._exceptions import CodecError, FormatError
 from r3_client._routing import canonical_rows, index_dtype
 from r3_client.codec import _native
 from r3_client.codec._sortnet import sort_rows
-from r3_client.codec.frame import TRIAL_ROWS, check_decoded_size, raw_dtype
+from r3_client.codec.frame import TRIAL_ROWS, check_decoded_size, raw_dtype, zstd_compressor
 from r3_client.codec.inflate import inflate_exact
 from r3_client.codec.setrank import pack_bits, ranker, unpack_bits
 
@@ -278,10 +277,11 @@ def gaps_to_ids(
 
 # ---- v2 chunks -------------------------------------------------------------------------------
 def zset_chunk(
-    sub: npt.NDArray[Any], e: int, k: int, level: int, to_rank: npt.NDArray[Any] | None
+    sub: npt.NDArray[Any], e: int, k: int, level: int | None, to_rank: npt.NDArray[Any] | None
 ) -> bytes:
-    """One v2 set-zstd chunk: ``sub`` is ``[rows, layers, K]`` canonical (ascending) rows."""
-    return zstandard.ZstdCompressor(level=level).compress(gap_payload(sub, e, k, to_rank))
+    """One v2/v3 set-zstd chunk: ``sub`` is ``[rows, layers, K]`` canonical (ascending) rows;
+    ``level`` None: v3's tuned fast setting (:data:`~r3_client.codec.frame.V3_ZSTD`)."""
+    return zstd_compressor(level).compress(gap_payload(sub, e, k, to_rank))
 
 
 def encode_chunk(
@@ -290,10 +290,10 @@ def encode_chunk(
     srt: npt.NDArray[Any],
     e: int,
     k: int,
-    level: int,
+    level: int | None,
     to_rank: npt.NDArray[Any] | None,
 ) -> bytes:
-    """One v2 chunk in ``codec`` (``arr`` as written, ``srt`` its canonical rows)."""
+    """One v2/v3 chunk in ``codec`` (``arr`` as written, ``srt`` its canonical rows)."""
     if codec == "raw":
         return raw_encode(arr, e)[1]
     if codec == "set":

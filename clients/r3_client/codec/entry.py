@@ -7,7 +7,6 @@ or :mod:`~r3_client.codec.v2_read`.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ from r3_client._routing import (
     index_dtype,
 )
 from r3_client.codec.frame import (
+    CHUNKED_VERSIONS,
     CODEC_NAMES,
     CODECS,
     CONTEXT_CODEC,
@@ -41,6 +41,7 @@ from r3_client.codec.frame import (
     MAX_HEADER,
     PREFIX,
     CodecName,
+    frame_crc,
     unique_map,
     unpack_map,
 )
@@ -61,15 +62,17 @@ def encode_frame(
     start: int | None = None,
     segment: Segment | None = None,
     codec: CodecName = "auto",
-    level: int = 3,
+    level: int | None = None,
     base: Context | None = None,
     block_rows: int | None = None,
     layer_groups: int | None = None,
     version: int = FORMAT_VERSION,
 ) -> bytes:
-    """Validate routing ``[R, L, K]`` and encode it as one frame (format v2 by default).
+    """Validate routing ``[R, L, K]`` and encode it as one frame (format v3 by default).
 
-    v2 (docs/format.md): the body is chunks of ``block_rows`` token rows (default
+    v3 is v2's layout with CRC-32C checksums and a BLAKE3 content digest (docs/format.md
+    section 18); ``version=2`` writes v2 for readers that predate v3.
+    v2 and v3 (docs/format.md): the body is chunks of ``block_rows`` token rows (default
     2048) by ``layer_groups`` layer groups (default: up to 8 when the frame holds
     at least 65536 ids, else 1), each with its length and CRC in the header, so a
     token range or layer subset is cut without decoding (:func:`slice_frame`).  A
@@ -86,7 +89,8 @@ def encode_frame(
     segments instead carries them as provenance (header ``segments``); a
     Routing holding exactly one segment that covers its rows is written as
     ``segment``.
-    ``level`` is the zstd level of the ``set-zstd`` stage.  Raises a
+    ``level`` is the zstd level of the ``set-zstd`` stage; None (the default) is level 3
+    in v1 and v2 and v3's tuned fast setting in v3.  Raises a
     :class:`FormatError` subclass for invalid routing, :class:`CodecError` when
     ``codec="set"`` cannot represent ``C(E, K)`` in 128 bits, and
     :class:`UnsupportedFrameError` for an unknown codec name.
@@ -113,15 +117,16 @@ def encode_frame(
     whole = len(provenance) == 1 and (provenance[0].start, provenance[0].end) == (start, end)
     if segment is None and whole:  # one stored segment covering the rows is the segment
         segment, provenance = provenance[0], ()
-    if version == 2:
+    if version in CHUNKED_VERSIONS:
         return encode_v2(
             arr, srt, num_experts=num_experts, layers=layers, start=start, segment=segment,
             provenance=provenance, codec=codec, level=level, base=base, block_rows=block_rows,
-            layer_groups=layer_groups,
+            layer_groups=layer_groups, version=version,
         )  # fmt: skip
     if version != 1 or base is not None:
         raise UnsupportedFrameError(f"cannot write format version {version} (with base={base})")
-    return encode_v1(arr, srt, num_experts, layers, start, segment, provenance, codec, level)
+    v1_level = 3 if level is None else level
+    return encode_v1(arr, srt, num_experts, layers, start, segment, provenance, codec, v1_level)
 
 
 def _unpack_routing(
@@ -173,9 +178,9 @@ def read_header(
     magic, version, codec_id, reserved, hlen, blen = PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise UnsupportedFrameError(f"not a routing frame: magic {bytes(magic)!r} != {MAGIC!r}")
-    if version not in (1, 2):
+    if version not in (1, *CHUNKED_VERSIONS):
         raise UnsupportedFrameError(
-            f"frame format version {version} is not supported (this library reads 1 and 2)"
+            f"frame format version {version} is not supported (this library reads 1, 2 and 3)"
         )
     if codec_id not in CODEC_NAMES and not (version == 2 and codec_id == CONTEXT_CODEC):
         raise UnsupportedFrameError(f"unknown codec id {codec_id}")
@@ -189,13 +194,15 @@ def read_header(
         raise kind(f"frame is {len(view)} bytes but declares {total}")
     if verify:
         (want,) = CRC.unpack_from(view, total - CRC.size)
-        if zlib.crc32(view[: total - CRC.size]) != want:
-            raise ChecksumError("frame checksum mismatch: the bytes were corrupted")
+        if frame_crc(version, view, hlen, total) != want:
+            what = "frame header" if version >= 3 else "frame"
+            raise ChecksumError(f"{what} checksum mismatch: the bytes were corrupted")
     raw = bytes(view[PREFIX.size : PREFIX.size + hlen])
-    if version == 2:
+    if version in CHUNKED_VERSIONS:
         return parse_v2(
-            unpack_map(raw, "frame header", allow_bin=True), codec_id, blen, total, context
-        )
+            unpack_map(raw, "frame header", allow_bin=True), codec_id, blen, total, context,
+            version=version,
+        )  # fmt: skip
     try:
         hdr = msgpack.unpackb(
             raw, raw=False, strict_map_key=True, max_bin_len=0, object_pairs_hook=unique_map
@@ -220,7 +227,7 @@ def decode_frame(
     """
     hdr = read_header(data, context=context)
     view = memoryview(data).cast("B")
-    if hdr.version == 2:
+    if hdr.version in CHUNKED_VERSIONS:
         if hdr.codec == "context":
             raise FrameError("a context frame holds no routing rows")
         if not hdr.resolved:
@@ -230,7 +237,8 @@ def decode_frame(
         if hdr.context is not None and hdr.context.has_table and hdr.context.table is None:
             hdr = read_header(data, verify=False, context=Context.parse(hdr.context.raw))
         # Chunk CRCs too: a slice's outer CRC was computed by whoever cut it, so only the
-        # chunk CRCs (the writer's) vouch for the bytes end to end.
+        # chunk CRCs (the writer's) vouch for the bytes end to end (in v3 they are the
+        # body's only checksum).
         arr = decode_v2(view, hdr, max_bytes, verify_chunks=True)
     else:
         if (

@@ -7,17 +7,21 @@ imports none of them.  The layout is docs/format.md's (see :mod:`r3_client.codec
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
 from typing import Any, Final, Literal
 
+import google_crc32c
 import msgpack
 import numpy as np
+import zstandard
 
 from r3_client._exceptions import FrameError, ShapeError
 
 __all__ = [
     "BLOCK_ROWS",
+    "CHUNKED_VERSIONS",
     "CODECS",
     "CODEC_NAMES",
     "CONTEXT_CODEC",
@@ -36,22 +40,32 @@ __all__ = [
     "CodecName",
     "assemble_frame",
     "check_decoded_size",
+    "chunk_crc",
+    "crc32c",
     "expect_params",
+    "frame_crc",
     "int_field",
     "raw_dtype",
     "unique_map",
     "unpack_map",
+    "zstd_compressor",
 ]
 
 
 MAGIC: Final = b"R3RF"
 
 
-#: The version :func:`encode_frame` writes; version 1 frames still decode.
-FORMAT_VERSION: Final = 2
+#: The version :func:`encode_frame` writes; version 1 and 2 frames still decode.
+FORMAT_VERSION: Final = 3
 
 
-#: Codec id of a v2 *context frame*: a rollout's shared context, no rows.
+#: Versions with chunked bodies and contexts (v3 is v2's layout with CRC-32C checksums,
+#: a header-only trailing CRC and a BLAKE3 content digest: docs/format.md section 18).
+CHUNKED_VERSIONS: Final = (2, 3)
+
+
+#: Codec id of a v2 *context frame*: a rollout's shared context, no rows (v3 frames use
+#: the same context frames: a context is version-independent).
 CONTEXT_CODEC: Final = 3
 
 
@@ -116,10 +130,35 @@ def raw_dtype(num_experts: int) -> np.dtype[Any]:
     return np.dtype("u1") if num_experts <= 255 else np.dtype("<u2")
 
 
+def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``, continuing ``value``: google-crc32c's hardware path.
+
+    google-crc32c takes read-only buffers only; a numpy view over any buffer is accepted
+    without a copy.
+    """
+    view = np.frombuffer(data, dtype=np.uint8)
+    return int(google_crc32c.extend(value, view)) if value else int(google_crc32c.value(view))
+
+
+def chunk_crc(version: int, data: bytes | bytearray | memoryview) -> int:
+    """The checksum a chunk of a ``version`` frame lists: CRC-32 (v2) or CRC-32C (v3)."""
+    return crc32c(data) if version >= 3 else zlib.crc32(data)
+
+
+def frame_crc(version: int, view: memoryview, hlen: int, total: int) -> int:
+    """The trailing checksum a frame must carry: v1/v2 CRC-32 over every byte before it, v3
+    CRC-32C over the prefix and header only (each chunk has its own; a slice recomputes
+    only the header's)."""
+    if version >= 3:
+        return crc32c(view[: PREFIX.size + hlen])
+    return zlib.crc32(view[: total - CRC.size])
+
+
 def assemble_frame(
-    version: int, codec_id: int, header: dict[str, Any], body: Sequence[bytes]
+    version: int, codec_id: int, header: dict[str, Any], body: Sequence[bytes | bytearray]
 ) -> bytes:
-    """Prefix, msgpack ``header``, the ``body`` pieces in order, and the CRC-32 of them all.
+    """Prefix, msgpack ``header``, the ``body`` pieces in order, and the trailing CRC
+    (:func:`frame_crc`).
 
     Raises :class:`ShapeError` for a header over :data:`MAX_HEADER` (no reader accepts it).
     """
@@ -128,10 +167,51 @@ def assemble_frame(
         raise ShapeError(f"frame header would be {len(packed)} bytes; the limit is {MAX_HEADER}")
     blen = sum(len(b) for b in body)
     prefix = PREFIX.pack(MAGIC, version, codec_id, 0, len(packed), blen)
-    crc = zlib.crc32(packed, zlib.crc32(prefix))
-    for b in body:
-        crc = zlib.crc32(b, crc)
+    if version >= 3:
+        crc = crc32c(packed, crc32c(prefix))
+    else:
+        crc = zlib.crc32(packed, zlib.crc32(prefix))
+        for b in body:
+            crc = zlib.crc32(b, crc)
     return b"".join((prefix, packed, *body, CRC.pack(crc)))
+
+
+#: v3's zstd stage when no level is given: zstd's fast strategy with few, long matches and
+#: a window covering a whole chunk (one block, one Huffman table per chunk).  Measured on
+#: skewed routing at 16k x 48 x top-8 of 128: 15% smaller than level 3 and half its CPU
+#: (docs/notes/format-v3-probe.md, section 3).  Only the payload is normative.
+V3_ZSTD: Final = {
+    "strategy": zstandard.STRATEGY_FAST,
+    "window_log": 17,
+    "hash_log": 6,
+    "min_match": 7,
+    "search_log": 1,
+}
+
+
+_LOCAL = threading.local()
+
+
+def zstd_compressor(level: int | None) -> zstandard.ZstdCompressor:
+    """The zstd compressor of a ``level``, or of :data:`V3_ZSTD` for ``None``: declares the
+    content size, no zstd checksum (the chunk CRC covers the body).
+
+    Kept per thread and level: building one per chunk cost 1-2 ms a frame, and a
+    ZstdCompressor must not be shared between threads.
+    """
+    cache: dict[int | None, zstandard.ZstdCompressor] | None = getattr(_LOCAL, "zstd", None)
+    if cache is None:
+        cache = _LOCAL.zstd = {}
+    comp = cache.get(level)
+    if comp is None:
+        if level is None:
+            params = zstandard.ZstdCompressionParameters(
+                **V3_ZSTD, write_content_size=True, write_checksum=False
+            )
+            comp = cache[level] = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            comp = cache[level] = zstandard.ZstdCompressor(level=level)
+    return comp
 
 
 def unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:

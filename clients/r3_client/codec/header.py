@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import blake3
 import msgpack
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +29,7 @@ from r3_client._routing import (
 )
 from r3_client.codec._sortnet import sort_rows
 from r3_client.codec.frame import (
+    FORMAT_VERSION,
     MAX_HEADER,
     MAX_SEGMENTS,
     MAX_TABLE_ENTRIES,
@@ -157,26 +159,35 @@ def content_digest(
     rows: npt.NDArray[Any],
     *,
     canonical: bool = False,
+    version: int = FORMAT_VERSION,
 ) -> str:
-    """SHA-256 over a segment's meta and its rows as *sets*: codec- and order-independent.
+    """A segment's meta and its rows as *sets*, hashed: codec- and order-independent.
 
-    What a v2 writer puts in the header (``digest``) and the store uses for
-    idempotence and dedupe without decoding: two frames of the same rows under
-    the same segment have the same digest whatever codec wrote them.
+    What a writer puts in the header (``digest``) and the store uses for idempotence and
+    dedupe without decoding: two frames of the same rows under the same segment and format
+    version have the same digest whatever codec wrote them (docs/format.md section 10).
+    ``version`` 2: SHA-256 over the rows as int32.  ``version`` 3: BLAKE3 over the rows as
+    stored (uint8 when E <= 255, else uint16 LE; -1 as the dtype's maximum), a quarter or
+    half of the bytes through a hash ~5x faster.
     """
     srt = rows if canonical else sort_rows(np.asarray(rows))
+    meta = msgpack.packb([int(num_experts), [int(i) for i in layer_ids], segment.to_dict()])
+    flat = srt.reshape(-1)
+    if version >= 3:
+        # -1 wraps to the dtype's maximum, the raw body's sentinel.
+        ids = np.ascontiguousarray(flat).astype(raw_dtype(num_experts), casting="unsafe")
+        return str(blake3.blake3(meta).update(ids.data.cast("B")).hexdigest())
     h = hashlib.sha256()
-    h.update(msgpack.packb([int(num_experts), [int(i) for i in layer_ids], segment.to_dict()]))
+    h.update(meta)
     # The rows as little-endian int32, a piece at a time: hashlib releases the GIL over
     # each piece, and widening one piece holds it well under a millisecond (widening a
     # 16k-row rollout at 48x8 at once held it ~5 ms; .tobytes() ~20 ms).
-    flat = srt.reshape(-1)
     for at in range(0, flat.size, _DIGEST_PIECE):
         h.update(np.ascontiguousarray(flat[at : at + _DIGEST_PIECE], dtype="<i4").data.cast("B"))
     return h.hexdigest()
 
 
-#: Ids widened per hashlib update in :func:`content_digest`.
+#: Ids widened per hashlib update in a v2 :func:`content_digest`.
 _DIGEST_PIECE = 1 << 17
 
 
@@ -200,9 +211,11 @@ class FrameHeader:
     context: Context | None = None
     #: v2 continuation: digest of the context the frame needs ("" if it carries its own).
     base: str = ""
-    #: v2: writer-supplied content digest of the segment (see :func:`content_digest`).
+    #: v2/v3: writer-supplied content digest of the segment (see :func:`content_digest`;
+    #: SHA-256 in v2, BLAKE3 in v3: equal rows give equal digests within one version).
     digest: str = ""
-    #: v2: token rows per block, layers per group, and ``(length, crc32)`` per chunk.
+    #: v2/v3: token rows per block, layers per group, and ``(length, crc)`` per chunk
+    #: (CRC-32 in v2, CRC-32C in v3).
     blocks: tuple[int, ...] = ()
     groups: tuple[int, ...] = ()
     chunks: tuple[tuple[int, int], ...] = ()

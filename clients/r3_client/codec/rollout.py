@@ -22,6 +22,7 @@ from r3_client._routing import (
 )
 from r3_client.codec.entry import decode_frame, read_header
 from r3_client.codec.frame import (
+    CHUNKED_VERSIONS,
     CODECS,
     CRC,
     MAX_DECODED_BYTES,
@@ -43,9 +44,10 @@ def slice_frame(
     context: Context | None = None,
     parsed: FrameHeader | None = None,
 ) -> bytes:
-    """Cut a v2 frame down to the blocks and layer groups that cover a range: no decoding.
+    """Cut a v2 or v3 frame down to the blocks and layer groups that cover a range: no
+    decoding.
 
-    The result is a v2 frame whose rows are the blocks overlapping ``[start, end)``
+    The result is a frame of the same version whose rows are the blocks overlapping ``[start, end)``
     and whose layers are the groups holding any of ``layers`` (absolute ids); the
     reader trims to the exact range.  Chunk bytes are copied unchanged (their
     CRCs travel in the header); the segment becomes provenance.  A continuation
@@ -54,8 +56,8 @@ def slice_frame(
     already (the service keeps parsed headers of stored frames).
     """
     hdr = read_header(data, verify=False, context=context) if parsed is None else parsed
-    if hdr.version != 2 or hdr.codec == "context":
-        raise UnsupportedFrameError("only v2 routing frames can be sliced")
+    if hdr.version not in CHUNKED_VERSIONS or hdr.codec == "context":
+        raise UnsupportedFrameError("only v2 and v3 routing frames can be sliced")
     lo = hdr.start if start is None else max(start, hdr.start)
     hi = hdr.end if end is None else min(end, hdr.end)
     if lo >= hi:
@@ -98,7 +100,7 @@ def slice_frame(
     kept = [p for p in prov if p.overlaps(header["start"], header["end"])]
     if kept:
         header["segments"] = [p.to_dict() for p in kept]
-    return assemble_frame(2, CODECS[hdr.codec], header, body)
+    return assemble_frame(hdr.version, CODECS[hdr.codec], header, body)
 
 
 def _explicit_layers(hdr: FrameHeader) -> bool:

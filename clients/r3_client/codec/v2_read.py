@@ -1,9 +1,12 @@
-"""Format v2 reading: header validation, context resolution, chunk checks and decoding."""
+"""Format v2 and v3 reading: header validation, context resolution, chunk checks, decoding.
+
+v3 differs from v2 only in its checksums and digest (docs/format.md section 18), so one
+reader serves both; ``version`` picks the chunk checksum.
+"""
 
 from __future__ import annotations
 
 import itertools
-import zlib
 from typing import Any
 
 import numpy as np
@@ -19,7 +22,15 @@ from r3_client.codec.bodies import (
     zset_chunk_decode,
     zset_chunk_payload,
 )
-from r3_client.codec.frame import CODEC_NAMES, CONTEXT_CODEC, CRC, expect_params, int_field
+from r3_client.codec.frame import (
+    CHUNKED_VERSIONS,
+    CODEC_NAMES,
+    CONTEXT_CODEC,
+    CRC,
+    chunk_crc,
+    expect_params,
+    int_field,
+)
 from r3_client.codec.header import (
     SEGMENT_TEXT,
     Context,
@@ -38,10 +49,18 @@ _V2_OPTIONAL = {"segment", "segments", "digest"}
 
 
 def parse_v2(
-    hdr: dict[Any, Any], codec_id: int, blen: int, total: int, context: Context | None
+    hdr: dict[Any, Any],
+    codec_id: int,
+    blen: int,
+    total: int,
+    context: Context | None,
+    *,
+    version: int = 2,
 ) -> FrameHeader:
-    """A v2 frame's header, every field checked (``context``: the caller's, if any)."""
+    """A v2 or v3 frame's header, every field checked (``context``: the caller's, if any)."""
     if codec_id == CONTEXT_CODEC:
+        if version != 2:
+            raise FrameError("a context frame is format v2 (contexts do not change in v3)")
         if set(hdr) != {"ctx"} or blen:
             raise FrameError("a context frame has exactly the header key ctx and no body")
         own = _ctx_field(hdr["ctx"])
@@ -68,7 +87,7 @@ def parse_v2(
         raise FrameError("set-zstd param relabel must be a bool")
     out = FrameHeader(
         codec, 0, 0, layer_subset or (), start, end, seg, segs, params, blen, total,
-        version=2, context=ctx, base=base, digest=digest, blocks=blocks, groups=groups,
+        version=version, context=ctx, base=base, digest=digest, blocks=blocks, groups=groups,
         chunks=chunks,
     )  # fmt: skip
     return out if ctx is None else _resolve(out, ctx, layer_subset)
@@ -184,7 +203,7 @@ def _resolve(hdr: FrameHeader, ctx: Context, subset: tuple[int, ...] | None) -> 
         hdr.params,
         hdr.body_length,
         hdr.frame_length,
-        version=2,
+        version=hdr.version,
         context=ctx,
         base=hdr.base,
         digest=hdr.digest,
@@ -217,15 +236,22 @@ def _sha_field(value: object, name: str) -> str:
 
 
 def check_chunks(data: bytes | bytearray | memoryview, hdr: FrameHeader) -> None:
-    """What the service checks of a v2 body without decoding it: each set-zstd chunk's
-    zstd frame declares exactly the payload its shape allows (bombs refused at PUT)."""
-    if hdr.version != 2 or hdr.codec != "set-zstd":
+    """What the service checks of a v2/v3 body without decoding it: each set-zstd chunk's
+    zstd frame declares exactly the payload its shape allows (bombs refused at PUT), and
+    in v3, whose trailing CRC covers only the header, each chunk's CRC-32C (raises
+    :class:`ChecksumError`)."""
+    if hdr.version not in CHUNKED_VERSIONS or (hdr.version < 3 and hdr.codec != "set-zstd"):
         return
     view = memoryview(data).cast("B")
     at = hdr.frame_length - CRC.size - hdr.body_length
-    for (br, lg), (length, _) in zip(
+    for (br, lg), (length, crc) in zip(
         itertools.product(hdr.blocks, hdr.groups), hdr.chunks, strict=True
     ):
+        if hdr.version >= 3 and chunk_crc(3, view[at : at + length]) != crc:
+            raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
+        if hdr.codec != "set-zstd":
+            at += length
+            continue
         inflate_exact(
             view[at : at + length],
             zset_chunk_payload(br, lg, hdr.num_experts, hdr.topk),
@@ -238,8 +264,8 @@ def check_chunks(data: bytes | bytearray | memoryview, hdr: FrameHeader) -> None
 def decode_v2(
     view: memoryview, hdr: FrameHeader, max_bytes: int, verify_chunks: bool
 ) -> npt.NDArray[Any]:
-    """A resolved v2 frame's chunks decoded to ``[R, L, K]`` ids (``verify_chunks``: check
-    each chunk's CRC too); refused before allocating when over ``max_bytes``."""
+    """A resolved v2/v3 frame's chunks decoded to ``[R, L, K]`` ids (``verify_chunks``:
+    check each chunk's CRC too); refused before allocating when over ``max_bytes``."""
     assert hdr.context is not None
     ctx = hdr.context
     e, k, nl = hdr.num_experts, hdr.topk, len(hdr.layer_ids)
@@ -261,7 +287,7 @@ def decode_v2(
             i += 1
             chunk = view[at : at + length]
             at += length
-            if verify_chunks and zlib.crc32(chunk) != crc:
+            if verify_chunks and chunk_crc(hdr.version, chunk) != crc:
                 raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
             lo, hi = gbounds[g], gbounds[g + 1]
             shape = (br, hi - lo, k)

@@ -1,9 +1,13 @@
-"""Format v2 writing: chunked frames (token blocks x layer groups), context frames."""
+"""Format v2 and v3 writing: chunked frames (token blocks x layer groups), context frames.
+
+v3 is v2's layout with other checksums and digest (docs/format.md section 18): CRC-32C per
+chunk, a trailing CRC-32C over the prefix and header only, a BLAKE3 content digest, and by
+default v3's tuned zstd setting for ``set-zstd``.
+"""
 
 from __future__ import annotations
 
 import itertools
-import zlib
 from typing import Any
 
 import numpy.typing as npt
@@ -26,6 +30,7 @@ from r3_client.codec.frame import (
     MAX_TABLE_ENTRIES,
     MIN_GROUPED,
     assemble_frame,
+    chunk_crc,
 )
 from r3_client.codec.header import Context, content_digest, segment_fields, write_provenance
 
@@ -59,13 +64,17 @@ def encode_v2(
     segment: Segment | None,
     provenance: tuple[Segment, ...],
     codec: str,
-    level: int,
+    level: int | None,
     base: Context | None,
     block_rows: int | None,
     layer_groups: int | None,
+    version: int = 2,
 ) -> bytes:
-    """A format v2 frame of validated routing (``srt``: its canonical rows); see
-    :func:`r3_client.codec.encode_frame` for the arguments."""
+    """A format v2 or v3 frame of validated routing (``srt``: its canonical rows); see
+    :func:`r3_client.codec.encode_frame` for the arguments.  ``level`` None: zstd level 3
+    in v2, v3's tuned setting in v3."""
+    if level is None and version < 3:
+        level = 3
     rows, nl, k = arr.shape
     e = num_experts
     if base is not None:
@@ -118,9 +127,11 @@ def encode_v2(
     header["params"] = {"relabel": relabel} if codec == "set-zstd" else {}
     header["blocks"] = list(blocks)
     header["groups"] = list(groups)
-    header["chunks"] = [[len(c), zlib.crc32(c)] for c in chunks]
-    header.update(_segment_header(segment, provenance, start, start + rows, e, layers, srt))
-    return assemble_frame(2, CODECS[codec], header, chunks)
+    header["chunks"] = [[len(c), chunk_crc(version, c)] for c in chunks]
+    header.update(
+        _segment_header(segment, provenance, start, start + rows, e, layers, srt, version)
+    )
+    return assemble_frame(version, CODECS[codec], header, chunks)
 
 
 def _segment_header(
@@ -131,17 +142,18 @@ def _segment_header(
     e: int,
     layers: tuple[int, ...],
     srt: npt.NDArray[Any],
+    version: int,
 ) -> dict[str, Any]:
     """The header's ``segment`` and content ``digest``, or its provenance ``segments``."""
     seg = segment if segment is not None else (None if provenance else Segment(start, end))
     if seg is not None:
-        digest = bytes.fromhex(content_digest(e, layers, seg, srt, canonical=True))
-        return {"segment": segment_fields(seg), "digest": digest}
+        digest = content_digest(e, layers, seg, srt, canonical=True, version=version)
+        return {"segment": segment_fields(seg), "digest": bytes.fromhex(digest)}
     return {"segments": write_provenance(provenance, start, end)}
 
 
 def _trial_says_set(
-    srt: npt.NDArray[Any], e: int, k: int, level: int, to_rank: npt.NDArray[Any] | None
+    srt: npt.NDArray[Any], e: int, k: int, level: int | None, to_rank: npt.NDArray[Any] | None
 ) -> bool:
     """``auto``'s choice: True when a set-zstd trial is no smaller than ``set``'s fixed width."""
     rows, nl, _ = srt.shape
@@ -150,5 +162,8 @@ def _trial_says_set(
 
 
 def encode_context(context: Context) -> bytes:
-    """A context frame: the rollout context continuation frames name, with no rows."""
+    """A context frame: the rollout context continuation frames name, with no rows.
+
+    Always format v2 (codec id 3): a context does not depend on the version of the frames
+    that name it, so v2 and v3 continuation frames of one rollout share it."""
     return assemble_frame(2, CONTEXT_CODEC, {"ctx": context.raw}, ())
