@@ -433,7 +433,9 @@ class SegmentStore(DurableWrites, StoreReads):
             other, how = res[1].decode(), res[2].decode()
             a, b = other.split(":")
             detail = (
-                "covers the same range with different routing or metadata"
+                "covers the same range with a different content digest: different routing or "
+                "metadata, or the same rows written in the other format version (v2 and v3 "
+                "digests differ; docs/format.md section 18.5)"
                 if how == "differs"
                 else "overlaps it; send only rows not yet stored (start at the stored end)"
             )

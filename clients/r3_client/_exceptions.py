@@ -142,7 +142,8 @@ class TruncatedFrameError(FrameError):
 
 
 class ChecksumError(FrameError):
-    """The frame's CRC-32 does not match its bytes."""
+    """A frame's or a chunk's checksum (CRC-32 in v1/v2, CRC-32C in v3) does not match its
+    bytes."""
 
     code = "checksum_mismatch"
 

@@ -11,7 +11,6 @@ without failing the other rollouts of a batch.
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import grpc
@@ -32,7 +31,7 @@ from r3_client import (
     read_header,
 )
 from r3_client._proto import r3_cache_pb2 as pb
-from r3_client.codec.frame import assemble_frame
+from r3_client.codec.frame import assemble_frame, chunk_crc
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import LAYERS, TRAJ, E, frame_for, frame_parts, rid
 from tests.support.service_process import KEY_A, Service, grpc_md, start_service
@@ -83,8 +82,8 @@ def _rebuild(frame: bytes, chunk_index: int, chunk: bytes) -> bytes:
     a well-formed frame whose chunk claims whatever ``chunk`` claims."""
     header, chunks = frame_parts(frame)
     chunks[chunk_index] = chunk
-    header["chunks"] = [[len(c), zlib.crc32(c)] for c in chunks]
-    return assemble_frame(2, frame[5], header, chunks)
+    header["chunks"] = [[len(c), chunk_crc(frame[4], c)] for c in chunks]
+    return assemble_frame(frame[4], frame[5], header, chunks)  # the frame's own version
 
 
 def _bomb(frame: bytes, inflated: int) -> bytes:

@@ -15,7 +15,6 @@ import json
 import struct
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import msgpack
@@ -23,7 +22,7 @@ import pytest
 import zstandard
 
 from r3_client import CodecError, Segment, decode_rollout, encode_frame, read_header, token_digest
-from r3_client.codec.frame import MAX_TABLE_ENTRIES, assemble_frame
+from r3_client.codec.frame import MAX_TABLE_ENTRIES, assemble_frame, chunk_crc
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import frame_parts, rid
 from tests.support.service_process import KEY_A, Service
@@ -69,8 +68,8 @@ def chunk_bomb(frame: bytes) -> tuple[bytes, int]:
     header, chunks = frame_parts(frame)
     declared = zstandard.frame_content_size(chunks[0])
     chunks[0] = _lying_zstd(declared)
-    header["chunks"] = [[len(c), zlib.crc32(c)] for c in chunks]
-    return assemble_frame(2, frame[5], header, chunks), declared
+    header["chunks"] = [[len(c), chunk_crc(frame[4], c)] for c in chunks]
+    return assemble_frame(frame[4], frame[5], header, chunks), declared
 
 
 def table_bomb() -> tuple[bytes, int]:

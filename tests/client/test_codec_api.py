@@ -30,6 +30,7 @@ from r3_client import (
 )
 from r3_client.codec.setrank import pack_bits, ranker, unpack_bits
 from r3_client.synthetic import synthetic_routing
+from tests.support.frames import forge_checksums
 
 CODECS = ["raw", "set", "set-zstd", "auto"]
 
@@ -169,15 +170,17 @@ def _frames() -> list[bytes]:
     for i, codec in enumerate(["raw", "set", "set-zstd"]):
         for e, k in [(128, 8), (1024, 16), (300, 1)]:
             idx = synthetic_routing(12, 3, e, k, skew=1.0, rho=0.8, empty=0.1, seed=i)
-            out.append(
-                encode_frame(
-                    idx,
-                    num_experts=e,
-                    layer_ids=[0, 5, 9],
-                    codec=codec,
-                    segment=Segment(0, 12, "m", "v1"),
+            for version in (2, 3):
+                out.append(
+                    encode_frame(
+                        idx,
+                        num_experts=e,
+                        layer_ids=[0, 5, 9],
+                        codec=codec,
+                        segment=Segment(0, 12, "m", "v1"),
+                        version=version,
+                    )
                 )
-            )
     return out
 
 
@@ -211,8 +214,7 @@ def test_every_truncation_raises(which: int) -> None:
 
 
 def _recrc(frame: bytearray) -> bytes:
-    body = bytes(frame[:-4])
-    return body + struct.pack("<I", zlib.crc32(body))
+    return forge_checksums(frame)
 
 
 @settings(max_examples=600, deadline=None)

@@ -1,8 +1,9 @@
 """docs/format.md's test vectors decode (and, for raw/set, encode) exactly as the spec says.
 
-Version 2 and 3 vectors (``"version": 2`` / ``3``) also carry the content digest, optionally the chunk plan
-(``block_rows``, ``layer_groups``) and, for continuation frames, the context frame they
-continue (``context_hex``); version 1 vectors (``"version": 1``) are the old single-body format.
+Version 2 and 3 vectors (``"version": 2`` / ``3``) also carry the content digest, optionally
+the chunk plan (``block_rows``, ``layer_groups``) and, for continuation frames, the context
+frame they continue (``context_hex``); version 1 vectors (``"version": 1``) are the old
+single-body format.
 """
 
 from __future__ import annotations

@@ -59,8 +59,6 @@ def parse_v2(
 ) -> FrameHeader:
     """A v2 or v3 frame's header, every field checked (``context``: the caller's, if any)."""
     if codec_id == CONTEXT_CODEC:
-        if version != 2:
-            raise FrameError("a context frame is format v2 (contexts do not change in v3)")
         if set(hdr) != {"ctx"} or blen:
             raise FrameError("a context frame has exactly the header key ctx and no body")
         own = _ctx_field(hdr["ctx"])
