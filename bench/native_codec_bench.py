@@ -61,6 +61,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -333,19 +334,19 @@ def measure(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     n_rows = case.rows * len(case.layers)
     enc_fns = dict(case.baselines())
     dec_fns: dict[str, Callable[[], object]] = {
-        BASELINE: in_backend("numpy", lambda f=frames[2, case.backends[0]]: decode_frame(f))
+        BASELINE: in_backend("numpy", partial(decode_frame, frames[2, case.backends[0]]))
     }
     for version in case.versions:
         for name in case.backends:
             frame = frames[version, name]
             enc_fns[f"encode_frame {key(version, name)}"] = in_backend(
-                name, lambda v=version: case.encode(v)
+                name, partial(case.encode, version)
             )
             dec_fns[f"decode_frame {key(version, name)}"] = in_backend(
-                name, lambda f=frame: decode_frame(f)
+                name, partial(decode_frame, frame)
             )
             dec_fns[f"decode_rollout {key(version, name)}"] = in_backend(
-                name, lambda f=frame: decode_rollout(f)
+                name, partial(decode_rollout, frame)
             )
     enc = best_of(enc_fns, args.repeat)
     dec = best_of(dec_fns, args.repeat)
@@ -401,9 +402,7 @@ def measure_warm(case: Case, r: dict[str, Any], args: argparse.Namespace) -> Non
     name = case.backends[-1]
     fns = dict(case.baselines())
     for version in case.versions:
-        fns[f"encode_frame {key(version, name)}"] = in_backend(
-            name, lambda v=version: case.encode(v)
-        )
+        fns[f"encode_frame {key(version, name)}"] = in_backend(name, partial(case.encode, version))
     for fn in fns.values():  # one call each first: the heap grows to its steady size
         fn()
     got = best_of(fns, args.repeat)

@@ -32,7 +32,13 @@ from r3_client.codec.frame import (
     assemble_frame,
     chunk_crc,
 )
-from r3_client.codec.header import Context, content_digest, segment_fields, write_provenance
+from r3_client.codec.header import (
+    Context,
+    content_digest,
+    inverse_order,
+    segment_fields,
+    write_provenance,
+)
 
 __all__ = ["encode_context", "encode_v2"]
 
@@ -91,8 +97,16 @@ def encode_v2(
         codec = "set-zstd" if set_ok(e, k) else "raw"  # set-zstd vs set: a trial, below
     own: Context | None = None
     ctx = base
+    decided = False
     if base is None:
         relabel_own = codec == "set-zstd" and rows >= e and nl * e <= MAX_TABLE_ENTRIES
+        trial = trial_rows(rows, nl)
+        if auto and relabel_own and version >= 3 and trial < rows:
+            # v3 policy (docs/format.md 18.3): the trial relabels by its own rows' table, so
+            # a frame that ends up `set` (uniform routing) never counts the whole frame.
+            decided = True
+            if _trial_says_set(srt, e, k, level, inverse_order(popularity(srt[:trial], e))):
+                codec, relabel_own = "set", False
         table = popularity(srt, e) if relabel_own else None
         own = ctx = Context.build(e, k, layers, table)
     assert ctx is not None
@@ -100,7 +114,8 @@ def encode_v2(
     ctx_pos = [ctx.layer_ids.index(lid) for lid in layers]
     to_rank = ctx.to_rank(ctx_pos) if relabel else None
     gbounds = list(itertools.accumulate(groups, initial=0))
-    if auto and codec == "set-zstd" and _trial_says_set(srt, e, k, level, to_rank):
+    trial_says_set = auto and codec == "set-zstd" and not decided
+    if trial_says_set and _trial_says_set(srt, e, k, level, to_rank):
         codec, relabel, to_rank = "set", False, None
         if own is not None and own.has_table:  # set needs no table: do not ship one
             own = ctx = Context.build(e, k, layers)
