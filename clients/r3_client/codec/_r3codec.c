@@ -478,40 +478,51 @@ fail:
 }
 
 /* Gap planes (layer-major) to token-major ids in `o`, through the relabel table `o8`/`o16`
- * ([L, E], rank -> expert) when one is given; R3_GAP for gaps valid routing cannot have. */
+ * ([L, E], rank -> expert) when one is given; R3_GAP for gaps valid routing cannot have.
+ * Rows go in tiles of DEC_ZROWS, every layer of a tile before the next tile: the output is
+ * token-major, so a tile's rows stay in cache while its layers are filled in. */
+#define DEC_ZROWS 64
+
 HOT int ids_k(Arr3 *o, int64_t e, const uint8_t *planes, const uint8_t *o8,
-              const uint16_t *o16, const int ok, const int gsz) {
-    int k = (int)o->k;
+              const uint16_t *o16, const int ok, const int gsz, const int kc) {
+    int k = kc ? kc : (int)o->k; /* kc: K as a constant (0: any K) */
     uint32_t gmax = (uint32_t)(e - k + 1);
     Py_ssize_t n = o->rows * o->layers * k;
     const uint8_t *lo8 = planes, *hi8 = planes + (gsz == 2 ? n : 0);
-    Py_ssize_t at = 0;
-    for (Py_ssize_t l = 0; l < o->layers; l++) {
-        const uint8_t *t8 = o8 ? o8 + l * e : NULL;
-        const uint16_t *t16 = o16 ? o16 + l * e : NULL;
-        for (Py_ssize_t r = 0; r < o->rows; r++, at += k) {
-            char *q = (char *)row_at(o, r, l);
-            uint32_t g0 = lo8[at] | (gsz == 2 ? (uint32_t)hi8[at] << 8 : 0);
-            if (g0 == gmax) {
-                uint32_t any = 0;
-                for (int j = 1; j < k; j++) any |= lo8[at + j] | (gsz == 2 ? hi8[at + j] : 0);
-                if (any) return R3_GAP;
-                for (int j = 0; j < k; j++) store(q, ok, j, -1);
-                continue;
-            }
-            uint32_t id = g0, worst = g0;
-            for (int j = 1; j < k; j++) {
-                uint32_t g = lo8[at + j] | (gsz == 2 ? (uint32_t)hi8[at + j] << 8 : 0);
-                worst |= g > gmax ? 0x80000000u : 0;
-                id += g + 1;
-            }
-            /* every gap within gmax and the last id below E, or the row is corrupt */
-            if (g0 > gmax || (worst & 0x80000000u) || id >= (uint32_t)e) return R3_GAP;
-            id = g0;
-            for (int j = 0; j < k; j++) {
-                if (j) id += (lo8[at + j] | (gsz == 2 ? (uint32_t)hi8[at + j] << 8 : 0)) + 1;
-                int32_t v = t8 ? t8[id] : t16 ? t16[id] : (int32_t)id;
-                store(q, ok, j, v);
+    for (Py_ssize_t r0 = 0; r0 < o->rows; r0 += DEC_ZROWS) {
+        Py_ssize_t r1 = o->rows - r0 < DEC_ZROWS ? o->rows : r0 + DEC_ZROWS;
+        for (Py_ssize_t l = 0; l < o->layers; l++) {
+            const uint8_t *t8 = o8 ? o8 + l * e : NULL;
+            const uint16_t *t16 = o16 ? o16 + l * e : NULL;
+            Py_ssize_t at = (l * o->rows + r0) * k;
+            for (Py_ssize_t r = r0; r < r1; r++, at += k) {
+                char *q = (char *)row_at(o, r, l);
+                uint32_t g0 = lo8[at] | (gsz == 2 ? (uint32_t)hi8[at] << 8 : 0);
+                if (g0 == gmax) {
+                    uint32_t any = 0;
+                    for (int j = 1; j < k; j++) any |= lo8[at + j] | (gsz == 2 ? hi8[at + j] : 0);
+                    if (any) return R3_GAP;
+                    for (int j = 0; j < k; j++) store(q, ok, j, -1);
+                    continue;
+                }
+                /* one pass: ids into a row buffer, the checks gathered (every gap within
+                 * gmax, the last id below E), then the row written */
+                int32_t ids[KMAX];
+                uint32_t id = g0, worst = g0;
+                ids[0] = (int32_t)g0;
+                for (int j = 1; j < k; j++) {
+                    uint32_t g = lo8[at + j] | (gsz == 2 ? (uint32_t)hi8[at + j] << 8 : 0);
+                    worst = g > worst ? g : worst;
+                    id += g + 1;
+                    ids[j] = (int32_t)id;
+                }
+                if (worst > gmax || id >= (uint32_t)e) return R3_GAP;
+                if (t8)
+                    for (int j = 0; j < k; j++) store(q, ok, j, t8[ids[j]]);
+                else if (t16)
+                    for (int j = 0; j < k; j++) store(q, ok, j, t16[ids[j]]);
+                else
+                    for (int j = 0; j < k; j++) store(q, ok, j, ids[j]);
             }
         }
     }
@@ -522,9 +533,14 @@ static int ids_any(Arr3 *o, int64_t e, const uint8_t *planes, const void *o8,
                           const void *o16, int gsz) {
     const uint8_t *t8 = (const uint8_t *)o8;
     const uint16_t *t16 = (const uint16_t *)o16;
-    if (o->kind == 2) return gsz == 1 ? ids_k(o, e, planes, t8, t16, 2, 1)
-                                      : ids_k(o, e, planes, t8, t16, 2, 2);
-    return gsz == 1 ? ids_k(o, e, planes, t8, t16, 4, 1) : ids_k(o, e, planes, t8, t16, 4, 2);
+    /* common shapes with K a constant: the per-row loops unroll */
+    if (o->kind == 2 && o->k == 8)
+        return gsz == 1 ? ids_k(o, e, planes, t8, t16, 2, 1, 8) : ids_k(o, e, planes, t8, t16, 2, 2, 8);
+    if (o->kind == 2 && o->k == 4)
+        return gsz == 1 ? ids_k(o, e, planes, t8, t16, 2, 1, 4) : ids_k(o, e, planes, t8, t16, 2, 2, 4);
+    if (o->kind == 2) return gsz == 1 ? ids_k(o, e, planes, t8, t16, 2, 1, 0)
+                                      : ids_k(o, e, planes, t8, t16, 2, 2, 0);
+    return gsz == 1 ? ids_k(o, e, planes, t8, t16, 4, 1, 0) : ids_k(o, e, planes, t8, t16, 4, 2, 0);
 }
 
 /* zset_decode(payload, e, order (u1/<u2 [L, E] buffer) or None, out) -> code
@@ -888,58 +904,115 @@ fail:
  * of the eight chains side by side: the rows are independent, so the CPU overlaps them. */
 #define LANES 8
 
-HOT int unrank64_k(Arr3 *o, const Tables *t, uint64_t sentinel, int bits, BitR *in,
-                   const int ok) {
-    int k = (int)o->k, e = t->e;
-    Py_ssize_t n = o->rows * o->layers;
-    Pos pos = {0, 0};
-    for (Py_ssize_t base = 0; base < n; base += LANES) {
-        int m = (int)(n - base < LANES ? n - base : LANES);
-        uint64_t r[LANES] = {0};
-        int empty[LANES];
-        for (int g = 0; g < LANES; g++) empty[g] = 1;
-        int32_t cols[LANES][KMAX];
-        for (int g = 0; g < m; g++) {
-            r[g] = br_get(in, bits);
-            if (r[g] > sentinel) return R3_RANK;
-            empty[g] = r[g] == sentinel;
-            if (empty[g]) r[g] = 0;
+/* GCC's -O3 unroll-and-jam would fuse two levels of one lane (a dependent chain) where
+ * the decode loops step many independent lanes side by side: off for them. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-loop-unroll-and-jam")
+#endif
+
+/* Field n (bits <= 64 wide) of an LSB-first bit stream of `len` bytes that holds it. */
+HOT uint64_t dec_field(const uint8_t *in, Py_ssize_t len, Py_ssize_t n, int bits,
+                       uint64_t mask) {
+    Py_ssize_t p = n * (Py_ssize_t)bits, at = p >> 3;
+    int sh = (int)(p & 7);
+    uint64_t w = 0;
+    if (at + 8 <= len) memcpy(&w, in + at, 8);
+    else memcpy(&w, in + at, (size_t)(len - at));
+    uint64_t v = w >> sh;
+    if (sh + bits > 64) v |= (uint64_t)in[at + 8] << (64 - sh);
+    return v & mask;
+}
+
+/* Unranking, DEC_LANES rows at a time: for i = K..2 the largest c with C(c, i) <= r, from
+ * the bucket table's start and a short scan up (as before); then c_1 = r.  Each step of
+ * the lanes' chains side by side (the rows are independent, so the CPU overlaps them),
+ * ids collected per level and written out row by row with the reference's checks. */
+#ifndef DEC_LANES
+#define DEC_LANES 16
+#endif
+
+/* Each lane's row (ids c_1..c_K in cols[0..K)[g]) into its output row, or -1s for an
+ * empty one, with the reference's checks: ids strictly ascending and c_K < E (c_1 >= 0
+ * holds: it is a remainder).  Returns nonzero when a row breaks them. */
+HOT int dec_emit(char *const *q, const int *empty, int m, int k, int e,
+                 int32_t cols[][DEC_LANES], const int ok) {
+    int worse = 0;
+    for (int g = 0; g < m; g++) {
+        if (empty[g]) {
+            for (int j = 0; j < k; j++) store(q[g], ok, j, -1);
+            continue;
         }
+        int bad = cols[k - 1][g] >= e;
+        for (int j = 1; j < k; j++) bad |= cols[j - 1][g] >= cols[j][g];
+        worse |= bad;
+        for (int j = 0; j < k; j++) store(q[g], ok, j, cols[j][g]);
+    }
+    return worse;
+}
+
+HOT int dec_unrank64_k(Arr3 *o, const Tables *t, uint64_t sentinel, int bits,
+                       const uint8_t *in, Py_ssize_t len, const int ok, const int kc) {
+    int k = kc ? kc : (int)o->k, e = t->e; /* kc: K as a constant (0: any K) */
+    Py_ssize_t n = o->rows * o->layers;
+    uint64_t mask = bits == 64 ? ~(uint64_t)0 : ((uint64_t)1 << bits) - 1;
+    Pos pos = {0, 0};
+    for (Py_ssize_t base = 0; base < n; base += DEC_LANES) {
+        int m = (int)(n - base < DEC_LANES ? n - base : DEC_LANES);
+        uint64_t r[DEC_LANES];
+        int empty[DEC_LANES];
+        char *q[DEC_LANES];
+        int32_t cols[KMAX][DEC_LANES];
+        int bad = 0;
+        for (int g = 0; g < DEC_LANES; g++) {
+            uint64_t x = sentinel;
+            if (g < m) {
+                x = dec_field(in, len, base + g, bits, mask);
+                q[g] = (char *)row_at(o, pos.r, pos.l);
+                step(&pos, o->layers);
+            }
+            bad |= x > sentinel;
+            empty[g] = x == sentinel;
+            r[g] = empty[g] ? 0 : x;
+        }
+        if (bad) return R3_RANK;
         for (int i = k; i >= 2; i--) {
             const uint64_t *row = t->binom64 + i * (e + 1);
             const uint16_t *bucket = t->bucket + i * NKEYS;
-            for (int g = 0; g < LANES; g++) {
+            int32_t *out = cols[i - 1];
+            for (int g = 0; g < DEC_LANES; g++) {
                 uint64_t x = r[g];
                 int c = bucket[key_of64(x)];
-                /* row[E] is the saturated guard: row[c + 1] is always inside the table */
+                /* row[E] is the saturated guard: row[c + 1] is always inside the table.
+                 * A compare-and-add, then a scan that is almost never taken (a branch
+                 * the CPU predicts): branchless selects here measured slower. */
                 c += row[c + 1] <= x;
                 while (row[c + 1] <= x) c++;
                 if (c > e - 1) c = e - 1;
-                cols[g][i - 1] = c;
+                out[g] = c;
                 r[g] = x - row[c];
             }
         }
-        for (int g = 0; g < m; g++) {
-            char *q = (char *)row_at(o, pos.r, pos.l);
-            step(&pos, o->layers);
-            if (empty[g]) {
-                for (int j = 0; j < k; j++) store(q, ok, j, -1);
-                continue;
-            }
-            if (r[g] >= (uint64_t)e) return R3_RANK;
-            cols[g][0] = (int32_t)r[g];
-            for (int j = 1; j < k; j++)
-                if (cols[g][j - 1] >= cols[g][j]) return R3_RANK;
-            for (int j = 0; j < k; j++) store(q, ok, j, cols[g][j]);
-        }
+        /* c_1 is the remainder; clamped so that a bad one (caught below) fits int32 */
+        for (int g = 0; g < DEC_LANES; g++) cols[0][g] = r[g] >= (uint64_t)e ? e : (int32_t)r[g];
+        if (dec_emit(q, empty, m, k, e, cols, ok)) return R3_RANK;
     }
     return R3_OK;
 }
 
 static int unrank64_any(Arr3 *o, const Tables *t, uint64_t sentinel, int bits, BitR *in) {
-    if (o->kind == 2) return unrank64_k(o, t, sentinel, bits, in, 2);
-    return unrank64_k(o, t, sentinel, bits, in, 4);
+    const uint8_t *p = in->in;
+    Py_ssize_t len = in->len;
+    /* common shapes with K a constant: the level loop and the row writes unroll */
+    if (o->kind == 2 && o->k == 8) return dec_unrank64_k(o, t, sentinel, bits, p, len, 2, 8);
+    if (o->kind == 2 && o->k == 4) return dec_unrank64_k(o, t, sentinel, bits, p, len, 2, 4);
+    if (o->kind == 2) return dec_unrank64_k(o, t, sentinel, bits, p, len, 2, 0);
+    return dec_unrank64_k(o, t, sentinel, bits, p, len, 4, 0);
 }
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 /* The same for ranks of up to 128 bits (a 64-bit run, then a run of the high bits). */
 static int unrank128(Arr3 *o, const Tables *t, u128 sentinel, int bits, BitR *rlo, BitR *rhi) {
