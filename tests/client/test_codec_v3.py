@@ -178,3 +178,26 @@ def test_forged_checksums_reach_the_decoders(codec: str) -> None:
         pytest.fail("a forged v3 frame still fails a checksum")
     except FrameError:
         pass  # the body decoder refused the damage: what the fuzz suites want to reach
+
+
+@pytest.mark.parametrize(
+    ("e", "k", "nl"), [(128, 8, 12), (384, 8, 12), (512, 22, 8)], ids=["qwen3", "kimi", "e512"]
+)
+@pytest.mark.parametrize("rows", [16, 200, 1500])
+def test_v3_is_no_larger_than_v2_first_frames_and_continuations(
+    e: int, k: int, nl: int, rows: int
+) -> None:
+    """The zstd setting follows relabelling (18.3): short first frames (fewer rows than
+    experts: no table) and continuations of a table both stay at or below v2's size."""
+    for skew, rho in ((1.0, 0.9), (0.0, 0.0)):
+        big = synthetic_routing(2048 + rows, nl, e, k, skew=skew, rho=rho, seed=rows)
+        kw: dict[str, Any] = {"num_experts": e, "layer_ids": range(nl)}
+        head = encode_frame(big[:2048], **kw)
+        raw = read_header(head).context
+        assert raw is not None
+        ctx = Context.parse(raw.raw)
+        part = big[2048:]
+        for base in (None, ctx):
+            v2 = encode_frame(part, base=base, version=2, start=2048, **kw)
+            v3 = encode_frame(part, base=base, start=2048, **kw)
+            assert len(v3) <= len(v2), (skew, base is not None, len(v3), len(v2))
