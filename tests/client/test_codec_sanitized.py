@@ -8,6 +8,8 @@
    and no sanitizer report.
 2. The same suites run with ``R3_CODEC_BACKEND=numpy``: the fallback is a full codec.
 3. A machine where the extension cannot load gets one warning line and a working codec.
+4. The kernels built without their SSE2 paths (``-DR3_NO_SIMD``, what a non-x86 CPU
+   compiles) pass the differential suite.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ SOURCE = ROOT / "clients" / "r3_client" / "codec" / "_r3codec.c"
 SUITES = [
     "tests/client/test_codec_native.py",
     "tests/client/test_codec_v2.py",
+    "tests/client/test_codec_v3.py",
     "tests/client/test_codec_api.py",
     "tests/client/test_codec_vectors.py",
     "tests/client/test_routing.py",
@@ -81,6 +84,25 @@ def test_the_codec_suites_pass_under_address_and_undefined_sanitizers(tmp_path: 
     assert "AddressSanitizer" not in out and "runtime error" not in out, out[-6000:]
     assert run.returncode == 0, out[-6000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], out[-3000:]
+
+
+def test_the_portable_kernels_match_the_reference_where_sse2_is_absent(tmp_path: Path) -> None:
+    """The encode kernels take SSE2 paths on x86-64; ``-DR3_NO_SIMD`` builds the plain C that
+    other CPUs (ARM) compile, and the differential suite holds it to the reference too."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.fail("gcc is required (scripts/bootstrap.sh installs it) to build the portable run")
+    lib = tmp_path / "_r3codec_portable.so"
+    subprocess.run(
+        [
+            gcc, "-O2", "-DR3_NO_SIMD", "-shared", "-fPIC",
+            f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", str(lib),
+        ],
+        check=True,
+    )  # fmt: skip
+    run = _pytest({"R3_NATIVE_LIBRARY": str(lib)}, SUITES[0], SUITES[-1])
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    assert " passed" in run.stdout, run.stdout[-3000:]
 
 
 def test_the_codec_suites_pass_on_the_numpy_fallback() -> None:

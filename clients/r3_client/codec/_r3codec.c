@@ -156,6 +156,117 @@ HOT void store(char *p, int kind, Py_ssize_t j, int32_t v) {
     }
 }
 
+/* ---- encode helpers: SSE2 (the x86-64 baseline) for rows of K <= 8, else plain C ------ */
+#if defined(__SSE2__) && defined(__x86_64__) && !defined(R3_NO_SIMD)
+#include <emmintrin.h>
+#define ENC_SIMD 1
+#else
+#define ENC_SIMD 0
+#endif
+
+#if ENC_SIMD
+/* Comparators of the network build_net(k) makes, k = 1..8 (any network sorts alike). */
+static const unsigned char enc_net[8][19][2] = {
+    {{0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}},
+    {{0, 1}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}},
+    {{0, 1}, {0, 2}, {1, 2}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}},
+    {{0, 1}, {2, 3}, {0, 2}, {1, 3}, {1, 2}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}},
+    {{0, 1}, {2, 3}, {0, 2}, {1, 3}, {1, 2}, {0, 4}, {2, 4}, {1, 2}, {3, 4}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}},
+    {{0, 1}, {2, 3}, {4, 5}, {0, 2}, {1, 3}, {1, 2}, {0, 4}, {1, 5}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}},
+    {{0, 1}, {2, 3}, {4, 5}, {0, 2}, {1, 3}, {4, 6}, {1, 2}, {5, 6}, {0, 4}, {1, 5}, {2, 6}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}, {0, 0}, {0, 0}, {0, 0}},
+    {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6}, {5, 7}, {1, 2}, {5, 6}, {0, 4}, {1, 5}, {2, 6}, {3, 7}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}},
+};
+static const unsigned char enc_nn[8] = {0, 1, 3, 5, 9, 12, 16, 19};
+
+typedef __m128i V;
+
+/* 8x8 transpose of int16 lanes: x[i] lane j <-> x[j] lane i. */
+HOT void enc_tr8(V *x) {
+    V a0 = _mm_unpacklo_epi16(x[0], x[1]), a1 = _mm_unpackhi_epi16(x[0], x[1]);
+    V a2 = _mm_unpacklo_epi16(x[2], x[3]), a3 = _mm_unpackhi_epi16(x[2], x[3]);
+    V a4 = _mm_unpacklo_epi16(x[4], x[5]), a5 = _mm_unpackhi_epi16(x[4], x[5]);
+    V a6 = _mm_unpacklo_epi16(x[6], x[7]), a7 = _mm_unpackhi_epi16(x[6], x[7]);
+    V b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+    V b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+    V b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+    V b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+    x[0] = _mm_unpacklo_epi64(b0, b4); x[1] = _mm_unpackhi_epi64(b0, b4);
+    x[2] = _mm_unpacklo_epi64(b1, b5); x[3] = _mm_unpackhi_epi64(b1, b5);
+    x[4] = _mm_unpacklo_epi64(b2, b6); x[5] = _mm_unpackhi_epi64(b2, b6);
+    x[6] = _mm_unpacklo_epi64(b3, b7); x[7] = _mm_unpackhi_epi64(b3, b7);
+}
+
+/* Sort the 8 lanes of columns c[0..K) (one row per lane), K a constant. */
+HOT void enc_sort8(V *c, const int K) {
+#pragma GCC unroll 19
+    for (int n = 0; n < 19; n++) {
+        if (n >= enc_nn[K - 1]) break;
+        int a = enc_net[K - 1][n][0], b = enc_net[K - 1][n][1];
+        V lo = _mm_min_epi16(c[a], c[b]);
+        c[b] = _mm_max_epi16(c[a], c[b]);
+        c[a] = lo;
+    }
+}
+
+/* All ones in lanes < K. */
+HOT V enc_lanes(const int K) {
+    return _mm_setr_epi16(0 < K ? -1 : 0, 1 < K ? -1 : 0, 2 < K ? -1 : 0, 3 < K ? -1 : 0,
+                          4 < K ? -1 : 0, 5 < K ? -1 : 0, 6 < K ? -1 : 0, 7 < K ? -1 : 0);
+}
+
+/* Lanes >= K of a row set to INT16_MAX (they sort last). */
+HOT V enc_pad(V x, const int K) {
+    if (K >= 8) return x;
+    const V keep = enc_lanes(K);
+    return _mm_or_si128(_mm_and_si128(x, keep), _mm_andnot_si128(keep, _mm_set1_epi16(INT16_MAX)));
+}
+
+/* One row of K <= 8 ids as int16 lanes (lanes >= K: INT16_MAX).  A value outside int16
+ * saturates to INT16_MIN or INT16_MAX, which stay outside [-1, E) for E <= 32767.  ik = 0:
+ * any kind (`kind`), element by element. */
+HOT V enc_row16(const char *p, const int ik, const int K, int kind) {
+    V x = _mm_setzero_si128();
+    if (ik == -1) {
+        memcpy(&x, p, (size_t)K);
+        x = _mm_unpacklo_epi8(x, _mm_setzero_si128());
+    } else if (ik == 1) {
+        memcpy(&x, p, (size_t)K);
+        x = _mm_srai_epi16(_mm_unpacklo_epi8(x, x), 8);
+    } else if (ik == 2) {
+        memcpy(&x, p, (size_t)K * 2);
+    } else if (ik == 4) {
+        V hi = _mm_setzero_si128();
+        memcpy(&x, p, (size_t)(K < 4 ? K : 4) * 4);
+        if (K > 4) memcpy(&hi, p + 16, (size_t)(K - 4) * 4);
+        x = _mm_packs_epi32(x, hi);
+    } else {
+        int16_t t[8] = {0};
+        for (int j = 0; j < K; j++) {
+            int64_t v = load(p, kind, j);
+            t[j] = (int16_t)(v < INT16_MIN ? INT16_MIN : v > INT16_MAX ? INT16_MAX : v);
+        }
+        memcpy(&x, t, sizeof(t));
+    }
+    return enc_pad(x, K);
+}
+
+HOT int enc_any(V m) { return _mm_movemask_epi8(m) != 0; }
+#endif
+
+/* Ask for the cache lines of row r's layers [l0, l0 + nl) (`ahead` rows before they are
+ * read: a chunk's rows are a short run every few hundred bytes, which the hardware
+ * prefetchers of some CPUs do not follow).  Only a hint: never faults, any address. */
+static inline void enc_prefetch(const Arr3 *a, Py_ssize_t r, Py_ssize_t l0, Py_ssize_t nl) {
+    if (r >= a->rows || nl < 1) return;
+    const char *p = a->buf + r * a->s0 + l0 * a->s1;
+    const char *q = p + (nl - 1) * a->s1 + (a->k * (a->kind < 0 ? -a->kind : a->kind)) - 1;
+    if (a->s1 < 0) { const char *x = p; p = q; q = x; }
+    for (uintptr_t c = (uintptr_t)p & ~(uintptr_t)63; c <= (uintptr_t)q; c += 64)
+        __builtin_prefetch((const void *)c);
+}
+
+#define ENC_AHEAD 32 /* rows */
+
 /* ---- sorting network (the comparators r3_client._sortnet uses) ------------------------ */
 typedef struct {
     int n;
@@ -195,47 +306,124 @@ static void sort_tile(int32_t cols[][TILE], int n, const Net *net) {
 }
 
 /* ---- canonical rows: validate and sort ------------------------------------------------ */
+/* One tile of up to TILE rows from flat row `base`, element by element (the reference
+ * order of checks: a bad id anywhere in the tile first, then partial and duplicate rows). */
+HOT int enc_canon_tile(const Arr3 *src, Arr3 *out, int64_t e, Py_ssize_t *bad_at,
+                       const int ik, const int ok, const Net *net, Py_ssize_t base, int m,
+                       Pos *rp, Pos *wp) {
+    int k = (int)src->k;
+    int32_t cols[KMAX][TILE];
+    for (int t = 0; t < TILE; t++) {
+        if (t >= m) {
+            for (int j = 0; j < k; j++) cols[j][t] = INT32_MAX;
+            continue;
+        }
+        const char *p = row_at(src, rp->r, rp->l);
+        step(rp, src->layers);
+        for (int j = 0; j < k; j++) {
+            int64_t v = load(p, ik, j);
+            if (v < -1 || v >= e) {
+                *bad_at = base + t;
+                return R3_BAD_ID;
+            }
+            cols[j][t] = (int32_t)v;
+        }
+    }
+    sort_tile(cols, m, net);
+    for (int t = 0; t < m; t++) {
+        if (cols[0][t] == -1 && cols[k - 1][t] != -1) {
+            *bad_at = base + t;
+            return R3_PARTIAL;
+        }
+        for (int j = 1; j < k; j++)
+            if (cols[j][t] == cols[j - 1][t] && cols[j][t] != -1) {
+                *bad_at = base + t;
+                return R3_DUPLICATE;
+            }
+        char *q = (char *)row_at(out, wp->r, wp->l);
+        step(wp, out->layers);
+        for (int j = 0; j < k; j++) store(q, ok, j, cols[j][t]);
+    }
+    return R3_OK;
+}
+
+#if ENC_SIMD
+/* A whole tile (TILE rows) of K <= 8 ids into int16 rows, 8 rows per pass: rows to int16
+ * lanes, transposed to columns, sorted by the network across 8 rows at once, checked
+ * (range, partial, duplicate) and transposed back.  Returns 0 when the tile holds
+ * something invalid (the caller reruns it element by element for the exact error). */
+HOT int enc_canon_fast(const Arr3 *src, Arr3 *out, int64_t e, const int ik, const int K,
+                       Pos *rp, Pos *wp) {
+    const V neg1 = _mm_set1_epi16(-1), top = _mm_set1_epi16((short)(e - 1));
+    for (int g = 0; g < TILE; g += 8) {
+        V c[8];
+        for (int t = 0; t < 8; t++) {
+            c[t] = enc_row16(row_at(src, rp->r, rp->l), ik, K, src->kind);
+            step(rp, src->layers);
+        }
+        enc_tr8(c);
+        enc_sort8(c, K);
+        /* c[0] is each row's least id, c[K-1] its greatest */
+        V bad = _mm_or_si128(_mm_cmplt_epi16(c[0], neg1), _mm_cmpgt_epi16(c[K - 1], top));
+        V empty = _mm_cmpeq_epi16(c[0], neg1);
+        bad = _mm_or_si128(bad, _mm_andnot_si128(_mm_cmpeq_epi16(c[K - 1], neg1), empty));
+        for (int j = 1; j < K; j++)
+            bad = _mm_or_si128(bad, _mm_andnot_si128(empty, _mm_cmpeq_epi16(c[j], c[j - 1])));
+        if (enc_any(bad)) return 0;
+        enc_tr8(c);
+        for (int t = 0; t < 8; t++) {
+            memcpy((char *)row_at(out, wp->r, wp->l), &c[t], (size_t)K * 2);
+            step(wp, out->layers);
+        }
+    }
+    return 1;
+}
+
+/* enc_canon_fast for the kind `ik` (0: any) and K as constants. */
+static int enc_canon_fast_any(const Arr3 *src, Arr3 *out, int64_t e, Pos *rp, Pos *wp) {
+    int ik = src->kind;
+#define ENC_CF(IK)                                                        \
+    switch (src->k) {                                                     \
+    case 1: return enc_canon_fast(src, out, e, IK, 1, rp, wp);            \
+    case 2: return enc_canon_fast(src, out, e, IK, 2, rp, wp);            \
+    case 3: return enc_canon_fast(src, out, e, IK, 3, rp, wp);            \
+    case 4: return enc_canon_fast(src, out, e, IK, 4, rp, wp);            \
+    case 5: return enc_canon_fast(src, out, e, IK, 5, rp, wp);            \
+    case 6: return enc_canon_fast(src, out, e, IK, 6, rp, wp);            \
+    case 7: return enc_canon_fast(src, out, e, IK, 7, rp, wp);            \
+    default: return enc_canon_fast(src, out, e, IK, 8, rp, wp);           \
+    }
+    switch (ik) {
+    case -1: ENC_CF(-1)
+    case 1: ENC_CF(1)
+    case 2: ENC_CF(2)
+    case 4: ENC_CF(4)
+    default: ENC_CF(0)
+    }
+#undef ENC_CF
+}
+#endif
+
 HOT int canonical_k(const Arr3 *src, Arr3 *out, int64_t e, Py_ssize_t *bad_at, const int ik,
                     const int ok) {
     Net net;
-    int k = (int)src->k;
-    int32_t cols[KMAX][TILE];
-    build_net(k, &net);
+    build_net((int)src->k, &net);
     Py_ssize_t n = src->rows * src->layers;
     Pos rp = {0, 0}, wp = {0, 0};
+#if ENC_SIMD
+    int fast = ok == 2 && src->k <= 8 && e <= INT16_MAX;
+#endif
     for (Py_ssize_t base = 0; base < n; base += TILE) {
         int m = (int)(n - base < TILE ? n - base : TILE);
-        for (int t = 0; t < TILE; t++) {
-            if (t >= m) {
-                for (int j = 0; j < k; j++) cols[j][t] = INT32_MAX;
-                continue;
-            }
-            const char *p = row_at(src, rp.r, rp.l);
-            step(&rp, src->layers);
-            for (int j = 0; j < k; j++) {
-                int64_t v = load(p, ik, j);
-                if (v < -1 || v >= e) {
-                    *bad_at = base + t;
-                    return R3_BAD_ID;
-                }
-                cols[j][t] = (int32_t)v;
-            }
+#if ENC_SIMD
+        if (fast && m == TILE) {
+            Pos r0 = rp, w0 = wp;
+            if (enc_canon_fast_any(src, out, e, &rp, &wp)) continue;
+            rp = r0, wp = w0;
         }
-        sort_tile(cols, m, &net);
-        for (int t = 0; t < m; t++) {
-            if (cols[0][t] == -1 && cols[k - 1][t] != -1) {
-                *bad_at = base + t;
-                return R3_PARTIAL;
-            }
-            for (int j = 1; j < k; j++)
-                if (cols[j][t] == cols[j - 1][t] && cols[j][t] != -1) {
-                    *bad_at = base + t;
-                    return R3_DUPLICATE;
-                }
-            char *q = (char *)row_at(out, wp.r, wp.l);
-            step(&wp, out->layers);
-            for (int j = 0; j < k; j++) store(q, ok, j, cols[j][t]);
-        }
+#endif
+        int code = enc_canon_tile(src, out, e, bad_at, ik, ok, &net, base, m, &rp, &wp);
+        if (code != R3_OK) return code;
     }
     return R3_OK;
 }
@@ -284,14 +472,6 @@ static PyObject *py_canonical(PyObject *self, PyObject *args) {
 }
 
 /* ---- popularity: per layer, experts by descending count, ties by id ------------------- */
-typedef struct { uint64_t count; uint32_t id; } Pop;
-
-static int pop_cmp(const void *x, const void *y) {
-    const Pop *a = (const Pop *)x, *b = (const Pop *)y;
-    if (a->count != b->count) return a->count > b->count ? -1 : 1;
-    return a->id < b->id ? -1 : (a->id > b->id);
-}
-
 HOT int count_k(const Arr3 *s, int64_t e, uint64_t *counts, const int ik) {
     for (Py_ssize_t r = 0; r < s->rows; r++)
         for (Py_ssize_t l = 0; l < s->layers; l++) {
@@ -304,6 +484,102 @@ HOT int count_k(const Arr3 *s, int64_t e, uint64_t *counts, const int ik) {
             }
         }
     return 0;
+}
+
+/* The same counts, 32-bit (when rows * K < 2^32), two more slots per layer: [L, E + 2];
+ * negative ids go to slot E and ids >= E to slot E + 1 (an error, checked after), so no
+ * element waits on a test.  K a constant when K <= 8 (0: any). */
+HOT int enc_count32(const Arr3 *s, int64_t e, uint32_t *counts, const int ik, const int K) {
+    int k = K ? K : (int)s->k;
+    Py_ssize_t w = e + 2;
+    for (Py_ssize_t r = 0; r < s->rows; r++) {
+        const char *p = s->buf + r * s->s0;
+        uint32_t *c = counts;
+        for (Py_ssize_t l = 0; l < s->layers; l++, p += s->s1, c += w) {
+            for (int j = 0; j < k; j++) {
+                int64_t v = load(p, ik, j);
+                c[v >= e ? e + 1 : v < 0 ? e : v]++;
+            }
+        }
+    }
+    for (Py_ssize_t l = 0; l < s->layers; l++)
+        if (counts[l * w + e + 1]) return 1;
+    return 0;
+}
+
+#if ENC_SIMD
+/* enc_count32 for int16 rows of K <= 8 with L * (E + 2) < 2^16: each row's slots (clamped
+ * as above, plus the layer's offset) computed 8 at a time, then K increments. */
+HOT int enc_count16(const Arr3 *s, int64_t e, uint32_t *counts, const int K) {
+    Py_ssize_t w = e + 2;
+    const V top = _mm_set1_epi16((short)(e - 1)), zero = _mm_setzero_si128();
+    const V ev = _mm_set1_epi16((short)e), e1 = _mm_set1_epi16((short)(e + 1));
+    for (Py_ssize_t r = 0; r < s->rows; r++) {
+        const char *p = s->buf + r * s->s0;
+        V off = zero;
+        const V step_w = _mm_set1_epi16((short)w);
+        for (Py_ssize_t l = 0; l < s->layers; l++, p += s->s1, off = _mm_add_epi16(off, step_w)) {
+            V v = enc_row16(p, 2, K, 2);
+            V neg = _mm_cmplt_epi16(v, zero), big = _mm_cmpgt_epi16(v, top);
+            V idx = _mm_andnot_si128(_mm_or_si128(neg, big), v);
+            idx = _mm_or_si128(idx, _mm_and_si128(neg, ev));
+            idx = _mm_or_si128(idx, _mm_and_si128(big, e1));
+            idx = _mm_add_epi16(idx, off);
+            uint16_t at[8];
+            memcpy(at, &idx, sizeof(at));
+            for (int j = 0; j < K; j++) counts[at[j]]++;
+        }
+    }
+    for (Py_ssize_t l = 0; l < s->layers; l++)
+        if (counts[l * w + e + 1]) return 1;
+    return 0;
+}
+#endif
+
+static int enc_count_any(const Arr3 *s, int64_t e, uint32_t *counts) {
+#define ENC_CNT(IK)                                            \
+    switch (s->k) {                                            \
+    case 1: return enc_count32(s, e, counts, IK, 1);           \
+    case 2: return enc_count32(s, e, counts, IK, 2);           \
+    case 4: return enc_count32(s, e, counts, IK, 4);           \
+    case 6: return enc_count32(s, e, counts, IK, 6);           \
+    case 8: return enc_count32(s, e, counts, IK, 8);           \
+    default: return enc_count32(s, e, counts, IK, 0);          \
+    }
+#if ENC_SIMD
+    if (s->kind == 2 && s->k <= 8 && s->layers * (e + 2) < 65536) {
+        switch (s->k) {
+        case 1: return enc_count16(s, e, counts, 1);
+        case 2: return enc_count16(s, e, counts, 2);
+        case 3: return enc_count16(s, e, counts, 3);
+        case 4: return enc_count16(s, e, counts, 4);
+        case 5: return enc_count16(s, e, counts, 5);
+        case 6: return enc_count16(s, e, counts, 6);
+        case 7: return enc_count16(s, e, counts, 7);
+        default: return enc_count16(s, e, counts, 8);
+        }
+    }
+#endif
+    if (s->kind == 2) { ENC_CNT(2) }
+    ENC_CNT(4)
+#undef ENC_CNT
+}
+
+/* Sort keys ascending (bottom-up merge sort through tmp); returns where they ended. */
+static uint64_t *enc_msort(uint64_t *a, uint64_t *tmp, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i + 1 < n; i += 2)
+        if (a[i] > a[i + 1]) { uint64_t x = a[i]; a[i] = a[i + 1]; a[i + 1] = x; }
+    for (Py_ssize_t w = 2; w < n; w *= 2) {
+        for (Py_ssize_t lo = 0; lo < n; lo += 2 * w) {
+            Py_ssize_t mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
+            Py_ssize_t i = lo, j = mid, o = lo;
+            while (i < mid && j < hi) tmp[o++] = a[j] < a[i] ? a[j++] : a[i++];
+            while (i < mid) tmp[o++] = a[i++];
+            while (j < hi) tmp[o++] = a[j++];
+        }
+        uint64_t *x = a; a = tmp; tmp = x;
+    }
+    return a;
 }
 
 /* popularity(srt, e, table) ; table [L, E] as u1 (E <= 255) or <u2 */
@@ -320,27 +596,41 @@ static PyObject *py_popularity(PyObject *self, PyObject *args) {
         rel3(&s); PyBuffer_Release(&ob);
         return NULL;
     }
-    Pop *pop = PyMem_RawMalloc(sizeof(Pop) * (size_t)e);
-    uint64_t *counts = PyMem_RawCalloc((size_t)(s.layers * e), sizeof(uint64_t));
-    if (pop == NULL || counts == NULL) {
-        PyMem_RawFree(pop); PyMem_RawFree(counts);
+    /* counts [L, E + 2] (32-bit unless a count could pass 2^32 - 1), then per layer the
+     * sort keys (count descending, id ascending) in two buffers of E */
+    int wide = s.rows > (Py_ssize_t)(UINT32_MAX / (uint32_t)s.k); /* a count is at most rows * K */
+    size_t cells = (size_t)(s.layers * (e + 2));
+    void *counts = PyMem_RawCalloc(cells, wide ? sizeof(uint64_t) : sizeof(uint32_t));
+    uint64_t *keys = PyMem_RawMalloc(2 * sizeof(uint64_t) * (size_t)e);
+    if (keys == NULL || counts == NULL) {
+        PyMem_RawFree(keys); PyMem_RawFree(counts);
         rel3(&s); PyBuffer_Release(&ob);
         return PyErr_NoMemory();
     }
     int bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    if (s.kind == 2) bad = count_k(&s, e, counts, 2);
-    else bad = count_k(&s, e, counts, 4);
+    if (wide) {
+        uint64_t *c64 = counts; /* count_k's layout: [L, E] */
+        if (s.kind == 2) bad = count_k(&s, e, c64, 2);
+        else bad = count_k(&s, e, c64, 4);
+    } else {
+        bad = enc_count_any(&s, e, counts);
+    }
     for (Py_ssize_t l = 0; l < s.layers && !bad; l++) {
-        for (long long x = 0; x < e; x++) { pop[x].count = counts[l * e + x]; pop[x].id = (uint32_t)x; }
-        qsort(pop, (size_t)e, sizeof(Pop), pop_cmp);
+        /* key: (2^48 - 1 - count) << 16 | id; a count is below 2^48 (the array's size) */
         for (long long x = 0; x < e; x++) {
-            if (isz == 1) ((uint8_t *)ob.buf)[l * e + x] = (uint8_t)pop[x].id;
-            else ((uint16_t *)ob.buf)[l * e + x] = (uint16_t)pop[x].id;
+            uint64_t n = wide ? ((uint64_t *)counts)[l * e + x]
+                              : ((uint32_t *)counts)[l * (e + 2) + x];
+            keys[x] = ((((uint64_t)1 << 48) - 1 - n) << 16) | (uint64_t)x;
+        }
+        const uint64_t *sorted = enc_msort(keys, keys + e, (Py_ssize_t)e);
+        for (long long x = 0; x < e; x++) {
+            if (isz == 1) ((uint8_t *)ob.buf)[l * e + x] = (uint8_t)sorted[x];
+            else ((uint16_t *)ob.buf)[l * e + x] = (uint16_t)sorted[x];
         }
     }
     Py_END_ALLOW_THREADS
-    PyMem_RawFree(pop);
+    PyMem_RawFree(keys);
     PyMem_RawFree(counts);
     rel3(&s); PyBuffer_Release(&ob);
     if (bad) { PyErr_SetString(PyExc_ValueError, "popularity: id outside [0, E)"); return NULL; }
@@ -351,78 +641,224 @@ static PyObject *py_popularity(PyObject *self, PyObject *args) {
 /* Layer-major gaps of canonical rows (relabelled and re-sorted when `rank` is given);
  * 16-bit gaps as a low-byte plane then a high-byte plane.  Returns 1 for rows that are
  * not canonical (never for the encoder's own rows). */
+/* Rows [base, base + m) of layer l (m <= TILE), their gaps from `at`: the reference code. */
+HOT int enc_gaps_rows(const Arr3 *s, int64_t e, const int32_t *lr, uint8_t *lo8, uint8_t *hi8,
+                      Py_ssize_t l, Py_ssize_t base, int m, Py_ssize_t at, const Net *net,
+                      const int ik, const int gsz) {
+    int k = (int)s->k;
+    int32_t gmax = (int32_t)(e - k + 1);
+    if (!lr) { /* already ascending: gaps straight from the rows */
+        for (int t = 0; t < m; t++, at += k) {
+            const char *p = row_at(s, base + t, l);
+            int32_t prev = (int32_t)load(p, ik, 0);
+            if (prev < 0) {
+                lo8[at] = (uint8_t)gmax;
+                if (gsz == 2) hi8[at] = (uint8_t)(gmax >> 8);
+                for (int j = 1; j < k; j++) {
+                    lo8[at + j] = 0;
+                    if (gsz == 2) hi8[at + j] = 0;
+                }
+                continue;
+            }
+            if (prev >= e) return 1;
+            lo8[at] = (uint8_t)prev;
+            if (gsz == 2) hi8[at] = (uint8_t)(prev >> 8);
+            for (int j = 1; j < k; j++) {
+                int32_t v = (int32_t)load(p, ik, j);
+                if (v <= prev || v >= e) return 1;
+                int32_t g = v - prev - 1;
+                lo8[at + j] = (uint8_t)g;
+                if (gsz == 2) hi8[at + j] = (uint8_t)(g >> 8);
+                prev = v;
+            }
+        }
+        return 0;
+    }
+    int32_t cols[KMAX][TILE];
+    for (int t = 0; t < TILE; t++) {
+        const char *p = t < m ? row_at(s, base + t, l) : NULL;
+        for (int j = 0; j < k; j++) {
+            int32_t v = p ? (int32_t)load(p, ik, j) : INT32_MAX;
+            if (p && v >= 0) {
+                if (v >= e) return 1;
+                v = lr[v];
+                if (v < 0 || v >= e) return 1;
+            }
+            cols[j][t] = v;
+        }
+    }
+    sort_tile(cols, m, net);
+    for (int t = 0; t < m; t++, at += k) {
+        if (cols[0][t] < 0) {
+            lo8[at] = (uint8_t)gmax;
+            if (gsz == 2) hi8[at] = (uint8_t)(gmax >> 8);
+            for (int j = 1; j < k; j++) {
+                lo8[at + j] = 0;
+                if (gsz == 2) hi8[at + j] = 0;
+            }
+            continue;
+        }
+        lo8[at] = (uint8_t)cols[0][t];
+        if (gsz == 2) hi8[at] = (uint8_t)(cols[0][t] >> 8);
+        for (int j = 1; j < k; j++) {
+            int32_t g = cols[j][t] - cols[j - 1][t] - 1;
+            if (g < 0) return 1;
+            lo8[at + j] = (uint8_t)g;
+            if (gsz == 2) hi8[at + j] = (uint8_t)(g >> 8);
+        }
+    }
+    return 0;
+}
+
+#define ENC_TMAX 8192 /* relabel lookups on the stack: E <= ENC_TMAX - 2 */
+
+#if ENC_SIMD
+/* The gaps of 8 rows [base, base + 8) of layer l (K <= 8, E <= 32767), written at `at`:
+ * rows to int16 lanes (through the relabel lookup T when given: T[id + 1], T[0] = -1,
+ * INT16_MIN for anything the reference refuses), transposed to columns, sorted by the
+ * network when relabelled, gaps by saturating differences, transposed back and narrowed
+ * to the byte planes.  A pass that meets anything unusual goes the reference way. */
+HOT int enc_gaps8(const Arr3 *s, int64_t e, const int32_t *lr, const int16_t *T,
+                  uint8_t *lo8, uint8_t *hi8, Py_ssize_t l, Py_ssize_t base, Py_ssize_t at,
+                  const Net *net, const int ik, const int gsz, const int K) {
+    const V zero = _mm_setzero_si128(), one = _mm_set1_epi16(1), neg1 = _mm_set1_epi16(-1);
+    const V top = _mm_set1_epi16((short)(e - 1)), gmaxv = _mm_set1_epi16((short)(e - K + 1));
+    const V lowb = _mm_set1_epi16(0xFF), minv = _mm_set1_epi16(INT16_MIN);
+    V c[8], bad;
+    if (T) {
+        int16_t row[8][8] __attribute__((aligned(16)));
+        V out = zero;
+        for (int t = 0; t < 8; t++) { /* every id in [-1, E), or the reference way */
+            const char *p = row_at(s, base + t, l);
+            V v = enc_row16(p, ik, K, ik);
+            out = _mm_or_si128(out, _mm_or_si128(_mm_cmplt_epi16(v, neg1), _mm_cmpgt_epi16(v, top)));
+        }
+        out = _mm_and_si128(out, enc_lanes(K)); /* not the padding lanes */
+        if (enc_any(out)) return enc_gaps_rows(s, e, lr, lo8, hi8, l, base, 8, at, net, ik, gsz);
+        for (int t = 0; t < 8; t++) {
+            const char *p = row_at(s, base + t, l);
+            for (int j = 0; j < 8; j++)
+                row[t][j] = j < K ? T[load(p, ik, j) + 1] : INT16_MAX;
+        }
+        for (int t = 0; t < 8; t++) c[t] = _mm_load_si128((const V *)row[t]);
+        enc_tr8(c);
+        enc_sort8(c, K);
+        bad = _mm_cmpeq_epi16(c[0], minv);
+    } else {
+        for (int t = 0; t < 8; t++) {
+            const char *p = row_at(s, base + t, l);
+            c[t] = enc_row16(p, ik, K, ik);
+        }
+        enc_tr8(c);
+        bad = _mm_cmpgt_epi16(c[K - 1], top);
+    }
+    V empty = _mm_cmplt_epi16(c[0], zero);
+    V g[8];
+    g[0] = _mm_or_si128(_mm_and_si128(empty, gmaxv), _mm_andnot_si128(empty, c[0]));
+    for (int j = 1; j < 8; j++) {
+        if (j >= K) { g[j] = zero; continue; }
+        V d = _mm_subs_epi16(_mm_subs_epi16(c[j], c[j - 1]), one);
+        bad = _mm_or_si128(bad, _mm_cmplt_epi16(d, zero));
+        g[j] = d;
+    }
+    bad = _mm_andnot_si128(empty, bad);
+    if (T) bad = _mm_or_si128(bad, _mm_cmpeq_epi16(c[0], minv));
+    if (enc_any(bad)) return enc_gaps_rows(s, e, lr, lo8, hi8, l, base, 8, at, net, ik, gsz);
+    for (int j = 1; j < K; j++) g[j] = _mm_andnot_si128(empty, g[j]);
+    enc_tr8(g);
+    uint8_t lo[64] __attribute__((aligned(16))), hi[64] __attribute__((aligned(16)));
+    for (int t = 0; t < 8; t += 2) {
+        if (gsz == 1) {
+            _mm_store_si128((V *)(lo + 8 * t), _mm_packus_epi16(g[t], g[t + 1]));
+        } else {
+            _mm_store_si128((V *)(lo + 8 * t), _mm_packus_epi16(_mm_and_si128(g[t], lowb),
+                                                                _mm_and_si128(g[t + 1], lowb)));
+            _mm_store_si128((V *)(hi + 8 * t), _mm_packus_epi16(_mm_srli_epi16(g[t], 8),
+                                                                _mm_srli_epi16(g[t + 1], 8)));
+        }
+    }
+    if (K == 8) {
+        memcpy(lo8 + at, lo, 64);
+        if (gsz == 2) memcpy(hi8 + at, hi, 64);
+    } else {
+        for (int t = 0; t < 8; t++) {
+            memcpy(lo8 + at + t * K, lo + 8 * t, (size_t)K);
+            if (gsz == 2) memcpy(hi8 + at + t * K, hi + 8 * t, (size_t)K);
+        }
+    }
+    return 0;
+}
+
+/* Layers [l0, l0 + nl) (their lookups at T + (l - l0) * (E + 2) when relabelled), rows
+ * [0, rows - rows % 8): row groups outside, layers inside, so the rows are read in order. */
+HOT int enc_gaps_band(const Arr3 *s, int64_t e, const int32_t *rank, const int16_t *T,
+                      uint8_t *lo8, uint8_t *hi8, Py_ssize_t l0, Py_ssize_t nl, const Net *net,
+                      const int ik, const int gsz, const int K) {
+    Py_ssize_t full = s->rows - s->rows % 8;
+    for (Py_ssize_t base = 0; base < full; base += 8) {
+        for (int t = 0; t < 8; t++) enc_prefetch(s, base + ENC_AHEAD + t, l0, nl);
+        for (Py_ssize_t l = l0; l < l0 + nl; l++) {
+            const int32_t *lr = rank ? rank + l * e : NULL;
+            const int16_t *tl = rank ? T + (l - l0) * (e + 2) : NULL;
+            Py_ssize_t at = (l * s->rows + base) * K;
+            if (enc_gaps8(s, e, lr, tl, lo8, hi8, l, base, at, net, ik, gsz, K)) return 1;
+        }
+    }
+    return 0;
+}
+
+static int enc_gaps_band_any(const Arr3 *s, int64_t e, const int32_t *rank, const int16_t *T,
+                             uint8_t *lo8, uint8_t *hi8, Py_ssize_t l0, Py_ssize_t nl,
+                             const Net *net, const int ik, const int gsz) {
+    switch (s->k) {
+#define ENC_GB(K) case K: return enc_gaps_band(s, e, rank, T, lo8, hi8, l0, nl, net, ik, gsz, K);
+    ENC_GB(1) ENC_GB(2) ENC_GB(3) ENC_GB(4) ENC_GB(5) ENC_GB(6) ENC_GB(7)
+    default: return enc_gaps_band(s, e, rank, T, lo8, hi8, l0, nl, net, ik, gsz, 8);
+#undef ENC_GB
+    }
+}
+#endif
+
+/* Layer-major gaps of canonical rows (relabelled and re-sorted when `rank` is given);
+ * 16-bit gaps as a low-byte plane then a high-byte plane.  Returns 1 for rows that are
+ * not canonical (never for the encoder's own rows). */
 HOT int gaps_k(const Arr3 *s, int64_t e, const int32_t *rank, uint8_t *planes, const int ik,
                const int gsz) {
     Net net;
     int k = (int)s->k;
-    int32_t gmax = (int32_t)(e - k + 1);
-    int32_t cols[KMAX][TILE];
     Py_ssize_t n = s->rows * s->layers * k;
     uint8_t *lo8 = planes, *hi8 = planes + (gsz == 2 ? n : 0);
     build_net(k, &net);
-    Py_ssize_t at = 0;
-    for (Py_ssize_t l = 0; l < s->layers; l++) {
-        const int32_t *lr = rank ? rank + l * e : NULL;
-        for (Py_ssize_t base = 0; base < s->rows; base += TILE) {
-            int m = (int)(s->rows - base < TILE ? s->rows - base : TILE);
-            if (!lr) { /* already ascending: gaps straight from the rows */
-                for (int t = 0; t < m; t++, at += k) {
-                    const char *p = row_at(s, base + t, l);
-                    int32_t prev = (int32_t)load(p, ik, 0);
-                    if (prev < 0) {
-                        lo8[at] = (uint8_t)gmax;
-                        if (gsz == 2) hi8[at] = (uint8_t)(gmax >> 8);
-                        for (int j = 1; j < k; j++) {
-                            lo8[at + j] = 0;
-                            if (gsz == 2) hi8[at + j] = 0;
-                        }
-                        continue;
-                    }
-                    if (prev >= e) return 1;
-                    lo8[at] = (uint8_t)prev;
-                    if (gsz == 2) hi8[at] = (uint8_t)(prev >> 8);
-                    for (int j = 1; j < k; j++) {
-                        int32_t v = (int32_t)load(p, ik, j);
-                        if (v <= prev || v >= e) return 1;
-                        int32_t g = v - prev - 1;
-                        lo8[at + j] = (uint8_t)g;
-                        if (gsz == 2) hi8[at + j] = (uint8_t)(g >> 8);
-                        prev = v;
-                    }
+    Py_ssize_t l0 = 0, band = s->layers, full = 0;
+#if ENC_SIMD
+    int16_t T[ENC_TMAX];
+    if (k <= 8 && (rank ? e <= ENC_TMAX - 2 : e <= INT16_MAX)) {
+        full = s->rows - s->rows % 8;
+        if (rank) band = ENC_TMAX / (e + 2);
+    }
+#endif
+    for (; l0 < s->layers; l0 += band) {
+        Py_ssize_t nl = s->layers - l0 < band ? s->layers - l0 : band;
+#if ENC_SIMD
+        if (full) {
+            if (rank)
+                for (Py_ssize_t l = 0; l < nl; l++) {
+                    const int32_t *lr = rank + (l0 + l) * e;
+                    int16_t *tl = T + l * (e + 2);
+                    tl[0] = -1;
+                    for (int64_t v = 0; v < e; v++)
+                        tl[v + 1] = (int16_t)(lr[v] >= 0 && lr[v] < e ? lr[v] : INT16_MIN);
+                    tl[e + 1] = INT16_MIN;
                 }
-                continue;
-            }
-            for (int t = 0; t < TILE; t++) {
-                const char *p = t < m ? row_at(s, base + t, l) : NULL;
-                for (int j = 0; j < k; j++) {
-                    int32_t v = p ? (int32_t)load(p, ik, j) : INT32_MAX;
-                    if (p && v >= 0) {
-                        if (v >= e) return 1;
-                        v = lr[v];
-                        if (v < 0 || v >= e) return 1;
-                    }
-                    cols[j][t] = v;
-                }
-            }
-            sort_tile(cols, m, &net);
-            for (int t = 0; t < m; t++, at += k) {
-                if (cols[0][t] < 0) {
-                    lo8[at] = (uint8_t)gmax;
-                    if (gsz == 2) hi8[at] = (uint8_t)(gmax >> 8);
-                    for (int j = 1; j < k; j++) {
-                        lo8[at + j] = 0;
-                        if (gsz == 2) hi8[at + j] = 0;
-                    }
-                    continue;
-                }
-                lo8[at] = (uint8_t)cols[0][t];
-                if (gsz == 2) hi8[at] = (uint8_t)(cols[0][t] >> 8);
-                for (int j = 1; j < k; j++) {
-                    int32_t g = cols[j][t] - cols[j - 1][t] - 1;
-                    if (g < 0) return 1;
-                    lo8[at + j] = (uint8_t)g;
-                    if (gsz == 2) hi8[at + j] = (uint8_t)(g >> 8);
-                }
+            if (enc_gaps_band_any(s, e, rank, T, lo8, hi8, l0, nl, &net, ik, gsz)) return 1;
+        }
+#endif
+        for (Py_ssize_t l = l0; l < l0 + nl; l++) {
+            const int32_t *lr = rank ? rank + l * e : NULL;
+            for (Py_ssize_t base = full; base < s->rows; base += TILE) {
+                int m = (int)(s->rows - base < TILE ? s->rows - base : TILE);
+                Py_ssize_t at = (l * s->rows + base) * k;
+                if (enc_gaps_rows(s, e, lr, lo8, hi8, l, base, m, at, &net, ik, gsz)) return 1;
             }
         }
     }
@@ -589,6 +1025,35 @@ fail:
 }
 
 /* ---- raw ------------------------------------------------------------------------------ */
+/* Ids as written, narrowed to `osz` bytes (truncated: -1 becomes the maximum); rows that
+ * follow each other in memory as one run, so the loop vectorises. */
+HOT void enc_raw_k(const Arr3 *s, uint8_t *out, const int ik, const int osz) {
+    Py_ssize_t isz = ik < 0 ? -ik : ik, k = s->k;
+    Py_ssize_t run = k, at = 0;
+    if (s->s1 == k * isz || s->layers == 1) {
+        run = k * s->layers;
+        if (s->s0 == run * isz || s->rows == 1) run *= s->rows;
+    }
+    Py_ssize_t rows = (s->rows * s->layers * k) / (run ? run : 1);
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        Py_ssize_t n0 = i * run; /* flat element index of the run's first id */
+        Py_ssize_t r = n0 / (k * s->layers), l = (n0 / k) % s->layers;
+        const char *p = row_at(s, r, l);
+        if (l == 0 && run <= k * s->layers) enc_prefetch(s, r + ENC_AHEAD, 0, s->layers);
+        if (osz == 1) {
+            for (Py_ssize_t j = 0; j < run; j++) out[at + j] = (uint8_t)load(p, ik, j);
+        } else {
+            for (Py_ssize_t j = 0; j < run; j++) {
+                uint16_t w = (uint16_t)load(p, ik, j);
+                memcpy(out + 2 * (at + j), &w, 2);
+            }
+        }
+        at += run;
+    }
+}
+#define ENC_RAW1(K) enc_raw_k(&s, (uint8_t *)ob.buf, K, 1)
+#define ENC_RAW2(K) enc_raw_k(&s, (uint8_t *)ob.buf, K, 2)
+
 /* raw_encode(src, e, out bytes-like) : ids as u1/<u2, -1 as the dtype's max, as written. */
 static PyObject *py_raw_encode(PyObject *self, PyObject *args) {
     PyObject *so;
@@ -604,16 +1069,8 @@ static PyObject *py_raw_encode(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t at = 0;
-    for (Py_ssize_t r = 0; r < s.rows; r++)
-        for (Py_ssize_t l = 0; l < s.layers; l++) {
-            const char *p = row_at(&s, r, l);
-            for (Py_ssize_t j = 0; j < s.k; j++, at++) {
-                int64_t v = load(p, s.kind, j);
-                if (isz == 1) ((uint8_t *)ob.buf)[at] = (uint8_t)v;
-                else { uint16_t w = (uint16_t)v; memcpy((char *)ob.buf + 2 * at, &w, 2); }
-            }
-        }
+    if (isz == 1) { BY_KIND(s.kind, ENC_RAW1) }
+    else { BY_KIND(s.kind, ENC_RAW2) }
     Py_END_ALLOW_THREADS
     rel3(&s); PyBuffer_Release(&ob);
     Py_RETURN_NONE;
@@ -861,8 +1318,78 @@ HOT int rank_k(const Arr3 *s, const Tables *t, u128 sentinel, int bits, BitW *lo
     return 0;
 }
 
+/* rank_k for ranks of at most 64 bits, the bit writer in a 64-bit word (K a constant when
+ * K <= 8, 0: any).  A rank wider than `bits` (only rows that are not canonical can sum to
+ * one) hands the rest to rank_k's writer, which keeps its spilled bits. */
+HOT int enc_rank64(const Arr3 *s, const Tables *t, u128 sentinel, int bits, BitW *lo,
+                   BitW *hi, const int ik, const int K) {
+    int k = K ? K : (int)s->k, e = t->e;
+    const uint64_t *col[KMAX];
+    for (int i = 0; i < k; i++) col[i] = t->binom64 + (i + 1) * (e + 1);
+    uint64_t acc = 0, over = bits == 64 ? 0 : ~(uint64_t)0 << bits;
+    int nacc = 0;
+    uint8_t *out = lo->out;
+    Py_ssize_t at = 0;
+    for (Py_ssize_t r = 0; r < s->rows; r++)
+        for (Py_ssize_t l = 0; l < s->layers; l++) {
+            const char *p = row_at(s, r, l);
+            if (l == 0) enc_prefetch(s, r + ENC_AHEAD, 0, s->layers);
+            uint64_t v = 0;
+            if (load(p, ik, 0) < 0) v = (uint64_t)sentinel;
+            else {
+                int bad = 0;
+#if ENC_SIMD
+                if (ik == 2 && K && e <= INT16_MAX) {
+                    V x = enc_row16(p, 2, K, 2);
+                    V out = _mm_or_si128(_mm_cmplt_epi16(x, _mm_setzero_si128()),
+                                         _mm_cmpgt_epi16(x, _mm_set1_epi16((short)(e - 1))));
+                    bad = enc_any(_mm_and_si128(out, enc_lanes(K)));
+                } else
+#endif
+                    for (int i = 0; i < k; i++) bad |= (uint64_t)load(p, ik, i) >= (uint64_t)e;
+                if (bad) return 1;
+                for (int i = 0; i < k; i++) v += col[i][load(p, ik, i)];
+            }
+            if (v & over) { /* the rest the reference way, from this row */
+                lo->at = at, lo->acc = acc, lo->nacc = nacc;
+                Arr3 rest = *s;
+                rest.buf = (char *)p;
+                rest.rows = 1, rest.layers = s->layers - l;
+                if (rank_k(&rest, t, sentinel, bits, lo, hi, ik)) return 1;
+                if (r + 1 == s->rows) return 0;
+                rest.buf = (char *)row_at(s, r + 1, 0);
+                rest.rows = s->rows - r - 1, rest.layers = s->layers;
+                return rank_k(&rest, t, sentinel, bits, lo, hi, ik);
+            }
+            acc |= v << nacc;
+            nacc += bits;
+            if (nacc >= 64) {
+                memcpy(out + at, &acc, 8);
+                at += 8;
+                nacc -= 64;
+                acc = nacc ? v >> (bits - nacc) : 0;
+            }
+        }
+    lo->at = at, lo->acc = acc, lo->nacc = nacc;
+    return 0;
+}
+
 static int rank_any(const Arr3 *s, const Tables *t, u128 sentinel, int bits, BitW *lo,
                            BitW *hi) {
+    if (bits <= 64) {
+#define ENC_RK(IK)                                                             \
+        switch (s->k) {                                                        \
+        case 1: return enc_rank64(s, t, sentinel, bits, lo, hi, IK, 1);        \
+        case 2: return enc_rank64(s, t, sentinel, bits, lo, hi, IK, 2);        \
+        case 4: return enc_rank64(s, t, sentinel, bits, lo, hi, IK, 4);        \
+        case 6: return enc_rank64(s, t, sentinel, bits, lo, hi, IK, 6);        \
+        case 8: return enc_rank64(s, t, sentinel, bits, lo, hi, IK, 8);        \
+        default: return enc_rank64(s, t, sentinel, bits, lo, hi, IK, 0);       \
+        }
+        if (s->kind == 2) { ENC_RK(2) }
+        ENC_RK(4)
+#undef ENC_RK
+    }
     if (s->kind == 2) return rank_k(s, t, sentinel, bits, lo, hi, 2);
     return rank_k(s, t, sentinel, bits, lo, hi, 4);
 }
