@@ -28,6 +28,10 @@ ENV_TAG_HEADER = "SGLANG_R3_TAG_HEADER"
 ENV_REQUIRE_TAG = "SGLANG_R3_REQUIRE_TAG"
 ENV_SHARE_PROMPT = "SGLANG_R3_SHARE_PROMPT"
 ENV_DP_AFFINITY = "SGLANG_R3_DP_AFFINITY"
+ENV_FORMAT_VERSION = "SGLANG_R3_FORMAT_VERSION"
+
+#: Routing frame versions an engine may write (docs/format.md section 18.5).
+FORMAT_VERSION_CHOICES = (2, 3)
 
 #: The header sglang-router's manual policy routes by (and forwards to the engine):
 #: the rollout id, so one value both pins a rollout to its engine and tags it.
@@ -79,6 +83,9 @@ class EngineConfig:
     turns find their prefix KV (and its rows) in that rank's radix cache; ``off``
     leaves every request to SGLang's load balancing (round robin by default), which
     recomputes a later turn's prefix on whichever rank it lands on.
+    ``format_version``: the routing frame version this engine writes: 3 (default), or 2
+    while some reader (cache service, trainer) still predates format v3 and would refuse
+    it; upgrade readers first, then set 3 (docs/format.md section 18.5).
     """
 
     routing_cache: str = ""
@@ -94,6 +101,7 @@ class EngineConfig:
     require_tag: bool = False
     share_prompt: SharePromptPolicy = "auto"
     dp_affinity: DpAffinityPolicy = "rollout"
+    format_version: int = 3
 
     @property
     def enabled(self) -> bool:
@@ -136,6 +144,9 @@ class EngineConfig:
         affinity = env.get(ENV_DP_AFFINITY, "rollout").strip().lower() or "rollout"
         if affinity not in DP_AFFINITY_CHOICES:
             raise ConfigError(f"{ENV_DP_AFFINITY}={affinity!r}: use rollout or off")
+        version = env.get(ENV_FORMAT_VERSION, "3").strip() or "3"
+        if version not in {str(v) for v in FORMAT_VERSION_CHOICES}:
+            raise ConfigError(f"{ENV_FORMAT_VERSION}={version!r}: use 2 or 3")
         if attempts < 1 or timeout <= 0 or max_outputs < 1:
             raise ConfigError("put attempts, timeout and max outputs must be positive")
         return cls(
@@ -152,6 +163,7 @@ class EngineConfig:
             require_tag=require in ("1", "true"),
             share_prompt=share,  # type: ignore[arg-type]
             dp_affinity=affinity,  # type: ignore[arg-type]
+            format_version=int(version),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -168,6 +180,7 @@ class EngineConfig:
             ENV_REQUIRE_TAG: "1" if self.require_tag else "0",
             ENV_SHARE_PROMPT: self.share_prompt,
             ENV_DP_AFFINITY: self.dp_affinity,
+            ENV_FORMAT_VERSION: str(self.format_version),
         }
         if self.api_key:
             out[ENV_API_KEY] = self.api_key

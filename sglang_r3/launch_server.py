@@ -19,6 +19,8 @@ Takes every ``python -m sglang.launch_server`` argument plus::
                                      with --dp-size > 1, send a rollout's requests to
                                      the DP rank its id hashes to (default rollout:
                                      later turns hit their prefix KV there)
+    --routing-format-version {2,3}   the routing frame version written (default 3; 2
+                                     while readers predate format v3)
 
 ``--help`` shows SGLang's options and these, in their own group.
 
@@ -48,9 +50,11 @@ from sglang_r3.config import (
     DEFAULT_TAG_HEADER,
     DP_AFFINITY_CHOICES,
     ENV_DP_AFFINITY,
+    ENV_FORMAT_VERSION,
     ENV_REQUIRE_TAG,
     ENV_SHARE_PROMPT,
     ENV_TAG_HEADER,
+    FORMAT_VERSION_CHOICES,
     SHARE_PROMPT_CHOICES,
     ConfigError,
     EngineConfig,
@@ -145,6 +149,15 @@ def _add_r3_args(p: argparse.ArgumentParser) -> Any:
         "turns hit their prefix KV there (default: rollout), or leave every request to "
         "SGLang's load balancing (off: a later turn may land on another rank and "
         "recompute its prefix)",
+    )
+    g.add_argument(
+        "--routing-format-version",
+        type=int,
+        choices=FORMAT_VERSION_CHOICES,
+        default=os.environ.get(ENV_FORMAT_VERSION, "3"),  # argparse applies type=int
+        help="the routing frame format version to write: 3 (default), or 2 while a cache "
+        "service or trainer of this fleet predates format v3 (it refuses v3 frames); "
+        "upgrade the readers first (docs/format.md section 18.5)",
     )
     g.add_argument(
         "--routing-put-attempts",
@@ -276,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 require_tag=ours.routing_require_tag,
                 share_prompt=ours.routing_share_prompt,
                 dp_affinity=ours.routing_dp_affinity,
+                format_version=ours.routing_format_version,
             )
             EngineConfig.from_env(config.to_env())  # the same checks children will run
         except ConfigError as exc:

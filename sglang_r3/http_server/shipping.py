@@ -222,6 +222,7 @@ class Shipper:
             start=seg.start,
             segment=seg,
             base=base,
+            version=self.config.format_version,
         )
 
     def _plan(

@@ -284,6 +284,7 @@ def add_routes(*, aggregate_metrics: bool = False) -> None:
             "on_retraction": config.on_retraction,
             "share_prompt": config.share_prompt,
             "dp_affinity": config.dp_affinity,
+            "format_version": config.format_version,
             "sglang": SGLANG_VERSION,
             "hooks": HTTP_TARGETS,
             # The answering process (one of several under --tokenizer-worker-num > 1)

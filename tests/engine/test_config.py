@@ -14,6 +14,9 @@ def test_config_from_env() -> None:
     )
     assert cfg.enabled and cfg.on_cache_error == "inline"
     assert EngineConfig.from_env(cfg.to_env()) == cfg
+    assert cfg.format_version == 3  # writers default to format v3 (docs/format.md 18)
+    v2 = EngineConfig.from_env({"SGLANG_R3_FORMAT_VERSION": "2"})
+    assert v2.format_version == 2 and EngineConfig.from_env(v2.to_env()) == v2
     for bad in (
         {"SGLANG_R3_ROUTING_CACHE": "redis://x"},
         {"SGLANG_R3_ON_CACHE_ERROR": "drop"},
@@ -21,6 +24,8 @@ def test_config_from_env() -> None:
         {"SGLANG_R3_PUT_ATTEMPTS": "0"},
         {"SGLANG_R3_PUT_TIMEOUT_S": "soon"},
         {"SGLANG_R3_SHARE_PROMPT": "sometimes"},
+        {"SGLANG_R3_FORMAT_VERSION": "1"},
+        {"SGLANG_R3_FORMAT_VERSION": "v3"},
     ):
         with pytest.raises(ConfigError):
             EngineConfig.from_env(bad)

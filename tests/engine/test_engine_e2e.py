@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3_client import RolloutNotFoundError, RoutingClient
+from r3_client import RolloutNotFoundError, RoutingClient, read_header, split_frames
 from sglang_r3.tools.local_stack import EngineServer
 from tests.support.engine_requests import (
     MAX_SEGMENT_ROWS,
@@ -46,6 +46,7 @@ def test_stored_routing_equals_upstream_inline(
     family: str,
     request: pytest.FixtureRequest,
     cache_client: RoutingClient,
+    engine_cache: Service,
 ) -> None:
     engine: EngineServer = request.getfixturevalue(
         "qwen_engine" if family == "qwen3_moe" else "glm_engine"
@@ -68,6 +69,12 @@ def test_stored_routing_equals_upstream_inline(
     if family == "glm4_moe":
         # The dense layer's column upstream is the never-written zero buffer.
         assert not upstream[:, 0].any()
+    # A fleet mid-upgrade: the GLM engine runs with SGLANG_R3_FORMAT_VERSION=2 (an engine
+    # whose readers predate format v3), the Qwen engine at the default, 3.
+    with engine_cache.http() as c:
+        stored = c.get(f"/v1/rollouts/{rollout}").content
+    versions = {read_header(f, verify=False).version for f in split_frames(stored)}
+    assert versions == ({3} if family == "qwen3_moe" else {2})
 
 
 def test_response_carries_reference_not_blob(

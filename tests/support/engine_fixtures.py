@@ -116,7 +116,9 @@ def glm_engine(
     tiny_models: dict[str, Path], engine_cache: Service, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineServer]:
     """SGLang + extension on the tiny GLM-4-MoE, with upstream's forced-retraction test mode
-    (``SGLANG_TEST_RETRACT=1``: the scheduler retracts running requests every few steps)."""
+    (``SGLANG_TEST_RETRACT=1``: the scheduler retracts running requests every few steps),
+    writing format v2 frames (``SGLANG_R3_FORMAT_VERSION=2``) into the cache the Qwen engine
+    writes v3 to: the engine suites run a fleet mid-upgrade (docs/format.md 18.5)."""
 
     def make() -> EngineServer:
         return _engine(
@@ -124,7 +126,7 @@ def glm_engine(
             tiny_models["glm4_moe"],
             engine_cache,
             "glm-engine",
-            env={"SGLANG_TEST_RETRACT": "1"},
+            env={"SGLANG_TEST_RETRACT": "1", "SGLANG_R3_FORMAT_VERSION": "2"},
         )
 
     with _shared("glm_engine", make, lambda s: s.stop()) as server:
