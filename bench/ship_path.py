@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import pickle
 import statistics
@@ -52,13 +53,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import orjson
 import pybase64
 import torch
 
-from r3_client import Segment, encode_frame
-from r3_client.codec import Context
 from r3_client.synthetic import synthetic_routing
 from sglang_r3.config import EngineConfig
 from sglang_r3.http_server import shipping
@@ -78,21 +76,6 @@ except ImportError:  # pragma: no cover - measuring the old code
 
 UPSTREAM = ("upstream", "upstream-u8")  # upstream's wires: base64 of int32 / of uint8 ids
 R3 = {"r3": 3, "r3-v2": 2}  # configuration: the frame format its Shipper writes
-
-
-class ShipperV2(shipping.Shipper):
-    """The engine's Shipper writing format v2 (the only change: ``version=2``)."""
-
-    def _encode(self, rows: npt.NDArray[Any], seg: Segment, base: Context | None) -> bytes:
-        return encode_frame(
-            rows,
-            num_experts=self.shape.num_experts,
-            layer_ids=self.shape.moe_layer_ids,
-            start=seg.start,
-            segment=seg,
-            base=base,
-            version=2,
-        )
 
 
 class Heartbeat:
@@ -232,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             config = EngineConfig(routing_cache=svc.http_url, api_key=KEY_A)
+            # the engine's own setting (--routing-format-version) picks each Shipper's format
+            versions = {n: dataclasses.replace(config, format_version=v) for n, v in R3.items()}
             for name in configs * 2:
                 detok_cpu, blobs = [], []
                 for _ in range(args.reps):
@@ -242,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                     blobs.append(blob)
 
                 async def go(name: str = name, blob: bytes = blobs[0]) -> list[dict[str, float]]:
-                    kind = ShipperV2 if name == "r3-v2" else shipping.Shipper
-                    shipper = kind(config, shape, "bench") if name in R3 else None
+                    shipper = (
+                        shipping.Shipper(versions[name], shape, "bench") if name in R3 else None
+                    )
                     try:
                         return await run_config(
                             name, shipper, blob, prompt, output, args.reps, svc.proc.pid

@@ -55,18 +55,23 @@ def _runtime(gcc: str, name: str) -> str:
     return path
 
 
-def test_the_codec_suites_pass_under_address_and_undefined_sanitizers(tmp_path: Path) -> None:
+def _build(lib: Path, *flags: str) -> str:
+    """The extension built from SOURCE into ``lib`` with ``flags``; the gcc used."""
     gcc = shutil.which("gcc")
     if gcc is None:
-        pytest.fail("gcc is required (scripts/bootstrap.sh installs it) to build the sanitizer run")
-    lib = tmp_path / "_r3codec_asan.so"
+        pytest.fail("gcc is required (scripts/bootstrap.sh installs it) to build the kernels")
+    include = f"-I{sysconfig.get_paths()['include']}"
     subprocess.run(
-        [
-            gcc, "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-            "-fno-sanitize-recover=all", "-shared", "-fPIC",
-            f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", str(lib),
-        ],
-        check=True,
+        [gcc, *flags, "-shared", "-fPIC", include, str(SOURCE), "-o", str(lib)], check=True
+    )
+    return gcc
+
+
+def test_the_codec_suites_pass_under_address_and_undefined_sanitizers(tmp_path: Path) -> None:
+    lib = tmp_path / "_r3codec_asan.so"
+    gcc = _build(
+        lib, "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=all",
     )  # fmt: skip
     env = {
         "LD_PRELOAD": f"{_runtime(gcc, 'libasan.so')} {_runtime(gcc, 'libubsan.so')}",
@@ -89,17 +94,8 @@ def test_the_codec_suites_pass_under_address_and_undefined_sanitizers(tmp_path: 
 def test_the_portable_kernels_match_the_reference_where_sse2_is_absent(tmp_path: Path) -> None:
     """The encode kernels take SSE2 paths on x86-64; ``-DR3_NO_SIMD`` builds the plain C that
     other CPUs (ARM) compile, and the differential suite holds it to the reference too."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is required (scripts/bootstrap.sh installs it) to build the portable run")
     lib = tmp_path / "_r3codec_portable.so"
-    subprocess.run(
-        [
-            gcc, "-O2", "-DR3_NO_SIMD", "-shared", "-fPIC",
-            f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", str(lib),
-        ],
-        check=True,
-    )  # fmt: skip
+    _build(lib, "-O2", "-DR3_NO_SIMD")
     run = _pytest({"R3_NATIVE_LIBRARY": str(lib)}, SUITES[0], SUITES[-1])
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     assert " passed" in run.stdout, run.stdout[-3000:]
