@@ -31,6 +31,13 @@ typedef unsigned __int128 u128;
 #define TILE 64     /* rows sorted together, column by column */
 #define MBITS 5     /* mantissa bits of a set-rank bucket key */
 #define NKEYS (1 + 128 * (1 << MBITS))
+#ifndef DK_MBITS
+#define DK_MBITS 6  /* mantissa bits of the decode table's key */
+#endif
+#define DK_ENTS (65 << DK_MBITS) /* keys of a 64-bit rank: (bit length) << DK_MBITS | mantissa */
+#define DK_ENT 4    /* u64 per entry: C(c, i), C(c + 1, i), C(c + 2, i), c */
+#define DK_KMAX 16
+_Static_assert(DK_ENT * sizeof(uint64_t) == 32, "dk_level computes 32-byte entry offsets");
 
 /* ---- errors the kernels report (the caller maps them; see r3_client._native) ---- */
 enum {
@@ -1140,11 +1147,31 @@ typedef struct {
     const u128 *binom;      /* [(K+1) * (E+1)] */
     const uint64_t *binom64; /* the same, saturated at 2**64 - 1 */
     const uint16_t *bucket; /* [(K+1) * NKEYS] */
+    const uint64_t *ent;    /* DK_ENTS per level i in [2, K], or NULL: see dk_ents */
 } Tables;
 
+static Py_ssize_t bucket_end(int e, int k) {
+    Py_ssize_t n = (Py_ssize_t)(k + 1) * (e + 1) * (Py_ssize_t)(sizeof(u128) + sizeof(uint64_t)) +
+                   (Py_ssize_t)(k + 1) * NKEYS * (Py_ssize_t)sizeof(uint16_t);
+    return (n + 31) & ~(Py_ssize_t)31;
+}
+
+/* Whether (E, K) gets the one-load decode table: C(E, K) < 2**64 and K <= DK_KMAX. */
+static int has_ents(int e, int k) {
+    if (k > DK_KMAX || k < 2) return 0;
+    u128 c = 1; /* C(E, K) exactly, as long as it stays below 2**64 */
+    int kk = k < e - k ? k : e - k;
+    for (int j = 1; j <= kk; j++) {
+        c = c * (u128)(e - kk + j) / (u128)j;
+        if (c > (u128)UINT64_MAX) return 0;
+    }
+    return c < (u128)UINT64_MAX;
+}
+
 static Py_ssize_t tables_size(int e, int k) {
-    return (Py_ssize_t)(k + 1) * (e + 1) * (Py_ssize_t)(sizeof(u128) + sizeof(uint64_t)) +
-           (Py_ssize_t)(k + 1) * NKEYS * (Py_ssize_t)sizeof(uint16_t);
+    Py_ssize_t n = bucket_end(e, k);
+    if (has_ents(e, k)) n += (Py_ssize_t)(k - 1) * DK_ENTS * DK_ENT * (Py_ssize_t)sizeof(uint64_t);
+    return n;
 }
 
 static inline int key_of64(uint64_t r) {
@@ -1168,6 +1195,21 @@ static inline u128 key_min(int key) {
     int b = (key - 1) >> MBITS;
     u128 top = ((u128)1 << MBITS) | (u128)((key - 1) & ((1 << MBITS) - 1));
     return b >= MBITS ? top << (b - MBITS) : top >> (MBITS - b);
+}
+
+/* The decode table's key of a 64-bit rank x: its bit length b (0 for x = 0) above the
+ * DK_MBITS bits after its leading one. */
+static inline int dk_key(uint64_t x) {
+    int s = __builtin_clzll(x | 1);
+    return ((64 - s) << DK_MBITS) + (int)((x << s) >> (63 - DK_MBITS)) - (1 << DK_MBITS);
+}
+
+/* The least rank with that key. */
+static inline uint64_t dk_min(int key) {
+    int b = key >> DK_MBITS; /* bit length */
+    if (b <= 1) return key == (1 << DK_MBITS) ? 1 : 0;
+    u128 top = ((u128)1 << DK_MBITS) | (u128)(key & ((1 << DK_MBITS) - 1));
+    return (uint64_t)((top << (b - 1)) >> DK_MBITS);
 }
 
 static PyObject *py_set_tables(PyObject *self, PyObject *args) {
@@ -1214,6 +1256,27 @@ static PyObject *py_set_tables(PyObject *self, PyObject *args) {
             bucket[i * NKEYS + key] = (uint16_t)lo;
         }
     }
+    if (has_ents(e, k)) {
+        uint64_t *ent = (uint64_t *)(base + bucket_end(e, k));
+        for (int i = 2; i <= k; i++) {
+            const uint64_t *row = binom64 + i * (e + 1);
+            for (int key = 0; key < DK_ENTS; key++) {
+                uint64_t r = dk_min(key);
+                r = r - (r >> 50) - (r != 0); /* and the ranks a double rounds up to it */
+                int lo = i - 1, hi = e - 1;
+                while (lo < hi) {
+                    int mid = lo + (hi - lo + 1) / 2;
+                    if (row[mid] <= r) lo = mid;
+                    else hi = mid - 1;
+                }
+                uint64_t *en = ent + ((Py_ssize_t)(i - 2) * DK_ENTS + key) * DK_ENT;
+                en[0] = row[lo];
+                en[1] = row[lo + 1];
+                en[2] = lo + 2 <= e ? row[lo + 2] : UINT64_MAX;
+                en[3] = (uint64_t)lo;
+            }
+        }
+    }
     Py_END_ALLOW_THREADS
     return out;
 }
@@ -1229,6 +1292,7 @@ static int tables_from(Py_buffer *tb, int e, int k, Tables *t) {
     t->binom = (const u128 *)tb->buf;
     t->binom64 = (const uint64_t *)((const char *)tb->buf + cells * sizeof(u128));
     t->bucket = (const uint16_t *)((const char *)tb->buf + cells * (sizeof(u128) + sizeof(uint64_t)));
+    t->ent = has_ents(e, k) ? (const uint64_t *)((const char *)tb->buf + bucket_end(e, k)) : NULL;
     return 0;
 }
 
@@ -1478,6 +1542,68 @@ HOT int dec_emit(char *const *q, const int *empty, int m, int k, int e,
     return worse;
 }
 
+/* One level for all lanes: c = the largest with C(c, i) <= r, from the entry at r's key:
+ * (C(c0, i), C(c0 + 1, i), C(c0 + 2, i), c0), so c is c0 or c0 + 1 but where r reaches
+ * C(c0 + 2, i) (a bucket holding two boundaries: rare, a predicted branch). */
+HOT void dk_level(uint64_t *r, int32_t *out, const uint64_t *ent, const uint64_t *row, int e,
+                  const int fk) {
+#pragma GCC unroll 16
+    for (int g = 0; g < DEC_LANES; g++) {
+        uint64_t x = r[g];
+        const uint64_t *en;
+        if (fk) { /* dk_key's byte offset from the double nearest x|1 (x < 2**63): its
+                   * exponent and leading mantissa bits; exact below 2**53, and where
+                   * rounding gives the next key, the entries are built for it (dk_min's
+                   * margin in set_tables) */
+            double d = (double)(int64_t)(x | 1);
+            uint64_t u;
+            memcpy(&u, &d, 8);
+            en = (const uint64_t *)((const char *)ent +
+                                    (Py_ssize_t)(((u >> (52 - DK_MBITS - 5)) & ~(uint64_t)31) -
+                                                 ((uint64_t)1022 << (DK_MBITS + 5))));
+        } else
+            en = ent + dk_key(x) * DK_ENT;
+        uint64_t t0 = en[0], t1 = en[1];
+        int ge = x >= t1;
+        int c = (int)en[3] + ge;
+        uint64_t sub = ge ? t1 : t0;
+        if (__builtin_expect(x >= en[2], 0)) {
+            while (c < e - 1 && row[c + 1] <= x) c++;
+            sub = row[c];
+        }
+        out[g] = c;
+        r[g] = x - sub;
+    }
+}
+
+#if ENC_SIMD
+/* dec_emit for int16 rows of K = 8, all DEC_LANES lanes, E <= INT16_MAX: the checks four
+ * lanes at a time, and an 8x4 transpose of 16-bit ids per four rows. */
+HOT int dec_emit8_i16(char *const *q, const int *empty, int e, int32_t cols[][DEC_LANES]) {
+    V bad = _mm_setzero_si128(), one = _mm_set1_epi32(1), emax = _mm_set1_epi32(e - 1);
+    for (int g = 0; g < DEC_LANES; g += 4) {
+        V a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm_loadu_si128((const V *)&cols[j][g]);
+        V emp = _mm_loadu_si128((const V *)&empty[g]); /* 0 or 1 */
+        emp = _mm_sub_epi32(_mm_setzero_si128(), emp);  /* 0 or -1 */
+        V b = _mm_cmpgt_epi32(a[7], emax);
+        for (int j = 1; j < 8; j++) b = _mm_or_si128(b, _mm_cmpgt_epi32(_mm_add_epi32(a[j - 1], one), a[j]));
+        bad = _mm_or_si128(bad, _mm_andnot_si128(emp, b));
+        V b0 = _mm_packs_epi32(a[0], a[4]), b1 = _mm_packs_epi32(a[1], a[5]);
+        V b2 = _mm_packs_epi32(a[2], a[6]), b3 = _mm_packs_epi32(a[3], a[7]);
+        V c0 = _mm_unpacklo_epi16(b0, b1), c1 = _mm_unpackhi_epi16(b0, b1);
+        V c2 = _mm_unpacklo_epi16(b2, b3), c3 = _mm_unpackhi_epi16(b2, b3);
+        V d0 = _mm_unpacklo_epi32(c0, c2), d1 = _mm_unpackhi_epi32(c0, c2);
+        V d2 = _mm_unpacklo_epi32(c1, c3), d3 = _mm_unpackhi_epi32(c1, c3);
+        _mm_storeu_si128((V *)q[g], _mm_or_si128(_mm_unpacklo_epi64(d0, d2), _mm_shuffle_epi32(emp, 0x00)));
+        _mm_storeu_si128((V *)q[g + 1], _mm_or_si128(_mm_unpackhi_epi64(d0, d2), _mm_shuffle_epi32(emp, 0x55)));
+        _mm_storeu_si128((V *)q[g + 2], _mm_or_si128(_mm_unpacklo_epi64(d1, d3), _mm_shuffle_epi32(emp, 0xaa)));
+        _mm_storeu_si128((V *)q[g + 3], _mm_or_si128(_mm_unpackhi_epi64(d1, d3), _mm_shuffle_epi32(emp, 0xff)));
+    }
+    return _mm_movemask_epi8(bad);
+}
+#endif
+
 HOT int dec_unrank64_k(Arr3 *o, const Tables *t, uint64_t sentinel, int bits,
                        const uint8_t *in, Py_ssize_t len, const int ok, const int kc) {
     int k = kc ? kc : (int)o->k, e = t->e; /* kc: K as a constant (0: any K) */
@@ -1503,7 +1629,16 @@ HOT int dec_unrank64_k(Arr3 *o, const Tables *t, uint64_t sentinel, int bits,
             r[g] = empty[g] ? 0 : x;
         }
         if (bad) return R3_RANK;
-        for (int i = k; i >= 2; i--) {
+        if (t->ent && bits <= 63) {
+            for (int i = k; i >= 2; i--)
+                dk_level(r, cols[i - 1], t->ent + (Py_ssize_t)(i - 2) * DK_ENTS * DK_ENT,
+                         t->binom64 + i * (e + 1), e, 1);
+        } else if (t->ent) {
+            for (int i = k; i >= 2; i--)
+                dk_level(r, cols[i - 1], t->ent + (Py_ssize_t)(i - 2) * DK_ENTS * DK_ENT,
+                         t->binom64 + i * (e + 1), e, 0);
+        }
+        else for (int i = k; i >= 2; i--) {
             const uint64_t *row = t->binom64 + i * (e + 1);
             const uint16_t *bucket = t->bucket + i * NKEYS;
             int32_t *out = cols[i - 1];
@@ -1522,6 +1657,12 @@ HOT int dec_unrank64_k(Arr3 *o, const Tables *t, uint64_t sentinel, int bits,
         }
         /* c_1 is the remainder; clamped so that a bad one (caught below) fits int32 */
         for (int g = 0; g < DEC_LANES; g++) cols[0][g] = r[g] >= (uint64_t)e ? e : (int32_t)r[g];
+#if ENC_SIMD
+        if (kc == 8 && ok == 2 && m == DEC_LANES && e <= INT16_MAX) {
+            if (dec_emit8_i16(q, empty, e, cols)) return R3_RANK;
+            continue;
+        }
+#endif
         if (dec_emit(q, empty, m, k, e, cols, ok)) return R3_RANK;
     }
     return R3_OK;
