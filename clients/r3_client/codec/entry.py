@@ -90,7 +90,8 @@ def encode_frame(
     Routing holding exactly one segment that covers its rows is written as
     ``segment``.
     ``level`` is the zstd level of the ``set-zstd`` stage; None (the default) is level 3
-    in v1 and v2 and v3's tuned fast setting in v3.  Raises a
+    in v1 and v2, and in v3 the tuned fast setting for relabelled gaps and level 3 for
+    plain ones (docs/format.md 18.3).  Raises a
     :class:`FormatError` subclass for invalid routing, :class:`CodecError` when
     ``codec="set"`` cannot represent ``C(E, K)`` in 128 bits, and
     :class:`UnsupportedFrameError` for an unknown codec name.
