@@ -77,9 +77,11 @@ async def test_conflicts_are_refused_and_leave_data_unchanged(store: SegmentStor
     other = TRAJ[:100].copy()
     other[50, 0] = np.roll(np.arange(E), 1)[other[50, 0]]  # a different set, still valid
     assert not np.array_equal(np.sort(other, -1), np.sort(TRAJ[:100], -1))
-    with pytest.raises(SegmentConflictError, match="same range with different routing"):
+    with pytest.raises(
+        SegmentConflictError, match="same range with a different content digest: different routing"
+    ):
         await store.put_segment(r, frame_for(other, 0))
-    with pytest.raises(SegmentConflictError, match="same range with different"):
+    with pytest.raises(SegmentConflictError, match="same range with a different content digest"):
         await store.put_segment(r, frame_for(TRAJ[:100], 0, version="v2"))
     with pytest.raises(SegmentConflictError, match=r"overlaps it; send only rows"):
         await store.put_segment(r, frame_for(TRAJ[50:150], 50))
