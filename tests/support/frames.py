@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import struct
 import uuid
+import zlib
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from r3_client import Segment, encode_frame, read_header, token_digest
+from r3_client.codec.frame import PREFIX, crc32c
 from r3_client.synthetic import synthetic_routing
 
 E, K, LAYERS = 64, 4, (1, 3, 5)
@@ -41,14 +44,8 @@ def forge_checksums(frame: bytes | bytearray) -> bytes:
     a test reaches the checks behind them: v1/v2 the CRC-32 over the whole frame; v3 each
     chunk's CRC-32C (its header re-packed with them when it still parses as a map with a
     chunk list, keeping its damaged values) and the CRC-32C over prefix and header."""
-    import struct
-
-    from r3_client.codec.frame import PREFIX, crc32c
-
     data = bytes(frame)
     if len(data) < PREFIX.size + 4 or data[4] != 3:
-        import zlib
-
         return data[:-4] + struct.pack("<I", zlib.crc32(data[:-4]))
     magic, version, codec, reserved, hlen, blen = PREFIX.unpack_from(data)
     head, body = data[PREFIX.size : PREFIX.size + hlen], data[PREFIX.size + hlen : -4]

@@ -134,10 +134,9 @@ def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC-32C (Castagnoli) of ``data``, continuing ``value``: google-crc32c's hardware path.
 
     google-crc32c takes read-only buffers only; a numpy view over any buffer is accepted
-    without a copy.
+    without a copy.  Extending 0 is the plain CRC.
     """
-    view = np.frombuffer(data, dtype=np.uint8)
-    return int(google_crc32c.extend(value, view)) if value else int(google_crc32c.value(view))
+    return int(google_crc32c.extend(value, np.frombuffer(data, dtype=np.uint8)))
 
 
 def chunk_crc(version: int, data: bytes | bytearray | memoryview) -> int:

@@ -175,7 +175,7 @@ def content_digest(
     flat = srt.reshape(-1)
     if version >= 3:
         # -1 wraps to the dtype's maximum, the raw body's sentinel.
-        ids = np.ascontiguousarray(flat).astype(raw_dtype(num_experts), casting="unsafe")
+        ids = flat.astype(raw_dtype(num_experts), casting="unsafe")  # one contiguous copy
         return str(blake3.blake3(meta).update(ids.data.cast("B")).hexdigest())
     h = hashlib.sha256()
     h.update(meta)

@@ -245,7 +245,7 @@ def check_chunks(data: bytes | bytearray | memoryview, hdr: FrameHeader) -> None
     for (br, lg), (length, crc) in zip(
         itertools.product(hdr.blocks, hdr.groups), hdr.chunks, strict=True
     ):
-        if hdr.version >= 3 and chunk_crc(3, view[at : at + length]) != crc:
+        if hdr.version >= 3 and chunk_crc(hdr.version, view[at : at + length]) != crc:
             raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
         if hdr.codec != "set-zstd":
             at += length

@@ -114,9 +114,9 @@ def encode_v2(
     ctx_pos = [ctx.layer_ids.index(lid) for lid in layers]
     to_rank = ctx.to_rank(ctx_pos) if relabel else None
     gbounds = list(itertools.accumulate(groups, initial=0))
-    trial_says_set = auto and codec == "set-zstd" and not decided
+    run_trial = auto and codec == "set-zstd" and not decided
     level = _zstd_level(level, version, relabel)
-    if trial_says_set and _trial_says_set(srt, e, k, level, to_rank):
+    if run_trial and _trial_says_set(srt, e, k, level, to_rank):
         codec, relabel, to_rank = "set", False, None
         if own is not None and own.has_table:  # set needs no table: do not ship one
             own = ctx = Context.build(e, k, layers)
