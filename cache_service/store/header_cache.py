@@ -7,6 +7,13 @@ prefix and header bytes, its length and the context it is resolved against, so
 the cache is keyed by a BLAKE2b digest of exactly those: two tenants' identical
 bytes share an entry, and different bytes can never be served another frame's
 header.  Bounded by the header bytes it holds; least recently used first out.
+
+Only verified headers are kept: a miss parses with the trailing CRC checked, and the
+key covers the trailer too, so a hit means bytes identical to a verified header (in v3
+the trailer covers exactly prefix + header, so the check would pass again).  A v2
+trailer covers the body as well, which the key does not: what the service cuts from a
+v2 body is covered by the chunk CRCs, checked at each slice
+(``slice_frame(verify=True)``).  Damaged bytes fail the parse and are never cached.
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ from r3_client.wire import Context, FrameHeader
 
 __all__ = ["HeaderCache"]
 
+#: The trailing CRC's size (docs/format.md section 4): part of the key.
+_TRAILER = 4
+
 
 class HeaderCache:
-    """Thread-safe LRU of parsed headers (``read_header(frame, verify=False, context=…)``).
+    """Thread-safe LRU of verified parsed headers (``read_header(frame, context=…)``).
 
     ``max_bytes`` bounds the summed prefix + header bytes of the frames whose parsed
     headers it keeps (a parsed header is a few times its encoded size).  ``parses``
@@ -40,13 +50,16 @@ class HeaderCache:
     def header(
         self, frame: bytes | bytearray | memoryview, context: Context | None = None
     ) -> FrameHeader:
-        """``frame``'s parsed header (resolved against ``context``), parsed at most once
-        while it stays cached; errors are :func:`read_header`'s and are not cached."""
+        """``frame``'s parsed header (resolved against ``context``), parsed and its
+        trailing CRC checked at most once while it stays cached; errors (a
+        :class:`ChecksumError` for damaged bytes) are :func:`read_header`'s and are not
+        cached."""
         view = memoryview(frame).cast("B")
         span = _PREFIX.size + _PREFIX.unpack_from(view)[4] if len(view) >= _PREFIX.size else 0
         span = min(span, len(view))
         h = hashlib.blake2b(view[:span], digest_size=20)
         h.update(len(view).to_bytes(8, "little"))
+        h.update(bytes(view[-_TRAILER:]))  # the CRC checked on the miss that cached it
         h.update(context.digest.encode() if context is not None else b"-")
         key = h.digest()
         with self._lock:
@@ -54,7 +67,7 @@ class HeaderCache:
             if hit is not None:
                 self._entries.move_to_end(key)
                 return hit[0]
-        hdr = read_header(view, verify=False, context=context)
+        hdr = read_header(view, verify=True, context=context)
         with self._lock:
             self.parses += 1
             if span <= self.max_bytes and key not in self._entries:

@@ -55,7 +55,7 @@ from r3_client.codec import (
     read_header,
     slice_frame,
 )
-from r3_client.codec.frame import BLOCK_ROWS
+from r3_client.codec.frame import BLOCK_ROWS, is_context_frame
 from r3_client.codec.frame import PREFIX as FRAME_PREFIX
 from r3_client.codec.stream import (
     FRAME_MEDIA_TYPE,
@@ -107,6 +107,7 @@ __all__ = [
     "encode_error_item",
     "encode_frame_item",
     "encode_trailer",
+    "is_context_frame",
     "layer_positions",
     "proto_messages",
     "quote_items",

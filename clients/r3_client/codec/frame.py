@@ -45,6 +45,7 @@ __all__ = [
     "expect_params",
     "frame_crc",
     "int_field",
+    "is_context_frame",
     "raw_dtype",
     "unique_map",
     "unpack_map",
@@ -106,6 +107,12 @@ CODEC_NAMES: Final = {v: k for k, v in CODECS.items()}
 
 #: The fixed prefix: magic, version, codec id, reserved, header length, body length.
 PREFIX: Final = struct.Struct("<4sBBHIQ")
+
+
+def is_context_frame(data: bytes) -> bool:
+    """Whether ``data`` starts like a context frame (magic and codec id read from the
+    prefix alone): a rollout's context, no rows.  What a segment field must never hold."""
+    return len(data) >= PREFIX.size and data[:4] == MAGIC and data[5] == CONTEXT_CODEC
 
 
 #: The trailing CRC-32 of every preceding byte.

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from r3_client._exceptions import (
+    ChecksumError,
     FrameError,
     ShapeError,
     TruncatedFrameError,
@@ -29,6 +30,7 @@ from r3_client.codec.frame import (
     MAX_HEADER,
     PREFIX,
     assemble_frame,
+    chunk_crc,
 )
 from r3_client.codec.header import Context, Frame, FrameHeader
 
@@ -43,6 +45,7 @@ def slice_frame(
     layers: Sequence[int] | None = None,
     context: Context | None = None,
     parsed: FrameHeader | None = None,
+    verify: bool = False,
 ) -> bytes:
     """Cut a v2 or v3 frame down to the blocks and layer groups that cover a range: no
     decoding.
@@ -54,8 +57,13 @@ def slice_frame(
     frame without a ``layers`` field needs ``context`` to slice by layer.  ``parsed``
     is ``read_header(data, verify=False, context=context)`` when the caller holds it
     already (the service keeps parsed headers of stored frames).
+
+    ``verify``: check the input before anything is cut from it, since a slice's trailer is
+    computed anew and would vouch for whatever it copied: the frame's trailing CRC (unless
+    ``parsed`` is given: then the caller checked it, as ``read_header(verify=True)``) and
+    the CRC of every chunk returned (raises :class:`ChecksumError`).
     """
-    hdr = read_header(data, verify=False, context=context) if parsed is None else parsed
+    hdr = read_header(data, verify=verify, context=context) if parsed is None else parsed
     if hdr.version not in CHUNKED_VERSIONS or hdr.codec == "context":
         raise UnsupportedFrameError("only v2 and v3 routing frames can be sliced")
     lo = hdr.start if start is None else max(start, hdr.start)
@@ -73,13 +81,17 @@ def slice_frame(
     else:
         pos = set(layer_positions(layer_ids, layers))
         keep_g = [g for g in range(len(hdr.groups)) if pos & set(range(gbounds[g], gbounds[g + 1]))]
-    if len(keep_b) == len(hdr.blocks) and len(keep_g) == len(hdr.groups):
-        return bytes(data)
     view = memoryview(data).cast("B")
     at = hdr.frame_length - CRC.size - hdr.body_length
     offsets = list(itertools.accumulate((c[0] for c in hdr.chunks), initial=at))
     ng = len(hdr.groups)
     idx = [b * ng + g for b in keep_b for g in keep_g]
+    if verify:
+        for i in idx:
+            if chunk_crc(hdr.version, view[offsets[i] : offsets[i + 1]]) != hdr.chunks[i][1]:
+                raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
+    if len(keep_b) == len(hdr.blocks) and len(keep_g) == len(hdr.groups):
+        return bytes(data)
     body = [bytes(view[offsets[i] : offsets[i] + hdr.chunks[i][0]]) for i in idx]
     header: dict[str, Any] = {
         "start": bstarts[keep_b[0]],
