@@ -23,11 +23,21 @@ local ttl, max_segments, nbytes, ref = tonumber(ARGV[7]), tonumber(ARGV[8]), ton
 local ctx_field, ctx, base_field, max_gap = ARGV[11], ARGV[12], ARGV[13], tonumber(ARGV[14])
 local max_gap_total = tonumber(ARGV[15])
 
+-- Every write of a rollout resets its TTL and its views' (one lifetime: no view outlives
+-- or predeceases its rollout).
 local function refresh(status)
-  if ttl > 0 then redis.call('PEXPIRE', key, ttl) else redis.call('PERSIST', key) end
+  local keys = {key}
   local out = {status}
   for _, f in ipairs(redis.call('HKEYS', key)) do
-    if string.sub(f, 1, 2) == 'r:' then out[#out + 1] = redis.call('HGET', key, f) end
+    local v = string.match(f, '^v:(%d+)$')
+    if v then
+      keys[#keys + 1] = key .. ':v:' .. v
+    elseif string.sub(f, 1, 2) == 'r:' then
+      out[#out + 1] = redis.call('HGET', key, f)
+    end
+  end
+  for _, k in ipairs(keys) do
+    if ttl > 0 then redis.call('PEXPIRE', k, ttl) else redis.call('PERSIST', k) end
   end
   return out
 end

@@ -56,8 +56,7 @@ class StoreBase:
         self._put_blob = client.register_script(_load("put_blob.lua"))
         self._keep_blob = client.register_script(_load("keep_blob.lua"))
         self._delete = client.register_script(_load("delete_rollout.lua"))
-        self._put_view_ref = client.register_script(_load("put_view_ref.lua"))
-        self._clear_view = client.register_script(_load("clear_view.lua"))
+        self._view_put = client.register_script(_load("put_view.lua"))
         self._namespace = ""
         self._limit = asyncio.Semaphore(settings.max_connections)
 

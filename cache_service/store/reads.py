@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack
-import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from cache_service.store.base import StoreBase
@@ -30,12 +29,21 @@ from r3_client.wire import (
     ViewInfo,
     decode_rollout,
     encode_context,
+    is_context_frame,
     layer_positions,
     slice_frame,
 )
 
 #: Parsed headers of stored frames, shared by every namespace (keyed by content).
 _HEADERS = HeaderCache()
+
+
+def _damaged(rollout_id: str, a: int, b: int, why: str) -> str:
+    """The message of a read refused because a stored segment's bytes fail a check."""
+    return (
+        f"rollout {rollout_id}: the stored bytes of segment [{a}, {b}) are damaged ({why}); "
+        "no rows are answered from them (delete the rollout and write it again)"
+    )
 
 
 class StoreReads(StoreBase):
@@ -65,6 +73,10 @@ class StoreReads(StoreBase):
             else f"rollout {rollout_id} has no view serving row {view} (its stat lists views)"
         )
         async with self._guarded():
+            # A view is read only while its rollout registers it (a view hash left behind by
+            # an older service, or planted, is not the rollout's).
+            if view is not None and not await self._r.hexists(self.key(rollout_id), f"v:{view}"):
+                raise missing
             if start == 0 and end is None:
                 fields: dict[Any, Any] = await self._r.hgetall(key)
                 meta = fields.get(b"m")
@@ -185,6 +197,9 @@ class StoreReads(StoreBase):
                 layer_positions(layer_ids, layers)
             except ShapeError as exc:
                 raise InvalidRequestError(str(exc)) from None
+        for a, b, frame in segments:
+            if is_context_frame(frame):  # decoded, it would be a gap of -1 rows
+                raise StoreError(_damaged(rollout_id, a, b, "it holds a context frame, no rows"))
         if start == 0 and end is None and layers is None and len(segments) == 1:
             return segments[0][2]  # a single self-contained segment: the stored bytes
         return await asyncio.to_thread(
@@ -200,11 +215,20 @@ class StoreReads(StoreBase):
         end: int | None,
         layers: Sequence[int] | None,
     ) -> bytes:
-        """Frames (or slices) for the request plus the contexts they continue from."""
+        """Frames (or slices) for the request plus the contexts they continue from.
+
+        Every stored frame's header is verified first (its trailing CRC, through the
+        header cache) and must hold its field's rows; a slice is cut only from chunks
+        whose CRCs match (``slice_frame(verify=True)``), since the slice's new trailer
+        would vouch for whatever it copied.  A check that fails is a :class:`StoreError`
+        naming the rollout and segment: a row is either right or refused.  Uncut frames
+        go out as stored (their bodies are the reader's to verify).
+        """
         parts: list[bytes] = []
         bases: dict[str, Context] = {}
         carried: set[str] = set()  # contexts a returned frame carries itself
         for a, b, frame in segments:
+            cut = (start > a or (end is not None and end < b)) or layers is not None
             try:
                 hdr = _HEADERS.header(frame)
                 ctx = None
@@ -222,18 +246,37 @@ class StoreReads(StoreBase):
                     ctx = bases.get(hdr.base) or Context.parse(raw, tables=False)
                     bases[hdr.base] = ctx
                     hdr = _HEADERS.header(frame, ctx)
-                cut = (start > a or (end is not None and end < b)) or layers is not None
+                if (hdr.start, hdr.end) != (a, b):
+                    raise FrameError(f"the frame holds rows [{hdr.start}, {hdr.end})")
+                # verify: the slice's new trailer vouches only for the chunks checked here
                 parts.append(
-                    slice_frame(frame, start=start, end=end, layers=layers, context=ctx, parsed=hdr)
+                    slice_frame(
+                        frame,
+                        start=start,
+                        end=end,
+                        layers=layers,
+                        context=ctx,
+                        parsed=hdr,
+                        verify=True,
+                    )
                     if cut
                     else frame
                 )
-            except (FormatError, FrameError):
-                # A stored frame damaged in Redis: hand it over whole; the reader's decode
-                # names the rollout and segment (the service never decodes to judge it).
-                parts.append(frame)
+            except (FormatError, FrameError) as exc:
+                # Damaged at rest (a bad disk, a bug, a tenant's write path): never sliced,
+                # signed anew and answered as rows.
+                raise StoreError(_damaged(rollout_id, a, b, str(exc))) from None
         if not parts and contexts:  # the range lies in a gap: the context says E, K, layers
-            bases = {d: Context.parse(raw, tables=False) for d, raw in list(contexts.items())[:1]}
+            d, raw = next(iter(contexts.items()))
+            try:
+                gap = Context.parse(raw, tables=False)
+            except FrameError as exc:
+                raise StoreError(
+                    f"rollout {rollout_id}: its stored context is damaged ({exc})"
+                ) from None
+            if gap.digest != d:
+                raise StoreError(f"rollout {rollout_id}: its stored context {d[:12]}… is damaged")
+            bases = {d: gap}
         extra = [encode_context(c) for d, c in bases.items() if d not in carried]
         return b"".join([*extra, *parts])
 
@@ -259,20 +302,17 @@ class StoreReads(StoreBase):
             res = await self._stat(keys=[key], args=[])
             if not res:
                 raise RolloutNotFoundError(f"rollout {rollout_id} not found")
-            try:
-                mem = await self._r.memory_usage(key, samples=0)  # 0 = count every field
-            except rexc.ResponseError:  # MEMORY disabled by the operator
-                mem = None
         e, k, layer_ids = msgpack.unpackb(res[0])
         nviews = int(res[4])
+        mem = int(res[5])  # the rollout's hash and its views' (-1: MEMORY disabled)
         views = []
-        pairs = res[5 : 5 + 2 * nviews]
+        pairs = res[6 : 6 + 2 * nviews]
         for serves, raw in zip(pairs[::2], pairs[1::2], strict=True):
             a, b, wv, nbytes = msgpack.unpackb(raw)
             views.append(ViewInfo(int(serves), a, b, wv, nbytes))
         views.sort(key=lambda v: v.serves)
         infos = []
-        for raw in res[5 + 2 * nviews :]:
+        for raw in res[6 + 2 * nviews :]:
             seg, codec, nbytes, shared = msgpack.unpackb(raw)
             infos.append(SegmentInfo(Segment.from_dict(seg), codec, nbytes, shared))
         infos.sort(key=lambda i: i.segment.start)
@@ -285,7 +325,7 @@ class StoreReads(StoreBase):
             num_rows=max((i.segment.end for i in infos), default=0),
             stored_bytes=int(res[1]),
             shared_bytes=int(res[2]),
-            memory_bytes=None if mem is None else int(mem),
+            memory_bytes=None if mem < 0 else mem,
             ttl_s=None if pttl < 0 else pttl / 1000,
             segments=tuple(infos),
             views=tuple(views),

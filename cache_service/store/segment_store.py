@@ -308,49 +308,88 @@ class SegmentStore(DurableWrites, StoreReads):
     async def _put_view(
         self, rollout_id: str, frame: bytes, serves: int, ttl_s: int | None
     ) -> PutResult:
-        """Store a view's frame in the view's hash and register it in the rollout's.
+        """Store a view's frame in the view's hash and register it in the rollout's, in one
+        script (``lua/put_view.lua``).
 
-        The view must end at or before ``serves`` and have the rollout's geometry.  A view
+        A view obeys the segment rules: its frame passes the same header checks, it ends
+        at or before ``serves``, ``serves`` lies within ``max_gap_rows`` of the rollout's
+        stored end, its geometry is the rollout's (a view of a rollout not stored yet sets
+        the rollout's geometry), and a rollout holds at most ``max_views`` views.  A view
         that differs from one stored for the same ``serves`` replaces it only while no
         segment starts at ``serves`` (its call's own rows were never stored, so nothing
-        was read against it); after that a view is fixed, like a segment.
+        was read against it); after that a view is fixed, like a segment.  The rollout and
+        all its views share one TTL, reset by this write.
         """
         key, vkey = self.key(rollout_id), self.view_key(rollout_id, serves)
         ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
         if ttl < 0:
             raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
+        if serves > self.settings.max_rollout_rows:
+            raise InvalidRequestError(
+                f"a view serving row {serves} of rollout {rollout_id} serves rows past "
+                f"{self.settings.max_rollout_rows}, the most one rollout may hold "
+                "(R3_CACHE_MAX_ROLLOUT_ROWS)"
+            )
         hdr = read_header(frame, verify=False)
+        if hdr.base:
+            raise FrameError(
+                "a view is stored as a self-contained frame (it carries its context); "
+                "this one continues another frame's context"
+            )
         if hdr.segment is not None and hdr.segment.end > serves:
             raise InvalidRequestError(
                 f"a view serving row {serves} holds rows below it; this frame holds rows "
                 f"[{hdr.segment.start}, {hdr.segment.end})"
             )
+        hdr, (ctx_field, ctx, _) = await self._checked_header(rollout_id, vkey, frame)
+        assert hdr.segment is not None
+        seg = hdr.segment
+        meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
+        info = msgpack.packb([seg.to_dict(), hdr.codec, len(frame), False], use_bin_type=True)
+        reg = msgpack.packb([seg.start, seg.end, seg.weight_version, len(frame)])
+        args = [meta, serves, seg.start, seg.end, frame, hdr.digest, info, ttl * 1000]
+        args += [len(frame), ctx_field, ctx, reg, self.settings.max_views]
+        args += [self.settings.max_gap_rows]
         async with self._guarded():
-            meta = await self._r.hget(key, "m")
-        if meta is not None and meta != _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids):
-            e, k, layers = msgpack.unpackb(meta)
-            raise SegmentConflictError(
-                f"rollout {rollout_id} holds routing with E={e}, K={k}, "
-                f"layers={quote_items(layers)}; this view has E={hdr.num_experts}, "
-                f"K={hdr.topk}, layers={quote_items(hdr.layer_ids)}"
+            res = await self._write(
+                key, self._view_put, args, lambda r: r[0] in _PUT_ACKED, keys=[vkey]
             )
-        # A view may start anywhere below the rows it serves: no gap bound past row 0.
-        max_gap = self.settings.max_rollout_rows
-        try:
-            res = await self._put_at(rollout_id, vkey, frame, ttl, max_gap, share=False)
-        except SegmentConflictError:
-            async with self._guarded():
-                cleared = await self._write(key, self._clear_view, [serves], bool, keys=[vkey])
-            if cleared[0] != b"cleared":
-                raise
-            res = await self._put_at(rollout_id, vkey, frame, ttl, max_gap, share=False)
-        assert res.segment is not None
-        seg = res.segment
-        info = msgpack.packb([seg.start, seg.end, seg.weight_version, res.nbytes])
-        async with self._guarded():
-            args = [serves, info, ttl * 1000]
-            await self._write(key, self._put_view_ref, args, bool, keys=[vkey])
-        return res
+            if res[0] in _PUT_ACKED:
+                await self._keep_blobs(res[1:], ttl * 1000)
+        status = res[0].decode()
+        if status == "stored" or status == "duplicate":
+            return PutResult(status, rollout_id, seg, len(frame), False, False)
+        if status == "views":
+            raise InvalidRequestError(
+                f"rollout {rollout_id} already holds {int(res[1])} views (limit "
+                f"{self.settings.max_views}, R3_CACHE_MAX_VIEWS); a view serving row {serves} "
+                "would be one more"
+            )
+        if status == "gap":
+            raise InvalidRequestError(
+                f"a view serving row {serves} of rollout {rollout_id} serves rows "
+                f"{serves - int(res[1])} past its stored rows [0, {int(res[1])}); the limit "
+                f"is {self.settings.max_gap_rows} (R3_CACHE_MAX_GAP_ROWS)"
+            )
+        if status == "unviewed":
+            raise SegmentConflictError(
+                f"rollout {rollout_id} stored the segment starting at row {serves} without a "
+                f"view: what its tokens attended to is fixed; a view is written before the "
+                "segment it serves"
+            )
+        if status == "conflict":
+            a, b = res[1].decode().split(":")
+            raise SegmentConflictError(
+                f"the view serving row {serves} of rollout {rollout_id} is fixed (a segment "
+                f"starts at {serves}) and holds rows [{a}, {b}); this view, rows "
+                f"[{seg.start}, {seg.end}), "
+                + (
+                    "has other content (routing, metadata or format version)"
+                    if res[2] == b"differs"
+                    else "covers other rows"
+                )
+            )
+        raise self._put_refusal(status, res, rollout_id, hdr, "view")
 
     async def _checked_header(
         self, rollout_id: str, key: str, frame: bytes
@@ -417,16 +456,22 @@ class SegmentStore(DurableWrites, StoreReads):
             )
 
     def _put_refusal(
-        self, status: str, res: Sequence[Any], rollout_id: str, hdr: FrameHeader
+        self,
+        status: str,
+        res: Sequence[Any],
+        rollout_id: str,
+        hdr: FrameHeader,
+        what: str = "segment",
     ) -> R3Error:
-        """The error for a put the script refused (``status`` is its first reply)."""
+        """The error for a put the script refused (``status`` is its first reply; ``what``
+        was put: a segment or a view)."""
         assert hdr.segment is not None
         start, end = hdr.segment.start, hdr.segment.end
         if status == "meta":
             e, k, layers = msgpack.unpackb(res[1])
             return SegmentConflictError(
                 f"rollout {rollout_id} holds routing with E={e}, K={k}, "
-                f"layers={quote_items(layers)}; this segment has E={hdr.num_experts}, "
+                f"layers={quote_items(layers)}; this {what} has E={hdr.num_experts}, "
                 f"K={hdr.topk}, layers={quote_items(hdr.layer_ids)}"
             )
         if status == "conflict":

@@ -24,7 +24,8 @@ class StoreSettings:
     script scans them).  A rollout's rows (its highest segment end) stay within
     ``max_rollout_rows`` and, decoded, within ``max_rollout_bytes``; the rows no
     segment covers within ``max_rollout_gap_rows`` in all (``max_gap_rows`` bounds
-    one hop past the stored end).
+    one hop past the stored end).  ``max_views`` bounds the views one rollout holds (each
+    is its own hash, listed by ``stat`` and read by the ``latest``/``exact`` policies).
 
     ``durability`` says when a write counts as done: ``ack`` when Redis applied
     it; ``replicas`` when ``durability_replicas`` replicas of the key's master have
@@ -51,6 +52,7 @@ class StoreSettings:
     max_rollout_rows: int = 1 << 20
     max_rollout_gap_rows: int = 1 << 17
     max_rollout_bytes: int = 1 << 31
+    max_views: int = 256
 
     def __post_init__(self) -> None:
         if self.durability not in DURABILITY_MODES:

@@ -68,7 +68,7 @@ class RolloutInfo:
     num_rows: int  # one past the last stored row; gaps read as -1
     stored_bytes: int  # sum of its segments' frame sizes (shared ones included)
     shared_bytes: int  # the part of stored_bytes held in shared (deduplicated) blobs
-    memory_bytes: int | None  # Redis MEMORY USAGE of the rollout's key, when available
+    memory_bytes: int | None  # Redis MEMORY USAGE of the rollout's and its views' keys, if on
     ttl_s: float | None  # None = no expiry
     segments: tuple[SegmentInfo, ...]
     #: recomputed prefixes, by the row they serve (empty: every row computed once)

@@ -50,9 +50,9 @@ from r3_client._views import (
     ServedRouting,
     ViewPolicy,
     applicable_views,
+    apply_views,
     check_policy,
     one_routing_policy,
-    overlay,
     served,
 )
 from r3_client.codec import MAX_DECODED_BYTES, CodecName
@@ -182,7 +182,13 @@ class RoutingClient:
     def _latest(self, rollout_id: str, base: Routing, layers: Sequence[int] | None) -> Routing:
         """``base`` with the rollout's views applied (policy ``latest``)."""
         views = applicable_views(self.stat(rollout_id))
-        return overlay(base, [self._view_rows(rollout_id, v, base, layers) for v in views])
+        return apply_views(
+            base,
+            views,
+            lambda v: self._view_rows(rollout_id, v, base, layers),
+            max_bytes=self._core.max_bytes,
+            rollout_id=rollout_id,
+        )
 
     def _view_rows(
         self, rollout_id: str, v: ViewInfo, base: Routing, layers: Sequence[int] | None
@@ -205,14 +211,22 @@ class RoutingClient:
 
         ``"exact"``: one :class:`ServedRouting` per state (one for a rollout without
         views); ``"latest"`` / ``"generated"``: one, over every row, as :meth:`get`
-        answers it.  Reads the rollout once and each view once.
+        answers it.  Reads the rollout once and each view once, when it is applied: the
+        answer's size is checked against ``max_bytes`` first, and one view's rows at a
+        time are held beside it (:class:`LimitExceededError` when it would not fit).
         """
         policy = check_policy(view)
         info = self.stat(rollout_id)
         base = self.get(rollout_id, layers=layers)
-        views = applicable_views(info)
-        rows = {v.serves: self._view_rows(rollout_id, v, base, layers) for v in views}
-        return served(base, views, info.num_rows, rows, policy)
+        return served(
+            base,
+            applicable_views(info),
+            info.num_rows,
+            lambda v: self._view_rows(rollout_id, v, base, layers),
+            policy,
+            max_bytes=self._core.max_bytes,
+            rollout_id=rollout_id,
+        )
 
     def stat(self, rollout_id: str) -> RolloutInfo:
         """What is stored for the rollout (no rows)."""
@@ -532,8 +546,32 @@ class AsyncRoutingClient:
     ) -> Routing:
         """See :meth:`RoutingClient._latest`."""
         views = applicable_views(await self.stat(rollout_id))
-        parts = [await self._view_rows(rollout_id, v, base, layers) for v in views]
-        return overlay(base, parts)
+        if not views:
+            return base
+        rows_of = self._rows_in_thread(rollout_id, base, layers)
+        return await asyncio.to_thread(
+            apply_views,
+            base,
+            views,
+            rows_of,
+            max_bytes=self._core.max_bytes,
+            rollout_id=rollout_id,
+        )
+
+    def _rows_in_thread(
+        self, rollout_id: str, base: Routing, layers: Sequence[int] | None
+    ) -> Callable[[ViewInfo], Routing]:
+        """A view's rows read by :meth:`_view_rows` on this event loop, for a worker thread
+        that writes views over ``base`` one at a time (never every view held at once)."""
+        loop = asyncio.get_running_loop()
+
+        def rows_of(v: ViewInfo) -> Routing:
+            fut = asyncio.run_coroutine_threadsafe(
+                self._view_rows(rollout_id, v, base, layers), loop
+            )
+            return fut.result()
+
+        return rows_of
 
     async def _view_rows(
         self, rollout_id: str, v: ViewInfo, base: Routing, layers: Sequence[int] | None
@@ -555,9 +593,16 @@ class AsyncRoutingClient:
         policy = check_policy(view)
         info = await self.stat(rollout_id)
         base = await self.get(rollout_id, layers=layers)
-        views = applicable_views(info)
-        rows = {v.serves: await self._view_rows(rollout_id, v, base, layers) for v in views}
-        return served(base, views, info.num_rows, rows, policy)
+        return await asyncio.to_thread(
+            served,
+            base,
+            applicable_views(info),
+            info.num_rows,
+            self._rows_in_thread(rollout_id, base, layers),
+            policy,
+            max_bytes=self._core.max_bytes,
+            rollout_id=rollout_id,
+        )
 
     async def stat(self, rollout_id: str) -> RolloutInfo:
         """See :meth:`RoutingClient.stat`."""

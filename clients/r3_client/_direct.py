@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -47,13 +48,14 @@ from r3_client._routing import Routing, check_rollout_id
 from r3_client._views import (
     ServedRouting,
     ViewPolicy,
+    apply_views,
     check_policy,
     one_routing_policy,
-    overlay,
     served,
     serving_views,
 )
 from r3_client.codec import MAX_DECODED_BYTES, Context, decode_rollout, encode_context, read_header
+from r3_client.codec.frame import is_context_frame
 
 __all__ = ["DirectReader"]
 
@@ -62,13 +64,12 @@ Result = tuple[str, Routing | R3Error]
 
 @dataclass
 class _Read:
-    """One rollout as read: its frames, its stored end, the views that serve a stored
-    segment (when the policy reads views) and the frames of those read."""
+    """One rollout as read: its frames, its stored end and the views that serve a stored
+    segment (when the policy reads views; their hashes are read when applied)."""
 
     frames: list[bytes]
     stored_end: int = 0  # one past the last stored row
     views: tuple[ViewInfo, ...] = ()
-    view_frames: dict[int, list[bytes]] = field(default_factory=dict)
 
 
 #: Which views a read needs: ``(start, end)`` rows of the base read, or None (no views).
@@ -190,35 +191,14 @@ class DirectReader:
                 yield from pending.popleft().result()
 
     def _fetch_chunk(self, chunk: list[str], span: _Span) -> list[tuple[str, _Read | R3Error]]:
-        """The chunk's rollout hashes, then (only when ``span`` asks for views and some
-        rollout of the chunk has a view overlapping it) the hashes of those views: one
-        more round of the same reads."""
-        import redis.exceptions as rexc
-
-        try:
+        """The chunk's rollout hashes (with, when ``span`` asks for views, the views that
+        serve a stored segment; their hashes are read one at a time as they are applied,
+        :meth:`_view_rows`)."""
+        with _redis_errors():
             hashes = self._read([self.key(r) for r in chunk])
-            reads = [
-                self._assembled(rid, fields, span)
-                for rid, fields in zip(chunk, hashes, strict=True)
-            ]
-            wanted = [
-                (n, v)
-                for n, got in enumerate(reads)
-                if isinstance(got, _Read)
-                for v in _overlapping(got, span)
-            ]
-            if wanted:
-                vhashes = self._read([self.view_key(chunk[n], v.serves) for n, v in wanted])
-                for (n, v), fields in zip(wanted, vhashes, strict=True):
-                    got = reads[n]
-                    if isinstance(got, _Read):  # an earlier view of it may have failed
-                        reads[n] = self._with_view(chunk[n], got, v, fields)
-        except rexc.AuthenticationError as exc:
-            raise AuthError(f"Redis refused the read plan's credentials: {exc}") from None
-        except rexc.NoPermissionError as exc:
-            raise AuthError(f"Redis refused a direct read: {exc}") from None
-        except (rexc.ConnectionError, rexc.TimeoutError) as exc:
-            raise StoreUnavailableError(f"Redis is unreachable: {exc}") from None
+        reads = [
+            self._assembled(rid, fields, span) for rid, fields in zip(chunk, hashes, strict=True)
+        ]
         return list(zip(chunk, reads, strict=True))
 
     def _read(self, keys: list[str]) -> list[dict[bytes, Any]]:
@@ -296,20 +276,24 @@ class DirectReader:
         read.views = serving_views(views, starts)
         return read
 
-    @classmethod
-    def _with_view(
-        cls, rollout_id: str, read: _Read, v: ViewInfo, fields: dict[bytes, Any]
-    ) -> _Read | R3Error:
-        """``read`` with the frames of view ``v`` (its hash's ``fields``) added."""
+    def _view_rows(
+        self, rollout_id: str, v: ViewInfo, base: Routing, layers: Sequence[int] | None
+    ) -> Routing:
+        """View ``v``'s rows in ``base``'s range and ``layers``: its hash read and decoded
+        when the view is applied (so one view's rows are held at a time)."""
+        a, b = max(v.start, base.start), min(v.end, base.end)
+        if a >= b:  # outside the range: no rows of it apply
+            return Routing(base.indices[:0], base.num_experts, base.layer_ids, a)
+        with _redis_errors():
+            (fields,) = self._read([self.view_key(rollout_id, v.serves)])
         if not fields:  # rewound, deleted or expired since its rollout hash was read
-            return RolloutNotFoundError(
+            raise RolloutNotFoundError(
                 f"rollout {rollout_id} has no view serving row {v.serves} (its stat lists views)"
             )
-        frames = cls._assemble(rollout_id, fields)
+        frames = self._assemble(rollout_id, fields)
         if isinstance(frames, R3Error):
-            return frames
-        read.view_frames[v.serves] = frames
-        return read
+            raise frames
+        return self._decode(frames, rollout_id, a, b, layers)
 
     @staticmethod
     def _assemble(rollout_id: str, fields: dict[bytes, Any]) -> list[bytes] | R3Error:
@@ -318,6 +302,12 @@ class DirectReader:
         segments = sorted((int(f.split(b":")[1]), v) for f, v in fields.items() if f[:2] == b"s:")
         if any(not isinstance(v, bytes) for _, v in segments):
             return StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
+        planted = _context_in_segment(fields)
+        if planted is not None:  # decoded, it would read as a gap of -1 rows
+            return StoreError(
+                f"rollout {rollout_id}: the stored bytes of segment {planted} are damaged "
+                "(it holds a context frame, no rows)"
+            )
         frames: list[bytes] = [v for _, v in segments]
         stored = {f[2:].decode(): raw for f, raw in fields.items() if f[:2] == b"c:"}
         if not stored:
@@ -345,32 +335,6 @@ class DirectReader:
         except FrameError:  # damaged: the decode of the whole names the segment
             parts = []
         return [*parts, *frames]
-
-    def _decoded(
-        self,
-        rid: str,
-        got: _Read | R3Error,
-        start: int,
-        end: int | None,
-        layers: Sequence[int] | None,
-    ) -> tuple[Routing, dict[int, Routing]] | R3Error:
-        """The rollout's rows ``[start, end)`` of ``layers`` and its views' rows in that
-        range, by ``serves`` in order (what ``RoutingClient`` decodes from its reads)."""
-        if isinstance(got, R3Error):
-            return got
-        try:
-            base = self._decode(got.frames, rid, start, end, layers)
-            rows = {}
-            for v in got.views:
-                a, b = max(v.start, base.start), min(v.end, base.end)
-                frames = got.view_frames.get(v.serves)
-                if frames is None or a >= b:  # outside the range: no rows of it apply
-                    rows[v.serves] = Routing(base.indices[:0], base.num_experts, base.layer_ids, a)
-                else:
-                    rows[v.serves] = self._decode(frames, rid, a, b, layers)
-        except (FormatError, FrameError) as exc:
-            return exc
-        return base, rows
 
     def _decode(
         self,
@@ -403,9 +367,10 @@ class DirectReader:
 
         ``view``: ``"generated"`` (each position's first computation) or ``"latest"``
         (the rollout's views applied, as :meth:`RoutingClient.get` answers it): the
-        ``v:`` fields come with the ``HGETALL`` of each rollout, and the hashes of the
-        views overlapping ``[start, end)`` are read in one more round of the chunk, only
-        when some rollout of the chunk has one.  ``"exact"``: :meth:`get_served`.
+        ``v:`` fields come with the ``HGETALL`` of each rollout, and the hash of each
+        view overlapping ``[start, end)`` is read by the decode worker as it is applied,
+        one view at a time (the answer's declared size is checked against ``max_bytes``
+        first).  ``"exact"``: :meth:`get_served`.
 
         Decoding runs in ``workers`` threads (zstd and numpy release the GIL) while
         the next rollouts are fetched; at most ``2 * workers`` decoded rollouts wait.
@@ -415,11 +380,22 @@ class DirectReader:
         width = max(1, workers)
 
         def decode(rid: str, got: _Read | R3Error) -> Routing | R3Error:
-            res = self._decoded(rid, got, start, end, layers)
-            if isinstance(res, R3Error):
-                return res
-            base, rows = res
-            return overlay(base, list(rows.values()))  # by serves: later views win
+            if isinstance(got, R3Error):
+                return got
+            outside = _outside(rid, start, end, got.stored_end)
+            if outside is not None:  # as the service answers such a read: never -1 rows
+                return outside
+            try:
+                base = self._decode(got.frames, rid, start, end, layers)
+                return apply_views(  # by serves: later views win
+                    base,
+                    got.views,
+                    lambda v: self._view_rows(rid, v, base, layers),
+                    max_bytes=self.max_bytes,
+                    rollout_id=rid,
+                )
+            except R3Error as exc:
+                return exc
 
         with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
             pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
@@ -429,6 +405,10 @@ class DirectReader:
                     yield self._ready(pending.popleft(), return_errors)
             while pending:
                 yield self._ready(pending.popleft(), return_errors)
+
+    #: The most rollouts one window of :meth:`get_ranges`' reads names: their frames are
+    #: held until their last read of the window (a rollout is read once per window).
+    _range_window: int = 256
 
     def get_ranges(
         self,
@@ -443,16 +423,21 @@ class DirectReader:
         """``(rollout_id, Routing)`` for each ``(rollout_id, start, end)`` read, in order,
         as :meth:`RoutingClient.get_ranges` answers it (first computations).
 
-        Each rollout is read once (an ``HGETALL``: Redis cannot read part of a hash
-        field, so a rank fetches its rollouts' whole segments) and only the reads'
-        rows and ``layers`` are decoded.  A read outside the rollout's rows is answered
-        :class:`InvalidRequestError` naming them.
+        Each rollout is read whole (an ``HGETALL``: Redis cannot read part of a hash
+        field, so a rank fetches its rollouts' whole segments) once, and only the reads'
+        rows and ``layers`` are decoded.  What waits is bounded whatever the number of
+        reads or their order: at most ``2 * workers`` decoded (or decoding) reads, and
+        the frames of the rollouts of one window of reads (at most ``_range_window``,
+        256, rollouts, plus ``concurrency`` chunks fetched ahead), each let go once its
+        last read there is decoded.  A call naming more rollouts than that is taken in
+        windows, and a rollout named in several windows is read once in each.  A read
+        outside the rollout's rows is answered :class:`InvalidRequestError` naming them.
         """
         items = [(check_rollout_id(r), int(a), int(b)) for r, a, b in reads]
         for _, a, b in items:
             if a < 0 or b <= a:
                 raise ShapeError(f"token range [{a}, {b}) is empty or negative")
-        order = list(dict.fromkeys(r for r, _, _ in items))
+        order, last = self._range_windows(items, max(1, self._range_window))
         width = max(1, workers)
 
         def decode(rid: str, got: _Read | R3Error, a: int, b: int) -> Routing | R3Error:
@@ -467,21 +452,45 @@ class DirectReader:
             except (FormatError, FrameError) as exc:
                 return exc
 
-        with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
-            jobs: dict[int, Future[Routing | R3Error]] = {}
-            by_id: dict[str, list[int]] = {}
-            for n, (rid, _, _) in enumerate(items):
-                by_id.setdefault(rid, []).append(n)
-            done = 0
-            for rid, got in self._reads(order, None, chunk_size, concurrency):
-                for n in by_id[rid]:
-                    jobs[n] = pool.submit(decode, rid, got, items[n][1], items[n][2])
-                while done in jobs and (len(jobs) > 2 * width or jobs[done].done()):
-                    yield self._ready((items[done][0], jobs.pop(done)), return_errors)
-                    done += 1
-            while done < len(items):
-                yield self._ready((items[done][0], jobs.pop(done)), return_errors)
-                done += 1
+        fetched = self._reads(order, None, chunk_size, concurrency)
+        try:
+            with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
+                held: dict[str, _Read | R3Error] = {}  # rollouts with reads still to submit
+                pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
+                for n, (rid, a, b) in enumerate(items):
+                    if rid not in held:  # its first read in this window: the next fetched
+                        got_id, held[rid] = next(fetched)
+                        assert got_id == rid, (got_id, rid)
+                    got = held.pop(rid) if n in last else held[rid]
+                    pending.append((rid, pool.submit(decode, rid, got, a, b)))
+                    del got  # the job holds the frames; the last one drops them
+                    while len(pending) > 2 * width or (pending and pending[0][1].done()):
+                        yield self._ready(pending.popleft(), return_errors)
+                while pending:
+                    yield self._ready(pending.popleft(), return_errors)
+        finally:
+            del fetched  # the fetch generator's last reference: closed now, not with a traceback
+
+    @staticmethod
+    def _range_windows(
+        items: list[tuple[str, int, int]], window: int
+    ) -> tuple[list[str], set[int]]:
+        """:meth:`get_ranges`' reads cut into windows of at most ``window`` rollouts: the
+        rollouts to fetch, in order (each once per window it is named in, for its first
+        read there), and the reads that are their rollout's last in its window (its
+        frames are let go then)."""
+        order: list[str] = []
+        last: set[int] = set()
+        latest: dict[str, int] = {}  # this window's rollouts: their latest read so far
+        for n, (rid, _, _) in enumerate(items):
+            if rid not in latest:
+                if len(latest) >= window:
+                    last.update(latest.values())
+                    latest.clear()
+                order.append(rid)
+            latest[rid] = n
+        last.update(latest.values())
+        return order, last
 
     def get(
         self,
@@ -515,12 +524,21 @@ class DirectReader:
         policy = check_policy(view)
         span: _Span = None if policy == "generated" else (0, None)
         ((rid, got),) = self._reads([rollout_id], span, 1, 1)
-        res = self._decoded(rid, got, 0, None, layers)
-        if isinstance(res, R3Error):
-            raise res
-        base, rows = res
-        assert isinstance(got, _Read)
-        return served(base, got.views, base.end, rows, policy)  # base: every stored row
+        if isinstance(got, R3Error):
+            raise got
+        outside = _outside(rid, 0, None, got.stored_end)
+        if outside is not None:
+            raise outside
+        base = self._decode(got.frames, rid, 0, None, layers)
+        return served(  # base: every stored row
+            base,
+            got.views,
+            base.end,
+            lambda v: self._view_rows(rid, v, base, layers),
+            policy,
+            max_bytes=self.max_bytes,
+            rollout_id=rid,
+        )
 
     @staticmethod
     def _ready(item: tuple[str, Future[Routing | R3Error]], return_errors: bool) -> Result:
@@ -529,6 +547,16 @@ class DirectReader:
         if isinstance(res, R3Error) and not return_errors:
             raise res
         return rid, res
+
+
+def _context_in_segment(fields: dict[bytes, Any]) -> str | None:
+    """The rows (``"[a, b)"``) of the first segment field of a rollout hash that holds a
+    context frame (docs/format.md 6.3: read from the prefix), or None."""
+    for f, v in fields.items():
+        if f[:2] == b"s:" and is_context_frame(v):
+            _, a, b = f.decode().split(":")
+            return f"[{a}, {b})"
+    return None
 
 
 def _shared_refs(fields: dict[bytes, Any]) -> list[tuple[bytes, bytes]]:
@@ -543,10 +571,31 @@ def _view_info(field: bytes, raw: bytes) -> ViewInfo:
     return ViewInfo(int(field[2:]), int(a), int(b), str(version), int(nbytes))
 
 
-def _overlapping(read: _Read, span: _Span) -> list[ViewInfo]:
-    """The views of ``read`` whose rows overlap the base read's ``span``."""
-    if span is None:
-        return []
-    start, end = span
-    hi = read.stored_end if end is None else end
-    return [v for v in read.views if max(v.start, start) < min(v.end, hi)]
+def _outside(rid: str, start: int, end: int | None, stored_end: int) -> R3Error | None:
+    """The service's answer to a read of rows ``[start, end)`` outside a rollout's stored
+    rows ``[0, stored_end)`` (:class:`InvalidRequestError`), or None when it is inside."""
+    if end is None and start >= stored_end:
+        return InvalidRequestError(
+            f"start {start} is past the last stored row of rollout {rid} "
+            f"(it holds rows [0, {stored_end}))"
+        )
+    if end is not None and end > stored_end:
+        return InvalidRequestError(
+            f"token range [{start}, {end}) is outside rollout {rid}'s rows [0, {stored_end})"
+        )
+    return None
+
+
+@contextmanager
+def _redis_errors() -> Iterator[None]:
+    """redis-py's failures of a direct read as this library's errors."""
+    import redis.exceptions as rexc
+
+    try:
+        yield
+    except rexc.AuthenticationError as exc:
+        raise AuthError(f"Redis refused the read plan's credentials: {exc}") from None
+    except rexc.NoPermissionError as exc:
+        raise AuthError(f"Redis refused a direct read: {exc}") from None
+    except (rexc.ConnectionError, rexc.TimeoutError) as exc:
+        raise StoreUnavailableError(f"Redis is unreachable: {exc}") from None

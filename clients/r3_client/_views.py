@@ -21,21 +21,24 @@ Three read policies (docs/store.md, "Views"):
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from r3_client._answers import RolloutInfo, ViewInfo
-from r3_client._exceptions import InvalidRequestError, ShapeError
+from r3_client._exceptions import InvalidRequestError, LimitExceededError, StoreError
 from r3_client._routing import Routing
 
 __all__ = [
     "ServedRouting",
     "ViewPolicy",
+    "ViewRows",
     "applicable_views",
-    "overlay",
+    "apply_views",
+    "check_views_size",
     "served",
     "serving_views",
     "states_of",
@@ -122,48 +125,124 @@ def states_of(
     return out
 
 
+#: Reads one view's rows in the base read's range and layers (decoded; maybe no rows).
+ViewRows: TypeAlias = Callable[[ViewInfo], Routing]
+
+
 def served(
     base: Routing,
     views: Sequence[ViewInfo],
     num_rows: int,
-    rows: Mapping[int, Routing],
+    rows_of: ViewRows,
     policy: str,
+    *,
+    max_bytes: int,
+    rollout_id: str = "",
 ) -> list[ServedRouting]:
     """What ``get_served`` answers under ``policy``, whoever read the rows.
 
     ``base``: every row of the rollout (first computations); ``views``: its applicable
-    views (:func:`serving_views`); ``rows``: each view's rows, by ``serves``, in
-    ``base``'s range and layers.  ``exact``: one :class:`ServedRouting` per state, each
+    views (:func:`serving_views`); ``rows_of(v)``: view ``v``'s rows in ``base``'s range
+    and layers, read when needed.  ``exact``: one :class:`ServedRouting` per state, each
     with the views serving rows up to it applied; ``latest``: one, every view applied;
     ``generated``: one, none applied.
+
+    Bounded (:func:`check_views_size`): the answer's declared size is checked against
+    ``max_bytes`` before any view is read, and views are decoded and written one at a
+    time, so at most one view's rows are held beside the answer.
     """
     if policy == "exact":
         states = states_of(views, num_rows)
     else:
         states = [(0, base.end, tuple(views) if policy == "latest" else ())]
-    out = []
-    for a, b, applied in states:
-        routing = overlay(base, [rows[v.serves] for v in applied]).select(start=0, end=b)
+    kept = [b for i, (_, b, applied) in enumerate(states) if applied and i < len(states) - 1]
+    check_views_size(base, views if policy != "generated" else (), kept, max_bytes, rollout_id)
+    out: list[ServedRouting] = []
+    cur: npt.NDArray[Any] | None = None  # base's rows with the views so far written over
+    done = 0
+    for i, (a, b, applied) in enumerate(states):
+        for v in applied[done:]:  # each state applies the views of the one before, and more
+            cur = _write_view(base, base.indices if cur is None else cur, rows_of(v), v, rollout_id)
+        done = len(applied)
+        if cur is None:
+            routing = base.select(start=0, end=b)
+        else:
+            last = i == len(states) - 1
+            rows = cur[:b] if last else np.array(cur[:b], copy=True)  # cur changes after
+            rows.setflags(write=False)
+            routing = Routing(
+                rows, base.num_experts, base.layer_ids, 0, base.select(end=b).segments
+            )
         out.append(ServedRouting(a, b, routing, applied))
     return out
 
 
-def overlay(base: Routing, parts: Sequence[Routing]) -> Routing:
-    """``base`` with the rows of each of ``parts`` (in order, later wins) written over it.
-
-    Every part must have ``base``'s geometry; rows outside ``base``'s range are ignored.
-    """
-    if not parts:
+def apply_views(
+    base: Routing,
+    views: Sequence[ViewInfo],
+    rows_of: ViewRows,
+    *,
+    max_bytes: int,
+    rollout_id: str = "",
+) -> Routing:
+    """``base`` (any range and layers) with ``views`` written over it in order (later wins):
+    the ``latest`` policy.  Bounded like :func:`served`: one view's rows held at a time."""
+    if not views:
         return base
-    out = np.array(base.indices, copy=True)
-    for part in parts:
-        if part.layer_ids != base.layer_ids or part.num_experts != base.num_experts:
-            raise ShapeError(
-                f"a view holds layers {list(part.layer_ids)} of {part.num_experts} experts; "
-                f"the rollout holds {list(base.layer_ids)} of {base.num_experts}"
-            )
-        a, b = max(part.start, base.start), min(part.end, base.end)
-        if a < b:
-            out[a - base.start : b - base.start] = part.indices[a - part.start : b - part.start]
-    out.setflags(write=False)
-    return Routing(out, base.num_experts, base.layer_ids, base.start, base.segments)
+    check_views_size(base, views, [], max_bytes, rollout_id)
+    cur = base.indices
+    for v in views:
+        cur = _write_view(base, cur, rows_of(v), v, rollout_id)
+    cur.setflags(write=False)
+    return Routing(cur, base.num_experts, base.layer_ids, base.start, base.segments)
+
+
+def check_views_size(
+    base: Routing,
+    views: Sequence[ViewInfo],
+    kept: Sequence[int],
+    max_bytes: int,
+    rollout_id: str,
+) -> None:
+    """Refuse (:class:`LimitExceededError`) an answer with views over ``max_bytes``, from the
+    declared sizes alone (before any view is read): ``base``, one copy of it to write the
+    views over, the rows ``[0, b)`` of each earlier state kept (``kept``: their ends), and
+    the largest view's rows in ``base``'s range."""
+    if not views:
+        return
+    row = base.indices.itemsize * base.indices.shape[1] * base.indices.shape[2]
+    part = max(max(0, min(v.end, base.end) - max(v.start, base.start)) for v in views)
+    need = row * (2 * base.num_rows + sum(kept) + part)
+    if need > max_bytes:
+        who = f"rollout {rollout_id}" if rollout_id else "a rollout"
+        raise LimitExceededError(
+            f"{who} with {len(views)} views needs {need} bytes to answer with its views "
+            f"applied ({len(kept) + 1} routings of up to {base.num_rows} rows, one view at a "
+            f"time); this reader's limit is {max_bytes} (max_bytes): read fewer layers or "
+            "rows, or raise max_bytes"
+        )
+
+
+def _write_view(
+    base: Routing, cur: npt.NDArray[Any], part: Routing, v: ViewInfo, rollout_id: str
+) -> npt.NDArray[Any]:
+    """``cur`` (``base``'s rows; copied on the first write) with view ``v``'s rows ``part``
+    written over it, after checking the view's geometry is the rollout's."""
+    if (
+        part.num_experts != base.num_experts
+        or part.layer_ids != base.layer_ids
+        or part.indices.shape[1:] != base.indices.shape[1:]
+    ):
+        who = f"rollout {rollout_id}" if rollout_id else "the rollout"
+        raise StoreError(
+            f"the view serving row {v.serves} of {who} holds layers {list(part.layer_ids)} "
+            f"of {part.num_experts} experts, top-{part.indices.shape[-1]}; the rollout holds "
+            f"layers {list(base.layer_ids)} of {base.num_experts}, top-{base.indices.shape[-1]}: "
+            "its stored view is not the rollout's (damaged at rest)"
+        )
+    if cur is base.indices:
+        cur = np.array(cur, copy=True)
+    a, b = max(part.start, base.start), min(part.end, base.end)
+    if a < b:
+        cur[a - base.start : b - base.start] = part.indices[a - part.start : b - part.start]
+    return cur
