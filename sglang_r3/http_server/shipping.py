@@ -148,7 +148,8 @@ class Shipper:
         self._all_moe = shape.moe_layer_ids == tuple(range(shape.num_layers))
 
     async def continuation(self, rollout_id: str, *, gaps: bool = False) -> Continuation | None:
-        """The stored trajectory of ``rollout_id`` (None: new rollout).
+        """The stored trajectory of ``rollout_id`` (None: new rollout, or one that holds
+        views and no rows yet).
 
         A stored rollout must be one contiguous run ``[0, end)`` from this model's
         geometry; anything else is a 409, since appending to it would misalign rows.
@@ -178,15 +179,20 @@ class Shipper:
                 f"r3: rollout {rollout_id!r} is stored with (experts, top-k, layers)={geometry}, "
                 f"this model has {ours}",
             )
+        if not info.segments:
+            # Only views: an earlier call stored what it recomputed, then not its own rows
+            # (its ship failed). Nothing to continue: its retry starts the rollout, and its
+            # views replace those (a view serving no stored segment is not fixed).
+            return None
         segs = sorted(info.segments, key=lambda s: s.segment.start)
         covered = 0
         for s in segs:
             if s.segment.start != covered:
                 break
             covered = s.segment.end
-        if gaps and segs:
+        if gaps:
             segs = sorted(segs, key=lambda s: s.segment.end)
-        elif not segs or covered != info.num_rows:
+        elif covered != info.num_rows:
             metrics.CONFLICTS.inc()
             raise R3RequestError(
                 409, f"r3: rollout {rollout_id!r} has gaps in its stored rows; cannot continue it"

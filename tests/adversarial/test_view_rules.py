@@ -324,3 +324,30 @@ def test_latest_and_exact_within_max_bytes(backend: tuple[Service, Any], transpo
                 await ac.get_served(r)
 
     asyncio.run(async_reads())
+
+
+def test_engine_continues_a_rollout_that_holds_only_views(service_single: Service) -> None:
+    """A first call whose own rows failed to ship after its view was stored leaves a rollout
+    with a geometry and a view, no rows: the engine's retry starts it anew (its lookup
+    answers None, as for a new rollout) instead of refusing it for gaps."""
+    from types import SimpleNamespace
+
+    from sglang_r3.config import EngineConfig
+    from sglang_r3.http_server.shipping import Shipper
+    from sglang_r3.layers import moe_shape
+
+    shape = moe_shape(
+        SimpleNamespace(
+            num_hidden_layers=3, num_experts_per_tok=K, num_experts=E, model_type="qwen3_moe"
+        )
+    )
+    r = rid()
+    with RoutingClient(service_single.http_url, api_key=KEY_A) as c:
+        layers = tuple(shape.moe_layer_ids)
+        idx = synthetic_routing(30, len(layers), E, K, seed=2)
+        c.put(r, frame_for(idx, 0, layers=layers, version="v2"), view=30)
+        assert c.stat(r).num_rows == 0
+    shipper = Shipper(
+        EngineConfig(routing_cache=service_single.http_url, api_key=KEY_A), shape, "tiny"
+    )
+    assert asyncio.run(shipper.continuation(r)) is None
