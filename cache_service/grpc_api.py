@@ -207,6 +207,9 @@ class RoutingCacheServicer:
         async def run(ns: str, request: pb.BatchStatRequest) -> pb.BatchStatResponse:
             ids = list(request.rollout_ids)
             out = pb.BatchStatResponse()
+            # An id named again is the same answer: converted once (the service held the
+            # whole reply to its budget, so the copies are bounded).
+            stats: dict[int, pb.RolloutStat] = {}
             for rid, res in zip(ids, await self.service.batch_stat(ns, ids), strict=True):
                 if isinstance(res, R3Error):
                     err = pb.Error(
@@ -214,7 +217,9 @@ class RoutingCacheServicer:
                     )
                     out.items.append(pb.BatchStatItem(rollout_id=rid, error=err))
                 else:
-                    stat = _message(res, pb.RolloutStat)
+                    stat = stats.get(id(res))
+                    if stat is None:
+                        stat = stats[id(res)] = _message(res, pb.RolloutStat)
                     out.items.append(pb.BatchStatItem(rollout_id=rid, stat=stat))
             return out
 

@@ -9,11 +9,13 @@ HTTP and gRPC behave, and answer with bytes, identically.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from cache_service.errors import error_message
 from cache_service.metrics import Metrics
 from cache_service.settings import ServiceSettings
 from cache_service.store.segment_store import SegmentStore
@@ -25,7 +27,7 @@ from r3_client import (
     RolloutInfo,
     read_header,
 )
-from r3_client.wire import MAX_LAYER_ID, quote_items
+from r3_client.wire import MAX_LAYER_ID, quote_items, to_plain
 
 #: The largest row index a frame may end at (the codec refuses ``end > 2**40``).
 _MAX_ROWS = 1 << 40
@@ -77,14 +79,14 @@ _GROUP_RANGES = 8
 
 
 def _groups(
-    ids: Sequence[str], spans: list[tuple[int, int | None]], by_rollout: bool
+    ids: Sequence[str], spans: list[tuple[int, int | None]], by_rollout: bool, most: int
 ) -> Iterator[tuple[str, list[tuple[int, int | None]]]]:
     """The batch's items in order, consecutive ranges of one rollout grouped (up to
-    ``_GROUP_RANGES``) when ``by_rollout``; else one item per group."""
+    ``most``) when ``by_rollout``; else one item per group."""
     rid_prev: str | None = None
     parts: list[tuple[int, int | None]] = []
     for rid, span in zip(ids, spans, strict=True):
-        if parts and (not by_rollout or rid != rid_prev or len(parts) == _GROUP_RANGES):
+        if parts and (not by_rollout or rid != rid_prev or len(parts) >= most):
             assert rid_prev is not None
             yield rid_prev, parts
             parts = []
@@ -93,6 +95,53 @@ def _groups(
     if parts:
         assert rid_prev is not None
         yield rid_prev, parts
+
+
+#: What one batch-stat item adds around its id and its stat or error, at most, on either
+#: transport: the HTTP item's keys, nulls and separators (50 bytes; gRPC's field tags
+#: and lengths take fewer).
+_STAT_ITEM_FRAMING = 64
+
+
+def _stat_item_bytes(rollout_id: str, answer: RolloutInfo | R3Error) -> int:
+    """An upper bound on one batch-stat item's encoded size, the same for both transports.
+
+    Its compact ASCII JSON (HTTP sends the same JSON as UTF-8, never longer than its
+    ``\\u`` escapes) plus :data:`_STAT_ITEM_FRAMING`.  It bounds the protobuf form too:
+    every JSON field spells its name, quotes and separators where protobuf spends a
+    1-byte tag and a length, a decimal number is at least as long as its varint or
+    fixed 8-byte double with its key, and no field holds a negative integer (protobuf's
+    10-byte case).
+    """
+    if isinstance(answer, R3Error):
+        body: object = {"code": answer.code, "message": error_message(answer), "status": 599}
+    else:
+        body = to_plain(answer)
+    return len(json.dumps([rollout_id, body], separators=(",", ":"))) + _STAT_ITEM_FRAMING
+
+
+def _past_budget(ids: Sequence[str], at: int, size: int, spent: int, budget: int) -> list[R3Error]:
+    """The answers of items ``at`` onwards of a batch stat whose answer reached its budget:
+    each its own :class:`LimitExceededError`, saying where to ask again."""
+    where = "R3_CACHE_MAX_BATCH_STAT_BYTES); ask for the ids from item"
+    if spent:
+        return [
+            LimitExceededError(
+                f"not answered: this batch stat's answer reached {spent:,} bytes at item {at} "
+                f"(counting from 0), whose stat would take it past the {budget:,} it may hold "
+                f"({where} {at} on in another request"
+            )
+        ] * (len(ids) - at)
+    alone = LimitExceededError(  # the first item: its stat alone is over the budget
+        f"rollout {ids[at]}'s stat is {size:,} bytes, more than a batch stat's answer may "
+        f"hold ({budget:,} bytes, R3_CACHE_MAX_BATCH_STAT_BYTES): read it with its own stat "
+        "(GET /v1/rollouts/<id>/stat, gRPC StatRollout), and the ids after it in another request"
+    )
+    after = LimitExceededError(
+        f"not answered: item {at} (counting from 0) of this batch stat is more than its "
+        f"answer may hold ({budget:,} bytes, {where} {at + 1} on in another request"
+    )
+    return [alone, *[after] * (len(ids) - at - 1)]
 
 
 def _check_layer_subset(layers: Sequence[int] | None) -> None:
@@ -213,22 +262,58 @@ class RoutingService:
     ) -> list[RolloutInfo | R3Error]:
         """Each rollout's stat or the error it met, in request order: a driver checking a
         whole training step before dispatch (metadata only, no rows).  At most
-        ``batch_concurrency`` stats run at once; at most ``max_batch`` ids."""
+        ``max_batch`` ids.
+
+        An id named more than once is read once.  The answer is held to
+        ``max_batch_stat_bytes`` (each item measured by :func:`_stat_item_bytes`, an
+        upper bound on its size on either transport, so both cut at the same item):
+        items are answered in order until the next would pass it, and that item and
+        every later one are a :class:`LimitExceededError` saying where to resume.
+        Stats are read in request order, at most ``batch_concurrency`` ids ahead of
+        the item being answered, and none past the cut.
+        """
         if len(rollout_ids) > self.settings.max_batch:
             raise LimitExceededError(
                 f"batch of {len(rollout_ids)} rollouts; the limit is {self.settings.max_batch}"
             )
         store = self._ns(namespace)
-        gate = asyncio.Semaphore(self.settings.batch_concurrency)
+        budget = self.settings.max_batch_stat_bytes
 
-        async def one(rid: str) -> RolloutInfo | R3Error:
-            async with gate:
-                try:
-                    return await store.stat(rid)
-                except R3Error as exc:
-                    return exc
+        async def one(rid: str) -> tuple[RolloutInfo | R3Error, int]:
+            try:
+                res: RolloutInfo | R3Error = await store.stat(rid)
+            except R3Error as exc:
+                res = exc
+            return res, _stat_item_bytes(rid, res)
 
-        return list(await asyncio.gather(*(one(r) for r in rollout_ids)))
+        unread = iter(dict.fromkeys(rollout_ids))  # each id once, in order of first mention
+        window: deque[asyncio.Task[tuple[RolloutInfo | R3Error, int]]] = deque()
+
+        def launch() -> None:
+            rid = next(unread, None)
+            if rid is not None:
+                window.append(asyncio.ensure_future(one(rid)))
+
+        for _ in range(self.settings.batch_concurrency):
+            launch()
+        read: dict[str, tuple[RolloutInfo | R3Error, int]] = {}
+        out: list[RolloutInfo | R3Error] = []
+        spent = 0
+        try:
+            for i, rid in enumerate(rollout_ids):
+                if rid not in read:  # its first mention: the oldest read in flight
+                    read[rid] = await window.popleft()
+                    launch()
+                res, size = read[rid]
+                if spent + size > budget:
+                    out += _past_budget(rollout_ids, i, size, spent, budget)
+                    break
+                spent += size
+                out.append(res)
+        finally:
+            for task in window:  # past the cut (or the caller went away): not needed
+                task.cancel()
+        return out
 
     async def delete(self, namespace: str, rollout_id: str) -> bool:
         """Delete a rollout; True if it existed."""
@@ -293,29 +378,42 @@ class RoutingService:
             spans = [(a, b) for a, b in parts if b is not None]
             return await _bounded(view.get_frames(rid, spans, layers))
 
-        todo = _groups(rollout_ids, spans, ranges is not None)
-        window: deque[tuple[str, int, asyncio.Task[list[bytes | R3Error]]]] = deque()
+        # The read-ahead counts items (ranges), not reads: a group of k ranges takes k of
+        # the ``batch_concurrency`` slots, and a slot frees when the consumer takes its
+        # item.  Groups hold at most half the slots, so the next read overlaps the
+        # consumer's draining of the last one.
+        ahead = self.settings.batch_concurrency
+        most = max(1, min(_GROUP_RANGES, ahead // 2))
+        todo = _groups(rollout_ids, spans, ranges is not None, most)
+        window: deque[tuple[str, asyncio.Task[list[bytes | R3Error]]]] = deque()
+        nxt = next(todo, None)
+        held = 0  # items fetched or being fetched that the consumer has not taken
 
         def launch() -> None:
-            nxt = next(todo, None)
-            if nxt is not None:
+            nonlocal nxt, held
+            while nxt is not None and held + len(nxt[1]) <= ahead:
                 rid, parts = nxt
-                window.append((rid, len(parts), asyncio.ensure_future(group(rid, parts))))
+                held += len(parts)
+                window.append((rid, asyncio.ensure_future(group(rid, parts))))
+                nxt = next(todo, None)
 
-        for _ in range(self.settings.batch_concurrency):
-            launch()
+        launch()
         try:
             while window:
-                rid, _, task = window.popleft()
+                rid, task = window.popleft()
                 results = await task
-                launch()
-                for result in results:
+                del task  # it holds ``results`` too: they are let go one by one below
+                results.reverse()
+                while results:
+                    result = results.pop()  # the consumer's now: its slot is free
+                    held -= 1
+                    launch()
                     self.metrics.batch_items.labels(
                         "ok" if isinstance(result, bytes) else result.code
                     ).inc()
                     yield rid, result
         finally:
-            for _, _, task in window:  # the consumer went away: stop fetching
+            for _, task in window:  # the consumer went away: stop fetching
                 task.cancel()
 
     async def ready(self) -> bool:

@@ -117,9 +117,18 @@ class ServiceSettings(BaseSettings):
     )
     max_batch: int = Field(default=1024, ge=1)
     batch_concurrency: int = Field(default=8, ge=1, le=256)
+    max_batch_stat_bytes: int = Field(
+        default=16 << 20,
+        ge=1024,
+        description="bytes one batch stat's answer may hold; the items past it are "
+        "answered limit_exceeded (ask for them in another request)",
+    )
     default_ttl_s: int = Field(default=24 * 3600, ge=0)
     key_prefix: str = "r3"
     max_segments: int = Field(default=4096, ge=1)
+    max_views: int = Field(
+        default=256, ge=0, description="views (recomputed rows) one rollout may hold"
+    )
     redis_max_connections: int = Field(default=64, ge=1)
     dedupe: bool = True
     durability: Literal["ack", "replicas", "fsync"] = "ack"
@@ -248,6 +257,7 @@ class ServiceSettings(BaseSettings):
             max_rollout_rows=self.max_rollout_rows,
             max_rollout_gap_rows=self.max_rollout_gap_rows,
             max_rollout_bytes=self.max_rollout_bytes,
+            max_views=self.max_views,
         )
 
 

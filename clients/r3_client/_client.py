@@ -238,17 +238,25 @@ class RoutingClient:
     ) -> list[RolloutInfo | R3Error]:
         """Each rollout's :class:`RolloutInfo` or the error its :meth:`stat` would raise,
         in order: one request per ``chunk_size`` ids (the service's ``max_batch`` is 1,024
-        by default), metadata only.  What a driver checks a step with before dispatch
-        (:func:`r3_client.rank_local.check_step`)."""
+        by default), metadata only.  Ids past the service's reply budget for one batch stat
+        (``R3_CACHE_MAX_BATCH_STAT_BYTES``) are asked for again in the next request.  What a
+        driver checks a step with before dispatch (:func:`r3_client.rank_local.check_step`)."""
         out: list[RolloutInfo | R3Error] = []
         for chunk in self._core.chunks(rollout_ids, chunk_size):
-            try:
-                got = self._retrying(functools.partial(self._t.stat_many, chunk))
-            except R3Error as exc:
-                if not self._core.no_batch_stat(exc):
-                    raise
-                got = [(rid, self._stat_or_error(rid)) for rid in chunk]  # an older service
-            out += self._core.stats(chunk, got)
+            while chunk:  # until the service's reply budget has answered every id
+                try:
+                    got = self._retrying(functools.partial(self._t.stat_many, chunk))
+                except R3Error as exc:
+                    if not self._core.no_batch_stat(exc):
+                        raise
+                    got = [(rid, self._stat_or_error(rid)) for rid in chunk]  # an older service
+                res = self._core.stats(chunk, got)
+                n = self._core.answered(res)
+                out += res[:n]
+                if n == 0:  # one stat over the batch budget alone: asked for by itself
+                    out += self._core.stats(chunk[:1], [(chunk[0], self._stat_or_error(chunk[0]))])
+                    n = 1
+                chunk = chunk[n:]
         return out
 
     def _stat_or_error(self, rollout_id: str) -> dict[str, Any] | R3Error:
@@ -615,13 +623,20 @@ class AsyncRoutingClient:
         """See :meth:`RoutingClient.stat_many`."""
         out: list[RolloutInfo | R3Error] = []
         for chunk in self._core.chunks(rollout_ids, chunk_size):
-            try:
-                got = await self._retrying(functools.partial(self._t.stat_many, chunk))
-            except R3Error as exc:
-                if not self._core.no_batch_stat(exc):
-                    raise
-                got = list(await asyncio.gather(*(self._stat_or_error(r) for r in chunk)))
-            out += self._core.stats(chunk, got)
+            while chunk:  # until the service's reply budget has answered every id
+                try:
+                    got = await self._retrying(functools.partial(self._t.stat_many, chunk))
+                except R3Error as exc:
+                    if not self._core.no_batch_stat(exc):
+                        raise
+                    got = list(await asyncio.gather(*(self._stat_or_error(r) for r in chunk)))
+                res = self._core.stats(chunk, got)
+                n = self._core.answered(res)
+                out += res[:n]
+                if n == 0:  # one stat over the batch budget alone: asked for by itself
+                    out += self._core.stats(chunk[:1], [await self._stat_or_error(chunk[0])])
+                    n = 1
+                chunk = chunk[n:]
         return out
 
     async def _stat_or_error(self, rollout_id: str) -> tuple[str, dict[str, Any] | R3Error]:

@@ -19,6 +19,7 @@ from r3_client._exceptions import (
     ConnectError,
     FormatError,
     FrameError,
+    LimitExceededError,
     ProtocolError,
     R3Error,
     RequestTimeoutError,
@@ -162,6 +163,16 @@ class ClientCore:
         if [rid for rid, _ in got] != list(asked):
             raise ProtocolError("batch stat answered other ids than it was asked")
         return [r if isinstance(r, R3Error) else RolloutInfo.from_dict(r) for _, r in got]
+
+    @staticmethod
+    def answered(results: Sequence[RolloutInfo | R3Error]) -> int:
+        """How many of a batch stat's ``results`` the service answered before its reply
+        budget cut the batch (``R3_CACHE_MAX_BATCH_STAT_BYTES``: every item from the cut
+        on is a :class:`LimitExceededError`, to be asked for again)."""
+        for i, r in enumerate(results):
+            if isinstance(r, LimitExceededError):
+                return i
+        return len(results)
 
     @staticmethod
     def chunks(ids: Sequence[str], size: int) -> list[list[str]]:
