@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -206,22 +207,30 @@ class RoutingCacheServicer:
 
         async def run(ns: str, request: pb.BatchStatRequest) -> pb.BatchStatResponse:
             ids = list(request.rollout_ids)
-            out = pb.BatchStatResponse()
-            # An id named again is the same answer: converted once (the service held the
-            # whole reply to its budget, so the copies are bounded).
-            stats: dict[int, pb.RolloutStat] = {}
-            for rid, res in zip(ids, await self.service.batch_stat(ns, ids), strict=True):
-                if isinstance(res, R3Error):
-                    err = pb.Error(
-                        code=res.code, message=error_message(res), http_status=status_for(res).http
-                    )
-                    out.items.append(pb.BatchStatItem(rollout_id=rid, error=err))
-                else:
-                    stat = stats.get(id(res))
-                    if stat is None:
-                        stat = stats[id(res)] = _message(res, pb.RolloutStat)
-                    out.items.append(pb.BatchStatItem(rollout_id=rid, stat=stat))
-            return out
+            results = await self.service.batch_stat(ns, ids)
+
+            def convert() -> pb.BatchStatResponse:
+                out = pb.BatchStatResponse()
+                # An id named again is the same answer: converted once (the service held
+                # the whole reply to its budget, so the copies are bounded).
+                stats: dict[int, pb.RolloutStat] = {}
+                for rid, res in zip(ids, results, strict=True):
+                    if isinstance(res, R3Error):
+                        status = status_for(res).http
+                        err = pb.Error(
+                            code=res.code, message=error_message(res), http_status=status
+                        )
+                        out.items.append(pb.BatchStatItem(rollout_id=rid, error=err))
+                    else:
+                        stat = stats.get(id(res))
+                        if stat is None:
+                            stat = stats[id(res)] = _message(res, pb.RolloutStat)
+                        out.items.append(pb.BatchStatItem(rollout_id=rid, stat=stat))
+                return out
+
+            # A worker thread: on the event loop, converting up to MAX_BATCH_STAT_BYTES
+            # would hold every other call up for as long.
+            return await asyncio.to_thread(convert)
 
         return await self._call("BatchStat", pb.BatchStatRequest, context, run)
 

@@ -118,7 +118,7 @@ class ServiceSettings(BaseSettings):
     max_batch: int = Field(default=1024, ge=1)
     batch_concurrency: int = Field(default=8, ge=1, le=256)
     max_batch_stat_bytes: int = Field(
-        default=16 << 20,
+        default=4 << 20,
         ge=1024,
         description="bytes one batch stat's answer may hold; the items past it are "
         "answered limit_exceeded (ask for them in another request)",
