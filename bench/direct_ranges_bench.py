@@ -40,24 +40,10 @@ from cache_service.redis_proc import RedisProcess, free_port  # noqa: E402
 from r3_client import DirectReader, Routing  # noqa: E402
 from r3_client.synthetic import synthetic_routing  # noqa: E402
 from tests.support.frames import LAYERS, E, K, frame_for, rid  # noqa: E402
+from tests.support.memory import reset_peak, rss_mib  # noqa: E402
 from tests.support.service_process import DIRECT_READS, KEY_A, Service, start_service  # noqa: E402
 
 MIB = 1 << 20
-
-
-def rss_mib() -> tuple[float, float]:
-    """(VmRSS, VmHWM) of this process in MiB."""
-    got = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            got[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return got["VmRSS"], got["VmHWM"]
-
-
-def reset_peak() -> float:
-    """Reset VmHWM to the current RSS (Linux ``clear_refs`` 5); the RSS then."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return rss_mib()[0]
 
 
 def reads_of(key: str, n: int, rows: int, span: int) -> list[tuple[str, int, int]]:

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -50,6 +50,7 @@ from r3_client import Segment, encode_frame  # noqa: E402
 from r3_client.synthetic import synthetic_routing  # noqa: E402
 from r3_client.wire import r3_cache_pb2 as pb  # noqa: E402
 from tests.support.service_process import KEY_A, KEY_B, Service, grpc_md, start_service  # noqa: E402
+from tests.support.stalled_reader import STALL  # noqa: E402
 
 CONCURRENCY = 8  # the service's default BATCH_CONCURRENCY
 UNBUDGETED = 1 << 30
@@ -223,43 +224,14 @@ def _request(r: str, n: int, rows: int, mode: str) -> dict[str, object]:
     return {"rollout_ids": [r] * n, "start": BLOCK, "end": rows}
 
 
-def _stall_http(svc: Service, body: dict[str, object], item: int, hold: float) -> None:
-    with _client(svc) as c, c.stream("POST", "/v1/batch/get", json=body) as resp:
-        resp.raise_for_status()
-        chunks, got = resp.iter_raw(), 0  # held: a dropped iterator closes the connection
-        while got < item:  # until the first item is in
-            got += len(next(chunks))
-        time.sleep(hold)
-
-
-def _stall_grpc(svc: Service, body: dict[str, object], item: int, hold: float) -> None:
-    ranges = body.get("ranges") or []
-    request = pb.BatchGetRequest(
-        rollout_ids=body["rollout_ids"],  # type: ignore[arg-type]
-        ranges=[pb.RowRange(start=a, end=b) for a, b in ranges],  # type: ignore[attr-defined]
-        start=int(body.get("start", 0)),  # type: ignore[call-overload]
-        end=body.get("end"),  # type: ignore[arg-type]
-    )
-    stream = svc.stub().BatchGet(request, metadata=grpc_md())
-    try:
-        next(stream)
-        time.sleep(hold)
-    finally:
-        stream.cancel()
-
-
 def _bench_read_ahead(args: argparse.Namespace) -> list[list[str]]:
     out: list[list[str]] = []
-    stall: dict[str, Callable[[Service, dict[str, object], int, float], None]] = {
-        "http": _stall_http,
-        "grpc": _stall_grpc,
-    }
     env = {
         "R3_CACHE_MAX_BODY_BYTES": str((args.blocks * 3) << 20),
         "R3_CACHE_MAX_TOKENS_PER_SEGMENT": str(1 << 20),
     }
     with _redis() as redis_proc:
-        for transport, fn in stall.items():
+        for transport, fn in STALL.items():
             for mode in ("ranges", "start/end"):
                 with _service(redis_proc.url, env) as svc:  # a fresh one: its RSS is its own
                     r, rows, stored = _big_rollout(svc, args.blocks)

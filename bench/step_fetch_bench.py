@@ -55,25 +55,11 @@ from r3_client.layouts import VerlRank, verl_layout, verl_rank_plan  # noqa: E40
 from r3_client.rank_local import check_step, fetch_verl_rank_slice, prefetched  # noqa: E402
 from r3_client.synthetic import synthetic_routing  # noqa: E402
 from tests.support.counting import Counting  # noqa: E402
+from tests.support.memory import reset_peak, rss_mib  # noqa: E402
 from tests.support.service_process import KEY_A, start_service  # noqa: E402
 
 LAYERS, E, K = 48, 128, 8  # Qwen3-30B-A3B
 BASES = 8  # distinct synthetic rollouts per distribution; the others relabel their experts
-
-
-def rss_mib() -> tuple[float, float]:
-    """(VmRSS, VmHWM) of this process in MiB."""
-    got = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            got[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return got["VmRSS"], got["VmHWM"]
-
-
-def reset_peak() -> float:
-    """Reset VmHWM to the current RSS (Linux ``clear_refs`` 5); the RSS then."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return rss_mib()[0]
 
 
 def peak_growth(before: float) -> float:

@@ -32,6 +32,7 @@ from r3_client._proto import r3_cache_pb2 as pb
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import LAYERS, frame_for, rid
 from tests.support.service_process import KEY_A, Service, grpc_md, start_service
+from tests.support.stalled_reader import STALL
 
 # ---- batch stat -------------------------------------------------------------------------------
 BUDGET = 4 << 20  # the stat service's MAX_BATCH_STAT_BYTES
@@ -235,37 +236,6 @@ def _request(r: str, n: int, by_range: bool) -> dict[str, object]:
     if by_range:
         return {"rollout_ids": [r] * n, "ranges": [list(s) for s in _ranges(n)]}
     return {"rollout_ids": [r] * n, "start": BLOCK, "end": ROWS}
-
-
-def _stall_http(svc: Service, body: dict[str, object], item: int, hold_s: float) -> None:
-    with svc.http() as c, c.stream("POST", "/v1/batch/get", json=body) as resp:
-        assert resp.status_code == 200
-        # Held, not dropped: a dropped iterator closes the connection (a reader gone, not
-        # a reader stalled), and the service stops fetching.
-        chunks, got = resp.iter_raw(), 0
-        while got < item:  # until the first item is in
-            got += len(next(chunks))
-        time.sleep(hold_s)
-
-
-def _stall_grpc(svc: Service, body: dict[str, object], item: int, hold_s: float) -> None:
-    ranges = body.get("ranges") or []
-    request = pb.BatchGetRequest(
-        rollout_ids=body["rollout_ids"],  # type: ignore[arg-type]
-        ranges=[pb.RowRange(start=a, end=b) for a, b in ranges],  # type: ignore[attr-defined]
-        start=int(body.get("start", 0)),  # type: ignore[call-overload]
-        end=body.get("end"),  # type: ignore[arg-type]
-    )
-    stream = svc.stub().BatchGet(request, metadata=grpc_md())
-    try:
-        first = next(stream)
-        assert first.WhichOneof("result") == "frame", first.error
-        time.sleep(hold_s)
-    finally:
-        stream.cancel()
-
-
-STALL = {"http": _stall_http, "grpc": _stall_grpc}
 
 
 def test_ranged_batch_read_ahead_is_bounded_in_items_for_a_stalled_reader(
