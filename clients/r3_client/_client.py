@@ -51,8 +51,10 @@ from r3_client._views import (
     ViewPolicy,
     applicable_views,
     apply_views,
+    arun_steps,
     check_policy,
     one_routing_policy,
+    run_steps,
     served,
 )
 from r3_client.codec import MAX_DECODED_BYTES, CodecName
@@ -182,13 +184,8 @@ class RoutingClient:
     def _latest(self, rollout_id: str, base: Routing, layers: Sequence[int] | None) -> Routing:
         """``base`` with the rollout's views applied (policy ``latest``)."""
         views = applicable_views(self.stat(rollout_id))
-        return apply_views(
-            base,
-            views,
-            lambda v: self._view_rows(rollout_id, v, base, layers),
-            max_bytes=self._core.max_bytes,
-            rollout_id=rollout_id,
-        )
+        steps = apply_views(base, views, max_bytes=self._core.max_bytes, rollout_id=rollout_id)
+        return run_steps(steps, lambda v: self._view_rows(rollout_id, v, base, layers))
 
     def _view_rows(
         self, rollout_id: str, v: ViewInfo, base: Routing, layers: Sequence[int] | None
@@ -218,15 +215,16 @@ class RoutingClient:
         policy = check_policy(view)
         info = self.stat(rollout_id)
         base = self.get(rollout_id, layers=layers)
-        return served(
+        views = applicable_views(info)
+        steps = served(
             base,
-            applicable_views(info),
+            views,
             info.num_rows,
-            lambda v: self._view_rows(rollout_id, v, base, layers),
             policy,
             max_bytes=self._core.max_bytes,
             rollout_id=rollout_id,
         )
+        return run_steps(steps, lambda v: self._view_rows(rollout_id, v, base, layers))
 
     def stat(self, rollout_id: str) -> RolloutInfo:
         """What is stored for the rollout (no rows)."""
@@ -554,32 +552,8 @@ class AsyncRoutingClient:
     ) -> Routing:
         """See :meth:`RoutingClient._latest`."""
         views = applicable_views(await self.stat(rollout_id))
-        if not views:
-            return base
-        rows_of = self._rows_in_thread(rollout_id, base, layers)
-        return await asyncio.to_thread(
-            apply_views,
-            base,
-            views,
-            rows_of,
-            max_bytes=self._core.max_bytes,
-            rollout_id=rollout_id,
-        )
-
-    def _rows_in_thread(
-        self, rollout_id: str, base: Routing, layers: Sequence[int] | None
-    ) -> Callable[[ViewInfo], Routing]:
-        """A view's rows read by :meth:`_view_rows` on this event loop, for a worker thread
-        that writes views over ``base`` one at a time (never every view held at once)."""
-        loop = asyncio.get_running_loop()
-
-        def rows_of(v: ViewInfo) -> Routing:
-            fut = asyncio.run_coroutine_threadsafe(
-                self._view_rows(rollout_id, v, base, layers), loop
-            )
-            return fut.result()
-
-        return rows_of
+        steps = apply_views(base, views, max_bytes=self._core.max_bytes, rollout_id=rollout_id)
+        return await arun_steps(steps, lambda v: self._view_rows(rollout_id, v, base, layers))
 
     async def _view_rows(
         self, rollout_id: str, v: ViewInfo, base: Routing, layers: Sequence[int] | None
@@ -601,16 +575,16 @@ class AsyncRoutingClient:
         policy = check_policy(view)
         info = await self.stat(rollout_id)
         base = await self.get(rollout_id, layers=layers)
-        return await asyncio.to_thread(
-            served,
+        views = applicable_views(info)
+        steps = served(
             base,
-            applicable_views(info),
+            views,
             info.num_rows,
-            self._rows_in_thread(rollout_id, base, layers),
             policy,
             max_bytes=self._core.max_bytes,
             rollout_id=rollout_id,
         )
+        return await arun_steps(steps, lambda v: self._view_rows(rollout_id, v, base, layers))
 
     async def stat(self, rollout_id: str) -> RolloutInfo:
         """See :meth:`RoutingClient.stat`."""

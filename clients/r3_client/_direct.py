@@ -51,6 +51,7 @@ from r3_client._views import (
     apply_views,
     check_policy,
     one_routing_policy,
+    run_steps,
     served,
     serving_views,
 )
@@ -387,13 +388,8 @@ class DirectReader:
                 return outside
             try:
                 base = self._decode(got.frames, rid, start, end, layers)
-                return apply_views(  # by serves: later views win
-                    base,
-                    got.views,
-                    lambda v: self._view_rows(rid, v, base, layers),
-                    max_bytes=self.max_bytes,
-                    rollout_id=rid,
-                )
+                steps = apply_views(base, got.views, max_bytes=self.max_bytes, rollout_id=rid)
+                return run_steps(steps, lambda v: self._view_rows(rid, v, base, layers))
             except R3Error as exc:
                 return exc
 
@@ -530,15 +526,9 @@ class DirectReader:
         if outside is not None:
             raise outside
         base = self._decode(got.frames, rid, 0, None, layers)
-        return served(  # base: every stored row
-            base,
-            got.views,
-            base.end,
-            lambda v: self._view_rows(rid, v, base, layers),
-            policy,
-            max_bytes=self.max_bytes,
-            rollout_id=rid,
-        )
+        # base: every stored row
+        steps = served(base, got.views, base.end, policy, max_bytes=self.max_bytes, rollout_id=rid)
+        return run_steps(steps, lambda v: self._view_rows(rid, v, base, layers))
 
     @staticmethod
     def _ready(item: tuple[str, Future[Routing | R3Error]], return_errors: bool) -> Result:

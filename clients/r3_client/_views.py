@@ -21,9 +21,9 @@ Three read policies (docs/store.md, "Views"):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -34,15 +34,20 @@ from r3_client._routing import Routing
 
 __all__ = [
     "ServedRouting",
+    "Steps",
     "ViewPolicy",
     "ViewRows",
     "applicable_views",
     "apply_views",
+    "arun_steps",
     "check_views_size",
+    "run_steps",
     "served",
     "serving_views",
     "states_of",
 ]
+
+T = TypeVar("T")
 
 #: How a read resolves positions the engine computed more than once.
 ViewPolicy: TypeAlias = Literal["generated", "latest", "exact"]
@@ -127,29 +132,52 @@ def states_of(
 
 #: Reads one view's rows in the base read's range and layers (decoded; maybe no rows).
 ViewRows: TypeAlias = Callable[[ViewInfo], Routing]
+#: A resolution that asks for one view's rows at a time (it yields the view, and is sent
+#: the view's rows in the base read's range and layers) and returns its answer: the one
+#: logic behind the sync readers (:func:`run_steps`) and the async one (:func:`arun_steps`).
+Steps: TypeAlias = Generator[ViewInfo, Routing, T]
+
+
+def run_steps(steps: Steps[T], rows_of: ViewRows) -> T:
+    """Drive ``steps``, reading each view it asks for with ``rows_of``; its answer."""
+    try:
+        v = next(steps)
+        while True:
+            v = steps.send(rows_of(v))
+    except StopIteration as done:
+        return cast(T, done.value)
+
+
+async def arun_steps(steps: Steps[T], rows_of: Callable[[ViewInfo], Awaitable[Routing]]) -> T:
+    """:func:`run_steps` with an async reader of views."""
+    try:
+        v = next(steps)
+        while True:
+            v = steps.send(await rows_of(v))
+    except StopIteration as done:
+        return cast(T, done.value)
 
 
 def served(
     base: Routing,
     views: Sequence[ViewInfo],
     num_rows: int,
-    rows_of: ViewRows,
     policy: str,
     *,
     max_bytes: int,
     rollout_id: str = "",
-) -> list[ServedRouting]:
-    """What ``get_served`` answers under ``policy``, whoever read the rows.
+) -> Steps[list[ServedRouting]]:
+    """What ``get_served`` answers under ``policy``, whoever reads the rows (as
+    :data:`Steps`: it asks for each view's rows when it applies them).
 
     ``base``: every row of the rollout (first computations); ``views``: its applicable
-    views (:func:`serving_views`); ``rows_of(v)``: view ``v``'s rows in ``base``'s range
-    and layers, read when needed.  ``exact``: one :class:`ServedRouting` per state, each
+    views (:func:`serving_views`).  ``exact``: one :class:`ServedRouting` per state, each
     with the views serving rows up to it applied; ``latest``: one, every view applied;
     ``generated``: one, none applied.
 
     Bounded (:func:`check_views_size`): the answer's declared size is checked against
-    ``max_bytes`` before any view is read, and views are decoded and written one at a
-    time, so at most one view's rows are held beside the answer.
+    ``max_bytes`` before any view is read, and views are read and written one at a time,
+    so at most one view's rows are held beside the answer.
     """
     if policy == "exact":
         states = states_of(views, num_rows)
@@ -162,7 +190,8 @@ def served(
     done = 0
     for i, (a, b, applied) in enumerate(states):
         for v in applied[done:]:  # each state applies the views of the one before, and more
-            cur = _write_view(base, base.indices if cur is None else cur, rows_of(v), v, rollout_id)
+            part = yield v
+            cur = _write_view(base, base.indices if cur is None else cur, part, v, rollout_id)
         done = len(applied)
         if cur is None:
             routing = base.select(start=0, end=b)
@@ -180,19 +209,20 @@ def served(
 def apply_views(
     base: Routing,
     views: Sequence[ViewInfo],
-    rows_of: ViewRows,
     *,
     max_bytes: int,
     rollout_id: str = "",
-) -> Routing:
+) -> Steps[Routing]:
     """``base`` (any range and layers) with ``views`` written over it in order (later wins):
-    the ``latest`` policy.  Bounded like :func:`served`: one view's rows held at a time."""
+    the ``latest`` policy, as :data:`Steps`.  Bounded like :func:`served`: one view's rows
+    held at a time."""
     if not views:
         return base
     check_views_size(base, views, [], max_bytes, rollout_id)
     cur = base.indices
     for v in views:
-        cur = _write_view(base, cur, rows_of(v), v, rollout_id)
+        part = yield v
+        cur = _write_view(base, cur, part, v, rollout_id)
     cur.setflags(write=False)
     return Routing(cur, base.num_experts, base.layer_ids, base.start, base.segments)
 
