@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from r3_client import Routing, Segment, ViewInfo
-from r3_client._views import ServedRouting, served
+from r3_client._views import ServedRouting, run_steps, served
 from r3_client.layouts import hf_layout
 from r3_client.replay import (
     ReplayError,
@@ -262,13 +262,18 @@ def served_states(
     base = Routing.from_array(first, num_experts=E, layer_ids=layers)
     segments = (Segment(0, serves or S - 1, "tiny", "v1"),)
     if serves is None:
-        return ids, served(base, [], S - 1, {}, "exact")
+        return ids, run_steps(served(base, [], S - 1, "exact", max_bytes=1 << 30), _no_view)
     segments += (Segment(serves, S - 1, "tiny", "v2"),)
     base = Routing(base.indices, E, base.layer_ids, 0, segments)
     again = random_routing(len(layers), seed=seed + 10)[0, 2:serves].numpy().astype(np.int16)
     rows = Routing.from_array(again, num_experts=E, layer_ids=layers, start=2)
     view = ViewInfo(serves, 2, serves, "v2", 0)
-    return ids, served(base, [view], S - 1, {serves: rows}, "exact")
+    steps = served(base, [view], S - 1, "exact", max_bytes=1 << 30)
+    return ids, run_steps(steps, lambda v: rows)
+
+
+def _no_view(v: ViewInfo) -> Routing:
+    raise AssertionError(f"no view to read, asked for {v}")
 
 
 def plain_logprobs(model: Any, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
