@@ -439,10 +439,9 @@ class DirectReader:
         def decode(rid: str, got: _Read | R3Error, a: int, b: int) -> Routing | R3Error:
             if isinstance(got, R3Error):
                 return got
-            if b > got.stored_end:  # as the service answers such a read
-                return InvalidRequestError(
-                    f"token range [{a}, {b}) is outside rollout {rid}'s rows [0, {got.stored_end})"
-                )
+            outside = _outside(rid, a, b, got.stored_end)
+            if outside is not None:  # as the service answers such a read
+                return outside
             try:
                 return self._decode(got.frames, rid, a, b, layers)
             except (FormatError, FrameError) as exc:
