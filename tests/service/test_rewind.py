@@ -65,7 +65,9 @@ def test_rewind_keeps_the_store_accounts_and_shared_prompts(service_single: Serv
     async def run() -> None:
         async with AsyncRoutingClient(service_single.http_url, api_key=KEY_A) as c:
             for r in (a, b):
-                await c.put(r, frame_for(TRAJ[:60], 0))  # digest: stored once, shared
+                # digest: stored once, shared; a fresh weight version gives a fresh share key
+                # (a session-wide blob of another test's [0, 60) would differ and not share)
+                await c.put(r, frame_for(TRAJ[:60], 0, version=a))
                 await c.put(r, frame_for(TRAJ[60:90], 60, digest=False))
             before = await c.stat(a)
             assert before.shared_bytes > 0 and len(before.segments) == 2
