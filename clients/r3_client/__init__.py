@@ -75,6 +75,7 @@ from r3_client.codec import (
     slice_frame,
     split_frames,
 )
+from r3_client.expansion import Expansion, SampleState, expand_infos, expand_states
 
 if TYPE_CHECKING:
     from r3_client._client import AsyncRoutingClient, RoutingClient
@@ -103,6 +104,7 @@ __all__ = [
     "Context",
     "DirectReader",
     "DuplicateExpertError",
+    "Expansion",
     "ExpertIdError",
     "FormatError",
     "Frame",
@@ -122,6 +124,7 @@ __all__ = [
     "RolloutNotFoundError",
     "Routing",
     "RoutingClient",
+    "SampleState",
     "Segment",
     "SegmentConflictError",
     "SegmentInfo",
@@ -144,6 +147,8 @@ __all__ = [
     "decode_rollout",
     "encode_context",
     "encode_frame",
+    "expand_infos",
+    "expand_states",
     "index_dtype",
     "read_header",
     "slice_frame",

@@ -47,6 +47,7 @@ from r3_client._transports import (
     Transport,
 )
 from r3_client._views import (
+    RangeRead,
     ServedRouting,
     ViewPolicy,
     applicable_views,
@@ -54,6 +55,9 @@ from r3_client._views import (
     arun_steps,
     check_policy,
     one_routing_policy,
+    overlapping,
+    ranged_reads,
+    read_views,
     run_steps,
     served,
 )
@@ -344,37 +348,91 @@ class RoutingClient:
 
     def get_ranges(
         self,
-        reads: Sequence[tuple[str, int, int]],
+        reads: Sequence[RangeRead],
         *,
         layers: Sequence[int] | None = None,
+        view: ViewPolicy = "exact",
         chunk_size: int = 64,
         return_errors: bool = False,
         decode_workers: int = 2,
     ) -> Iterator[Result]:
-        """``(rollout_id, Routing)`` for each ``(rollout_id, start, end)`` read, in order:
-        rows ``[start, end)`` of absolute MoE ``layers``, as :meth:`get` answers each.
+        """``(rollout_id, Routing)`` for each ``(rollout_id, start, end[, state])`` read, in
+        order: rows ``[start, end)`` of absolute MoE ``layers``.
 
         A training rank's fetch (:mod:`r3_client.rank_local`): the service cuts each
         item to the blocks and layer groups of its range, so the rank receives about
         its share of the stored bytes, and a rollout may be named once per range it
         needs.  One batch request per ``chunk_size`` reads, retried and decoded as
-        :meth:`get_many` (first computations: ``generated``).  A read outside the
-        rollout's rows is answered :class:`InvalidRequestError` naming them.
+        :meth:`get_many`.  A read outside the rollout's rows is answered
+        :class:`InvalidRequestError` naming them.
+
+        ``view`` (docs/store.md, "Views"): ``"exact"`` (the default) reads each range as
+        the tokens of its ``state`` attended to (the state's first row, as
+        :meth:`get_served` numbers them; none given: the first state, ``0``) and refuses
+        a read that reaches past its state's rows (:func:`~r3_client._views.read_views`:
+        a sample of several states is expanded into one training sample per state
+        first, :func:`r3_client.expand_states`); ``"latest"`` every view applied;
+        ``"generated"`` none.  Under ``exact`` and ``latest`` one batched stat names each
+        rollout's views, and each view with rows in a read's range is read by range
+        (one request per such view and read; rollouts without views cost the stat only).
         """
-        items = list(reads)
-        for rid, a, b in items:
+        policy = check_policy(view)
+        items = ranged_reads(reads, policy)
+        for rid, a, b, _ in items:
             check_rollout_id(rid)
             self._core.check_range(a, b)
-        ranges = [(int(a), int(b)) for _, a, b in items]
-        yield from self._stream(
-            [rid for rid, _, _ in items],
-            ranges,
+        stream = self._stream(
+            [rid for rid, _, _, _ in items],
+            [(a, b) for _, a, b, _ in items],
             (0, None, layers),
             chunk_size,
             False,
-            return_errors,
+            True,
             decode_workers,
         )
+        infos: dict[str, RolloutInfo | R3Error] = {}
+        if policy != "generated":
+            ids = list(dict.fromkeys(rid for rid, _, _, _ in items))
+            infos = dict(zip(ids, self.stat_many(ids), strict=True))
+        for (rid, got), (_, _, _, state) in zip(stream, items, strict=True):
+            if policy != "generated" and not isinstance(got, R3Error):
+                got = self._in_state(rid, got, infos[rid], policy, state, layers)
+            if isinstance(got, R3Error) and not return_errors:
+                raise got
+            yield rid, got
+
+    def _in_state(
+        self,
+        rollout_id: str,
+        base: Routing,
+        info: RolloutInfo | R3Error,
+        policy: str,
+        state: int | None,
+        layers: Sequence[int] | None,
+    ) -> Routing | R3Error:
+        """``base`` (a ranged read's first computations) with the views of its ``state``
+        under ``policy`` written over it, or the error that read answers."""
+        if isinstance(info, R3Error):
+            return info
+        try:
+            applied = read_views(
+                applicable_views(info),
+                policy,
+                state,
+                base.start,
+                base.end,
+                info.num_rows,
+                rollout_id,
+            )
+            steps = apply_views(
+                base,
+                overlapping(applied, base),
+                max_bytes=self._core.max_bytes,
+                rollout_id=rollout_id,
+            )
+            return run_steps(steps, lambda v: self._view_rows(rollout_id, v, base, layers))
+        except R3Error as exc:
+            return exc
 
     def _stream(
         self,

@@ -34,7 +34,6 @@ from r3_client._answers import ViewInfo
 from r3_client._config import Timeout
 from r3_client._exceptions import (
     AuthError,
-    FormatError,
     FrameError,
     InvalidRequestError,
     ProtocolError,
@@ -46,11 +45,15 @@ from r3_client._exceptions import (
 )
 from r3_client._routing import Routing, check_rollout_id
 from r3_client._views import (
+    RangeRead,
     ServedRouting,
     ViewPolicy,
     apply_views,
     check_policy,
     one_routing_policy,
+    overlapping,
+    ranged_reads,
+    read_views,
     run_steps,
     served,
     serving_views,
@@ -408,20 +411,24 @@ class DirectReader:
 
     def get_ranges(
         self,
-        reads: Sequence[tuple[str, int, int]],
+        reads: Sequence[RangeRead],
         *,
         layers: Sequence[int] | None = None,
+        view: ViewPolicy = "exact",
         chunk_size: int = 16,
         return_errors: bool = False,
         workers: int = 2,
         concurrency: int = 2,
     ) -> Iterator[Result]:
-        """``(rollout_id, Routing)`` for each ``(rollout_id, start, end)`` read, in order,
-        as :meth:`RoutingClient.get_ranges` answers it (first computations).
+        """``(rollout_id, Routing)`` for each ``(rollout_id, start, end[, state])`` read, in
+        order, as :meth:`RoutingClient.get_ranges` answers it under the same ``view``
+        (``exact`` by default: each read in its state, none past it).
 
         Each rollout is read whole (an ``HGETALL``: Redis cannot read part of a hash
         field, so a rank fetches its rollouts' whole segments) once, and only the reads'
-        rows and ``layers`` are decoded.  What waits is bounded whatever the number of
+        rows and ``layers`` are decoded; the hash lists the rollout's views, and the
+        hash of each view with rows in a read's range is read when that read applies it
+        (one view's rows held at a time).  What waits is bounded whatever the number of
         reads or their order: at most ``2 * workers`` decoded (or decoding) reads, and
         the frames of the rollouts of one window of reads (at most ``_range_window``,
         256, rollouts, plus ``concurrency`` chunks fetched ahead), each let go once its
@@ -429,35 +436,45 @@ class DirectReader:
         windows, and a rollout named in several windows is read once in each.  A read
         outside the rollout's rows is answered :class:`InvalidRequestError` naming them.
         """
-        items = [(check_rollout_id(r), int(a), int(b)) for r, a, b in reads]
-        for _, a, b in items:
+        policy = check_policy(view)
+        items = ranged_reads(reads, policy)
+        for rid, a, b, _ in items:
+            check_rollout_id(rid)
             if a < 0 or b <= a:
                 raise ShapeError(f"token range [{a}, {b}) is empty or negative")
         order, last = self._range_windows(items, max(1, self._range_window))
         width = max(1, workers)
+        span: _Span = None if policy == "generated" else (0, None)
 
-        def decode(rid: str, got: _Read | R3Error, a: int, b: int) -> Routing | R3Error:
+        def decode(
+            rid: str, got: _Read | R3Error, a: int, b: int, state: int | None
+        ) -> Routing | R3Error:
             if isinstance(got, R3Error):
                 return got
             outside = _outside(rid, a, b, got.stored_end)
             if outside is not None:  # as the service answers such a read
                 return outside
             try:
-                return self._decode(got.frames, rid, a, b, layers)
-            except (FormatError, FrameError) as exc:
+                base = self._decode(got.frames, rid, a, b, layers)
+                applied = read_views(got.views, policy, state, a, b, got.stored_end, rid)
+                steps = apply_views(
+                    base, overlapping(applied, base), max_bytes=self.max_bytes, rollout_id=rid
+                )
+                return run_steps(steps, lambda v: self._view_rows(rid, v, base, layers))
+            except R3Error as exc:
                 return exc
 
-        fetched = self._reads(order, None, chunk_size, concurrency)
+        fetched = self._reads(order, span, chunk_size, concurrency)
         try:
             with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
                 held: dict[str, _Read | R3Error] = {}  # rollouts with reads still to submit
                 pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
-                for n, (rid, a, b) in enumerate(items):
+                for n, (rid, a, b, state) in enumerate(items):
                     if rid not in held:  # its first read in this window: the next fetched
                         got_id, held[rid] = next(fetched)
                         assert got_id == rid, (got_id, rid)
                     got = held.pop(rid) if n in last else held[rid]
-                    pending.append((rid, pool.submit(decode, rid, got, a, b)))
+                    pending.append((rid, pool.submit(decode, rid, got, a, b, state)))
                     del got  # the job holds the frames; the last one drops them
                     while len(pending) > 2 * width or (pending and pending[0][1].done()):
                         yield self._ready(pending.popleft(), return_errors)
@@ -468,7 +485,7 @@ class DirectReader:
 
     @staticmethod
     def _range_windows(
-        items: list[tuple[str, int, int]], window: int
+        items: Sequence[tuple[str, int, int, int | None]], window: int
     ) -> tuple[list[str], set[int]]:
         """:meth:`get_ranges`' reads cut into windows of at most ``window`` rollouts: the
         rollouts to fetch, in order (each once per window it is named in, for its first
@@ -477,7 +494,7 @@ class DirectReader:
         order: list[str] = []
         last: set[int] = set()
         latest: dict[str, int] = {}  # this window's rollouts: their latest read so far
-        for n, (rid, _, _) in enumerate(items):
+        for n, (rid, _, _, _) in enumerate(items):
             if rid not in latest:
                 if len(latest) >= window:
                     last.update(latest.values())

@@ -33,6 +33,7 @@ from r3_client._exceptions import InvalidRequestError, LimitExceededError, Store
 from r3_client._routing import Routing
 
 __all__ = [
+    "RangeRead",
     "ServedRouting",
     "Steps",
     "ViewPolicy",
@@ -41,6 +42,10 @@ __all__ = [
     "apply_views",
     "arun_steps",
     "check_views_size",
+    "off_state_tokens",
+    "overlapping",
+    "ranged_reads",
+    "read_views",
     "run_steps",
     "served",
     "serving_views",
@@ -70,11 +75,11 @@ class ServedRouting:
     views: tuple[ViewInfo, ...]
 
 
-def check_policy(view: object) -> str:
+def check_policy(view: object) -> ViewPolicy:
     """``view`` if it names a policy; :class:`InvalidRequestError` otherwise."""
     if not isinstance(view, str) or view not in POLICIES:
         raise InvalidRequestError(f"view must be one of {', '.join(POLICIES)}; got {view!r}")
-    return view
+    return cast(ViewPolicy, view)
 
 
 def one_routing_policy(view: object, who: str | None = None) -> ViewPolicy:
@@ -128,6 +133,138 @@ def states_of(
         b = bounds[i + 1] if i + 1 < len(bounds) else num_rows
         out.append((a, b, tuple(v for v in views if v.serves <= a)))
     return out
+
+
+def state_starts(views: Sequence[ViewInfo], num_rows: int) -> list[int]:
+    """The first row of each state (:func:`states_of`): ``0`` and each view's ``serves``."""
+    return [a for a, _, _ in states_of(views, num_rows)]
+
+
+#: One ranged read: ``(rollout_id, start, end)``, or with the first row of the state it is
+#: read under (``exact``; :func:`read_views`) as a fourth element.
+RangeRead: TypeAlias = tuple[str, int, int] | tuple[str, int, int, int]
+
+
+def ranged_reads(
+    reads: Iterable[Sequence[Any]], policy: str
+) -> list[tuple[str, int, int, int | None]]:
+    """``reads`` as ``(rollout_id, start, end, state)`` (``state`` None where not given):
+    a state is a row of an ``exact`` read, so one given under another policy is refused
+    (:class:`InvalidRequestError`: it would be ignored)."""
+    out: list[tuple[str, int, int, int | None]] = []
+    for n, item in enumerate(reads):
+        if len(item) not in (3, 4):
+            raise InvalidRequestError(
+                f"read {n} is {tuple(item)!r}: give (rollout_id, start, end) or "
+                "(rollout_id, start, end, state)"
+            )
+        state = None if len(item) == 3 or item[3] is None else int(item[3])
+        if state is not None and policy != "exact":
+            raise InvalidRequestError(
+                f'read {n} names state {state}, which only view="exact" reads under; '
+                f"view={policy!r} answers one routing for every row"
+            )
+        if state is not None and state < 0:
+            raise InvalidRequestError(f"read {n} names state {state}: a state is a row >= 0")
+        out.append((str(item[0]), int(item[1]), int(item[2]), state))
+    return out
+
+
+def read_views(
+    views: Sequence[ViewInfo],
+    policy: str,
+    state: int | None,
+    start: int,
+    end: int,
+    num_rows: int,
+    rollout_id: str = "",
+) -> tuple[ViewInfo, ...]:
+    """The views a read of rows ``[start, end)`` writes over the first computations under
+    ``policy``; ``views``: the rollout's applicable views, ``num_rows`` its stored rows.
+
+    ``generated``: none; ``latest``: all.  ``exact``: those of the read's ``state`` (the
+    first row it serves, :func:`states_of`; ``None`` is the first state, ``0``), and
+    the read must lie within that state's rows ``[0, serves_end)``: rows past them were
+    computed for tokens another state served, so a read reaching them is refused
+    (:class:`InvalidRequestError`: the sample holds tokens of several states and must be
+    expanded, one training sample per state, docs/integrations.md) rather than
+    answered with a routing those tokens never attended to.  A ``state`` that does not
+    start a state of the rollout is refused too (a plan made from another stat).
+    """
+    if policy == "generated":
+        return ()
+    if policy == "latest":
+        return tuple(views)
+    states = states_of(views, num_rows)
+    at = 0 if state is None else int(state)
+    who = f"rollout {rollout_id}" if rollout_id else "the rollout"
+    for a, b, applied in states:
+        if a != at:
+            continue
+        if end > b and len(states) > 1:
+            raise InvalidRequestError(
+                f'view="exact": rows [{start}, {end}) of {who} under its state starting at '
+                f"row {a} go past that state's rows [0, {b}): the tokens after row {b} "
+                f"attended to another routing ({len(states)} states start at rows "
+                f"{[s for s, _, _ in states]}); expand the sample into one training sample "
+                "per state (r3_client.expand_states), or name the policy "
+                '"generated"/"latest" to replay one routing for all of them'
+            )
+        return applied
+    raise InvalidRequestError(
+        f'view="exact": {who} has no state starting at row {at}; its states start at rows '
+        f"{[s for s, _, _ in states]} (a plan made from another stat of the rollout?)"
+    )
+
+
+def overlapping(views: Iterable[ViewInfo], base: Routing) -> tuple[ViewInfo, ...]:
+    """The ``views`` with rows in ``base``'s range (the others change none of its rows)."""
+    return tuple(v for v in views if v.start < base.end and v.end > base.start)
+
+
+def off_state_tokens(
+    views: Sequence[ViewInfo], num_rows: int, policy: str, state: int | None, num_tokens: int
+) -> int:
+    """How many of a sample's trained tokens are replayed with a routing other than the one
+    they attended to: the sample has ``num_tokens`` tokens (so rows ``[0, num_tokens - 1)``),
+    its rollout ``num_rows`` rows and applicable ``views``; it replays ``policy`` (under
+    ``exact``, its ``state``, and trains only the tokens after that state's first row).
+
+    Token ``t`` (``1 <= t < num_tokens``) belongs to the state whose rows ``(a, b]`` hold
+    ``t``; it attended to rows ``[0, t)`` with that state's views applied.  It is off its
+    state when a view that one applies and the replay does not (or the other way round)
+    has a row below ``t``.  A view whose rows happen to equal the first computation still
+    counts: which rows the engine recomputed is known, what they hold is not read here.
+    """
+    rows = max(0, min(num_rows, num_tokens - 1))
+    if rows == 0 or not views:
+        return 0
+    all_views = tuple(views)
+    replayed: tuple[ViewInfo, ...] | None
+    first = 0
+    if policy == "generated":
+        replayed = ()
+    elif policy == "latest":
+        replayed = all_views
+    else:
+        replayed = None
+        first = 0 if state is None else int(state)
+        for a, _, applied in states_of(views, num_rows):
+            if a == first:
+                replayed = applied
+        if replayed is None:  # not a state of the rollout: every trained token is off
+            return max(0, rows - first)
+    off = 0
+    for a, b, applied in states_of(views, rows):
+        lo = max(a, first)  # tokens lo + 1 .. b are trained in this state
+        if lo >= b:
+            continue
+        differ = [v for v in set(applied) ^ set(replayed) if v.end > v.start]
+        if not differ:
+            continue
+        low = min(v.start for v in differ)  # token t is off once t > low
+        off += max(0, b - max(lo, low))
+    return off
 
 
 #: Reads one view's rows in the base read's range and layers (decoded; maybe no rows).

@@ -301,10 +301,12 @@ class CountingSource:
         self.client = client
         self.calls: list[tuple[list[tuple[str, int, int]], tuple[int, ...] | None]] = []
 
-    def get_ranges(self, reads: Any, *, layers: Any = None, return_errors: bool = False) -> Any:
+    def get_ranges(
+        self, reads: Any, *, layers: Any = None, view: Any = "exact", return_errors: bool = False
+    ) -> Any:
         reads = list(reads)
         self.calls.append((reads, None if layers is None else tuple(layers)))
-        return self.client.get_ranges(reads, layers=layers, return_errors=return_errors)
+        return self.client.get_ranges(reads, layers=layers, view=view, return_errors=return_errors)
 
 
 def _run(v: Verl, engine: Any, rec: Recorder, td: Any) -> list[Any]:
