@@ -23,16 +23,27 @@ docs/integrations.md ("Rank-local fetch") gives the recipe per framework.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from r3_client._answers import RolloutInfo
-from r3_client._exceptions import R3Error, RolloutNotFoundError, ShapeError
+from r3_client._exceptions import InvalidRequestError, R3Error, RolloutNotFoundError, ShapeError
 from r3_client._routing import Routing, check_rollout_id, token_digest
+from r3_client._views import (
+    RangeRead,
+    ViewPolicy,
+    applicable_views,
+    check_policy,
+    off_state_tokens,
+    state_starts,
+)
 from r3_client.layouts import (
     MegatronReplayBatch,
     Missing,
@@ -49,10 +60,12 @@ from r3_client.layouts.verl import rank_slice_of
 __all__ = [
     "RangeSource",
     "StatSource",
+    "StepCheck",
     "check_step",
     "fetch_megatron_rank_batch",
     "fetch_plan_rows",
     "fetch_verl_rank_slice",
+    "off_state_totals",
     "prefetched",
 ]
 
@@ -66,12 +79,15 @@ class RangeSource(Protocol):
 
     def get_ranges(
         self,
-        reads: Sequence[tuple[str, int, int]],
+        reads: Sequence[RangeRead],
         *,
         layers: Sequence[int] | None = None,
+        view: ViewPolicy = "exact",
         return_errors: bool = False,
     ) -> Iterator[tuple[str, Routing | R3Error]]:
-        """``(rollout_id, Routing)`` per ``(rollout_id, start, end)`` read, in order."""
+        """``(rollout_id, Routing)`` per ``(rollout_id, start, end[, state])`` read, in
+        order, under ``view`` (:meth:`RoutingClient.get_ranges
+        <r3_client.RoutingClient.get_ranges>`)."""
         ...
 
 
@@ -96,6 +112,8 @@ def fetch_verl_rank_slice(
     rank: VerlRank | None = None,
     missing: Missing = "raise",
     as_torch: bool = False,
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
 ) -> VerlRankSlice:
     """One verl Megatron rank's R3 replay targets for one micro-batch, read for that rank alone.
 
@@ -119,7 +137,7 @@ def fetch_verl_rank_slice(
     plan = verl_rank_plan(prompt_lens, response_lens, rank=rank)
     stage = rank.stage_layers
     layers = None if stage is None else tuple(sorted(stage))
-    local, layer_ids = fetch_plan_rows(source, ids, plan, layers, missing, 0)
+    local, layer_ids = fetch_plan_rows(source, ids, plan, layers, missing, 0, view, states)
     return rank_slice_of(plan, list(local), layer_ids, tuple(ids), as_torch)
 
 
@@ -137,6 +155,8 @@ def fetch_megatron_rank_batch(
     pad_to_multiple: int | None = None,
     missing: Missing = "raise",
     as_torch: bool = False,
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
 ) -> MegatronReplayBatch:
     """One Megatron rank's :class:`~r3_client.layouts.MegatronReplayBatch` for one
     micro-batch, read for that rank alone (for ``RouterReplayDriver.add_micro_batch``).
@@ -147,7 +167,8 @@ def fetch_megatron_rank_batch(
     rollouts hold) are fetched and decoded, as :func:`fetch_verl_rank_slice` reads.
     ``seqlens``: the trainer's token counts, in its packing order.  Raises as
     :func:`fetch_verl_rank_slice` does; ``missing="fill"`` keeps rows nobody shipped
-    ``-1`` (the driver replays experts ``0..K-1`` there, miles' rule).
+    ``-1`` (the driver replays experts ``0..K-1`` there, miles' rule).  ``view`` and
+    ``states``: as :func:`fetch_verl_rank_slice` takes them.
     """
     ids = [check_rollout_id(r) for r in rollout_ids]
     plan = megatron_rank_plan(
@@ -162,7 +183,7 @@ def fetch_megatron_rank_batch(
     layers = None if stage_layers is None else tuple(sorted(int(x) for x in stage_layers))
     if layers == ():
         raise ShapeError("stage_layers is empty: a stage without MoE layers has no routers")
-    local, layer_ids = fetch_plan_rows(source, ids, plan, layers, missing, -1)
+    local, layer_ids = fetch_plan_rows(source, ids, plan, layers, missing, -1, view, states)
     return replay_batch_of(plan, list(local), layer_ids, tuple(ids), as_torch)
 
 
@@ -173,6 +194,8 @@ def fetch_plan_rows(
     layers: tuple[int, ...] | None,
     missing: Missing,
     fill: int,
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
 ) -> tuple[npt.NDArray[np.int64], tuple[int, ...]]:
     """``[L, local_tokens, K]`` int64 rows of ``plan`` (``fill`` where it has none) and
     their layer ids: one ``get_ranges`` call, every run checked against the plan.  Layer
@@ -182,11 +205,22 @@ def fetch_plan_rows(
     trainers that pack their own way): ``layers`` are absolute MoE layer ids (``None``:
     every stored layer; ``()``: none, nothing read); ``fill`` ``>= 0`` also replaces rows
     nobody shipped under ``missing="fill"``, a negative one keeps them ``-1``.
+    ``view`` / ``states``: the policy every read is made under and, under ``exact``,
+    each sample's state (:func:`fetch_verl_rank_slice`).
     """
     if len(ids) != plan.seqlens.shape[0]:
         raise ShapeError(
             f"{len(ids)} rollout ids for a micro-batch of {plan.seqlens.shape[0]} samples"
         )
+    policy = check_policy(view)
+    if states is not None:
+        if policy != "exact":
+            raise InvalidRequestError(
+                f'states name the state each sample replays, which only view="exact" reads; '
+                f"view={policy!r} replays one routing for every token"
+            )
+        if len(states) != len(ids):
+            raise ShapeError(f"{len(ids)} rollout ids for {len(states)} states")
     if layers == ():  # a stage of dense layers: its routers are none, nothing to read
         return np.full((0, plan.num_local_tokens, 0), fill, np.int64), ()
     runs = list(plan.runs)
@@ -195,13 +229,16 @@ def fetch_plan_rows(
         if plan.seqlens[first] < 2:
             raise ShapeError("no sample of the micro-batch has a routing row (all one token)")
         runs = [(first, 0, 1, -1)]
-    reads = [(ids[i], a, b) for i, a, b, _ in runs]
+    reads: list[RangeRead] = [
+        (ids[i], a, b) if states is None or states[i] is None else (ids[i], a, b, int(states[i]))  # type: ignore[arg-type]
+        for i, a, b, _ in runs
+    ]
     local: npt.NDArray[np.int64] | None = None
     layer_ids: tuple[int, ...] = ()
     # verl fills rows nobody shipped with 0 (its own fill); Megatron keeps them -1.
     gap_fill = np.full(1, fill, np.int64) if fill >= 0 else None
     for (i, a, b, at), (_, got) in zip(
-        runs, source.get_ranges(reads, layers=layers, return_errors=True), strict=True
+        runs, source.get_ranges(reads, layers=layers, view=policy, return_errors=True), strict=True
     ):
         rows = _checked(got, i, ids[i], a, b, plan)
         if local is None:
@@ -258,6 +295,99 @@ def prefetched(
             yield head, fut.result()
 
 
+_log = logging.getLogger("r3_client.rank_local")
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """What :func:`check_step` found in a step that can be replayed.
+
+    ``samples``: the step's samples; ``samples_with_views``: those whose rollout has views
+    (positions the engine computed more than once); ``off_state_samples`` /
+    ``off_state_tokens``: the samples with tokens, and those tokens, that the replay under
+    ``policy`` gives a routing other than the one they attended to
+    (:func:`r3_client._views.off_state_tokens`); ``tokens``: the step's tokens with a
+    routing row (``num_tokens - 1`` per sample).
+    """
+
+    samples: int
+    samples_with_views: int
+    off_state_samples: int
+    off_state_tokens: int
+    tokens: int
+    policy: str
+
+
+_totals_lock = threading.Lock()
+#: Process-wide off-state totals, by policy (:func:`off_state_totals`).
+_off_state: dict[str, dict[str, int]] = {}
+#: The Prometheus counters ``(samples, tokens)`` once made; None without prometheus_client.
+_counters: list[tuple[Any, Any] | None] = []
+
+
+def _prometheus_counters() -> tuple[Any, Any] | None:
+    """``r3_client_off_state_{samples,tokens}_total`` (label ``policy``), made on first
+    use; None where prometheus_client is not installed.  Call with ``_totals_lock`` held."""
+    if not _counters:
+        try:
+            from prometheus_client import REGISTRY, Counter
+        except ImportError:
+            _counters.append(None)
+            return None
+        made: list[Any] = []
+        for name, what in (
+            ("r3_client_off_state_samples", "training samples"),
+            ("r3_client_off_state_tokens", "tokens"),
+        ):
+            try:
+                made.append(
+                    Counter(
+                        name,
+                        f"{what} check_step found replayed with a routing other than the one "
+                        "they attended to (rollouts with views), by read policy",
+                        ["policy"],
+                    )
+                )
+            except ValueError:  # already registered (the module was reloaded)
+                made.append(getattr(REGISTRY, "_names_to_collectors", {}).get(name))
+        _counters.append((made[0], made[1]) if all(c is not None for c in made) else None)
+    return _counters[0]
+
+
+def off_state_totals() -> dict[str, dict[str, int]]:
+    """The samples and tokens :func:`check_step` has found replayed off their own state in
+    this process, by policy: ``{policy: {"samples": n, "tokens": n}}`` (also exported as
+    the Prometheus counters ``r3_client_off_state_samples_total`` and
+    ``r3_client_off_state_tokens_total``, label ``policy``, where prometheus_client is
+    installed)."""
+    with _totals_lock:
+        return {policy: dict(counts) for policy, counts in _off_state.items()}
+
+
+def _report_off_state(found: StepCheck) -> None:
+    """Warn about and count a step's off-state replay (nothing when it has none)."""
+    if found.off_state_tokens <= 0:
+        return
+    _log.warning(
+        "%d of %d samples (%d of %d tokens) will be replayed off their own state under "
+        'policy %r: those tokens attended to another routing than the one replayed; view="exact" '
+        "with expansion (r3_client.expand_states) replays each state with its own",
+        found.off_state_samples,
+        found.samples,
+        found.off_state_tokens,
+        found.tokens,
+        found.policy,
+    )
+    with _totals_lock:
+        counts = _off_state.setdefault(found.policy, {"samples": 0, "tokens": 0})
+        counts["samples"] += found.off_state_samples
+        counts["tokens"] += found.off_state_tokens
+        counters = _prometheus_counters()
+    if counters is not None:
+        counters[0].labels(policy=found.policy).inc(found.off_state_samples)
+        counters[1].labels(policy=found.policy).inc(found.off_state_tokens)
+
+
 def check_step(
     source: StatSource,
     rollout_ids: Sequence[str],
@@ -267,7 +397,9 @@ def check_step(
     tokens: Sequence[Sequence[int]] | None = None,
     longer: Sequence[bool] | bool = True,
     workers: int = 16,
-) -> None:
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
+) -> StepCheck:
     """Before dispatch: every rollout of the step exists and holds a row for each token
     of its sample but the last (``num_tokens[i] - 1`` rows, no gap unless
     ``missing="fill"``).  Metadata only, no rows: one batched request per 1,024 ids
@@ -280,9 +412,18 @@ def check_step(
     rows than its sample needs (per sample, or for all): a trainer that cut a response
     allows it, one whose sample should be the whole rollout does not.
 
+    ``view``: the policy the ranks replay under; ``states`` (``exact`` only): the state
+    each sample replays (its first row; ``None`` is ``0``), which must start a state of its
+    rollout (:func:`r3_client._views.states_of`).  Returns a :class:`StepCheck`: how many
+    tokens the replay gives a routing other than the one they attended to (rollouts with
+    views: a sample under ``generated`` / ``latest``, or one holding several states under
+    ``exact``); when some are, it logs a warning and counts them (:func:`off_state_totals`).
+
     Raises one :class:`~r3_client.ShapeError` or :class:`~r3_client.RolloutNotFoundError`
     listing the first failing samples; any other error (auth, an unreachable service)
-    raises as it is."""
+    raises as it is; :class:`~r3_client.InvalidRequestError` for a bad ``view`` or
+    ``states`` given under another policy."""
+    policy = check_policy(view)
     ids = [check_rollout_id(r) for r in rollout_ids]
     need = np.asarray(num_tokens, dtype=np.int64).reshape(-1) - 1
     if need.shape[0] != len(ids):
@@ -292,6 +433,17 @@ def check_step(
     may_be_longer = [bool(longer)] * len(ids) if isinstance(longer, bool) else list(longer)
     if len(may_be_longer) != len(ids):
         raise ShapeError(f"{len(ids)} rollout ids for {len(may_be_longer)} 'longer' flags")
+    if states is not None and policy != "exact":
+        raise InvalidRequestError(
+            'states name the state each sample replays, which only view="exact" reads; '
+            f"view={policy!r} replays one routing for every token"
+        )
+    if states is not None and len(states) != len(ids):
+        raise ShapeError(f"{len(ids)} rollout ids for {len(states)} states")
+    state_of: list[int | None] = [None] * len(ids)
+    if states is not None:
+        state_of = [None if s is None else int(s) for s in states]
+    seen: list[RolloutInfo | None] = [None] * len(ids)
 
     many = getattr(source, "stat_many", None)
     infos: list[RolloutInfo | R3Error] | None = many(ids) if many is not None else None
@@ -329,6 +481,14 @@ def check_step(
                         "shipped them"
                     )
                 covered = max(covered, seg.end)
+        if policy == "exact" and state_of[i] is not None:
+            starts = state_starts(applicable_views(info), info.num_rows)
+            if state_of[i] not in starts:
+                return (
+                    f"{_who(i, ids[i])} replays a state starting at row {state_of[i]}; its "
+                    f"rollout's states start at rows {starts}"
+                )
+        seen[i] = info
         return None
 
     if infos is not None:
@@ -342,3 +502,33 @@ def check_step(
         )
         cls = RolloutNotFoundError if all("not in the cache" in p for p in problems) else ShapeError
         raise cls(f"{len(problems)} of {len(ids)} samples cannot be replayed: {shown}")
+    return _step_check(seen, need, policy, state_of)
+
+
+def _step_check(
+    infos: Sequence[RolloutInfo | None],
+    need: npt.NDArray[np.int64],
+    policy: str,
+    state_of: Sequence[int | None],
+) -> StepCheck:
+    """:func:`check_step`'s answer for a step that passed its checks, reported when some
+    of its tokens are replayed off their own state."""
+    with_views = off_samples = off_tokens = 0
+    for i, info in enumerate(infos):
+        views = () if info is None else applicable_views(info)
+        if info is None or not views:
+            continue
+        with_views += 1
+        off = off_state_tokens(views, info.num_rows, policy, state_of[i], int(need[i]) + 1)
+        off_samples += off > 0
+        off_tokens += off
+    found = StepCheck(
+        samples=len(infos),
+        samples_with_views=with_views,
+        off_state_samples=off_samples,
+        off_state_tokens=off_tokens,
+        tokens=int(np.maximum(need, 0).sum()),
+        policy=policy,
+    )
+    _report_off_state(found)
+    return found

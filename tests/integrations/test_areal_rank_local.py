@@ -413,7 +413,9 @@ def test_keys_travel_with_the_samples_to_each_rank(svc: Service) -> None:
         }  # concat_padded_tensors
         got_ids, tokens = step_rollouts(batch)
         assert got_ids == ids and tokens.tolist() == lengths
-        check_areal_step(client, batch)  # before dispatch
+        found = check_areal_step(client, batch)  # before dispatch
+        assert (found.samples, found.samples_with_views, found.off_state_tokens) == (5, 0, 0)
+        assert found.tokens == sum(lengths) - 5 and found.policy == "exact"
         bad = dict(batch, attention_mask=batch["attention_mask"].clone())
         bad[KEY_FIELD] = batch[KEY_FIELD].clone()
         bad[KEY_FIELD][3] = new_rollout_key()

@@ -49,6 +49,7 @@ import torch
 from r3_client import (
     AsyncRoutingClient,
     DirectReader,
+    InvalidRequestError,
     RolloutNotFoundError,
     RoutingClient,
     Segment,
@@ -335,7 +336,9 @@ async def test_rollout_side_tags_without_filling_and_ranks_fetch_it(
         ]
     counts = [len(s.tokens) for s in group]
     with RoutingClient(service_single.http_url, api_key=KEY_A) as sync:
-        module.check_samples(group, sync)
+        found = module.check_samples(group, sync)
+        assert (found.samples, found.samples_with_views, found.off_state_tokens) == (2, 0, 0)
+        assert found.tokens == sum(counts) - 2 and found.policy == "exact"
         for pp_stage in ((2, 3), (4, 5)):
             rank = SampleRank(cp_size=2, cp_rank=1, data_pad_size_multiplier=1)
             rank = dataclasses.replace(rank, router_layers=pp_stage)
@@ -379,6 +382,30 @@ async def test_miles_retry_keeps_the_rank_key_and_drops_the_old_attempt(
         got = await client.get(f"{run}.7.0")
         assert np.array_equal(got.indices, engine.truth[f"{run}.7.0"])
         assert got.num_rows == len(sample.tokens) - 1
+
+
+@pytest.mark.parametrize("framework", ["slime", "miles"])
+async def test_rollout_side_refuses_a_view_it_would_ignore(
+    service_single: Service, framework: str
+) -> None:
+    """``wrap_generate(..., fill=False)`` fetches nothing: a policy other than the default
+    would be ignored (the ranks read under their own ``view``), so it is refused before any
+    generation; the default, given or not, is taken."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    module = r3_slime if framework == "slime" else r3_miles
+    async with AsyncRoutingClient(service_single.http_url, api_key=KEY_A) as client:
+        with pytest.raises(InvalidRequestError, match=r"view='latest'.*on the training side"):
+            module.wrap_generate(
+                run=run, client=client, num_layers=glue.NUM_LAYERS, fill=False, view="latest"
+            )
+        with pytest.raises(InvalidRequestError, match="one forward"):  # as with fill=True
+            module.wrap_generate(
+                run=run, client=client, num_layers=glue.NUM_LAYERS, fill=False, view="exact"
+            )
+        module.wrap_generate(
+            run=run, client=client, num_layers=glue.NUM_LAYERS, fill=False, view="generated"
+        )
+        module.wrap_generate(run=run, client=client, num_layers=glue.NUM_LAYERS, view="latest")
 
 
 @pytest.mark.parametrize("framework", ["slime", "miles"])
@@ -434,7 +461,8 @@ async def test_rollout_side_check_refuses_missing_gapped_and_foreign_tokens(
         def sample(key: str) -> Any:
             return keyed(glue.Sample(index=0, tokens=tokens), field, key)
 
-        await module.check_stored(sample(good), client)
+        found = await module.check_stored(sample(good), client)
+        assert (found.samples, found.off_state_tokens, found.tokens) == (1, 0, 11)
         with pytest.raises(ShapeError, match="token digest differs"):
             await module.check_stored(sample(foreign), client)
         with pytest.raises(ShapeError, match=r"has no rows \[4, 6\)"):

@@ -41,6 +41,7 @@ if importlib.util.find_spec("verl") is None:
     )
 
 from r3_client import (
+    InvalidRequestError,
     RolloutNotFoundError,
     Routing,
     RoutingClient,
@@ -50,6 +51,7 @@ from r3_client import (
 )
 from r3_client.integrations import verl as r3_verl
 from r3_client.layouts import verl_layout
+from r3_client.rank_local import StepCheck
 from r3_client.synthetic import synthetic_routing
 from tests.client.test_layout_slices import (
     MODELS,
@@ -464,8 +466,14 @@ def test_driver_attaches_nothing_but_the_checked_ids(verl: Verl, service_single:
         assert out is batch and set(out.batch.keys()) == keys  # no tensor attached
         assert list(out.non_tensor_batch) == [r3_verl.ROLLOUT_ID_KEY]
         assert list(out.non_tensor_batch[r3_verl.ROLLOUT_ID_KEY]) == ids
-        with pytest.raises(ValueError, match="view='latest'"):
+        # rollouts without views: every token replayed with the routing it attended to
+        tokens = sum(PROMPTS) + sum(RESPONSES) - len(PROMPTS)
+        assert out.meta_info["r3_step_check"] == StepCheck(7, 0, 0, 0, tokens, "exact")
+        # the driver fetches nothing: a policy given to it would be ignored, so it is refused
+        with pytest.raises(InvalidRequestError, match=r"view='latest'.*RankLocalReplay"):
             r3_verl.RoutedRolloutManager(Manager(batch), client, rank_local=True, view="latest")
+        got = r3_verl.check_rank_local_batch(_rollout(verl, ids), client, view="generated")
+        assert got.meta_info["r3_step_check"].policy == "generated"
         with pytest.raises(TypeError, match="num_layers"):
             r3_verl.RoutedRolloutManager(Manager(batch), client)
         attached = _rollout(verl, ids, routed=_whole(client, ids))

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from r3_client._answers import RolloutInfo
-from r3_client._exceptions import R3Error, RolloutNotFoundError, ShapeError
+from r3_client._exceptions import InvalidRequestError, R3Error, RolloutNotFoundError, ShapeError
 from r3_client._routing import Routing, check_rollout_id
 from r3_client._views import ViewPolicy, one_routing_policy
 from r3_client.integrations.tags import tag_sampling_params
@@ -35,7 +35,7 @@ from r3_client.layouts._packing import (
     sp_part,
     zigzag_positions,
 )
-from r3_client.rank_local import RangeSource, StatSource, check_step, fetch_plan_rows
+from r3_client.rank_local import RangeSource, StatSource, StepCheck, check_step, fetch_plan_rows
 
 if TYPE_CHECKING:
     from r3_client._client import AsyncRoutingClient
@@ -163,26 +163,40 @@ def _check_infos(
     keys: Sequence[str],
     infos: dict[str, RolloutInfo | None],
     missing: Missing,
-) -> None:
+    view: ViewPolicy = "exact",
+) -> StepCheck:
     """:func:`~r3_client.rank_local.check_step` on ``infos``, each stored segment's token
     digest included (rows computed from other tokens: an earlier attempt's, or another
-    sample's)."""
+    sample's); its :class:`~r3_client.rank_local.StepCheck`."""
     tokens = [[int(t) for t in s.tokens] for s in group]
     try:
-        check_step(
-            _Stats(infos), keys, [len(t) for t in tokens], missing=missing, tokens=tokens, workers=1
+        return check_step(
+            _Stats(infos),
+            keys,
+            [len(t) for t in tokens],
+            missing=missing,
+            tokens=tokens,
+            workers=1,
+            view=view,
         )
     except (RolloutNotFoundError, ShapeError) as exc:
         raise _named(fw, exc) from exc
 
 
 async def check_stored(
-    fw: Framework, samples: Any, client: AsyncRoutingClient, *, missing: Missing = "raise"
-) -> None:
+    fw: Framework,
+    samples: Any,
+    client: AsyncRoutingClient,
+    *,
+    missing: Missing = "raise",
+    view: ViewPolicy = "exact",
+) -> StepCheck:
     """Rollout side of the rank-local path: each finished sample's rollout is stored with a
     row for every token but the last, no gap (unless ``missing="fill"``) and, where the
     engine recorded token digests, from the sample's own tokens.  One batched stat
-    (metadata only); raises naming the sample and rollout."""
+    (metadata only); raises naming the sample and rollout.  Returns the
+    :class:`~r3_client.rank_local.StepCheck`: the tokens a replay under ``view`` gives a
+    routing other than the one they attended to (a warning is logged when some are)."""
     group = list(samples) if isinstance(samples, Sequence) else [samples]
     keys = [sample_key(fw, s) for s in group]
     infos: dict[str, RolloutInfo | None] = {}
@@ -190,18 +204,33 @@ async def check_stored(
         if isinstance(got, R3Error) and not isinstance(got, RolloutNotFoundError):
             raise got
         infos[key] = got if isinstance(got, RolloutInfo) else None
-    _check_infos(fw, group, keys, infos, missing)
+    return _check_infos(fw, group, keys, infos, missing, view)
 
 
 def check_samples(
-    fw: Framework, samples: Sequence[Any], source: StatSource, *, missing: Missing = "raise"
-) -> None:
+    fw: Framework,
+    samples: Sequence[Any],
+    source: StatSource,
+    *,
+    missing: Missing = "raise",
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
+) -> StepCheck:
     """Driver side, before dispatch: :func:`~r3_client.rank_local.check_step` over a step's
     samples (their keys and ``len(tokens)``), a missing or short rollout refused naming
-    the sample's position and framework index."""
+    the sample's position and framework index.  ``view`` / ``states``: the policy the
+    ranks replay under and, under ``exact``, each sample's state; returns the
+    :class:`~r3_client.rank_local.StepCheck` (tokens replayed off their own state)."""
     keys = [sample_key(fw, s) for s in samples]
     try:
-        check_step(source, keys, [len(s.tokens) for s in samples], missing=missing)
+        return check_step(
+            source,
+            keys,
+            [len(s.tokens) for s in samples],
+            missing=missing,
+            view=view,
+            states=states,
+        )
     except (RolloutNotFoundError, ShapeError) as exc:
         raise _named(fw, exc) from exc
 
@@ -264,10 +293,19 @@ def wrap_generate(
     (rebuildable on a training rank from ``Sample.index``) and nothing is fetched into
     it; a finished sample's rollout is only checked (:func:`check_stored`: one ``stat``,
     no rows), so a missing, short, gapped or foreign-token rollout fails here, naming the
-    sample, before slime / miles ship it to the trainer.
+    sample, before slime / miles ship it to the trainer.  Nothing is fetched here, so
+    ``view`` stays at its default: the training ranks choose their policy where they read
+    (the rank-local fetches' ``view``); another one is refused
+    (:class:`~r3_client.InvalidRequestError`) rather than ignored.
     """
     check_rollout_id(f"{run}.0")  # the run must make valid keys before any generation
     one_routing_policy(view, fw.name)  # refused before any generation, too
+    if not fill and view != "generated":
+        raise InvalidRequestError(
+            f"{fw.name} wrap_generate(fill=False) fetches nothing, so view={view!r} would be "
+            "ignored: the rank-local fetch chooses its policy on the training side (each "
+            "rank's fetch takes view=...)"
+        )
     inner: list[GenerateFn] = [generate] if generate is not None else []
 
     async def generate_r3(

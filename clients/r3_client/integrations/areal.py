@@ -51,7 +51,7 @@ from r3_client._views import ViewPolicy, one_routing_policy
 from r3_client.integrations.tags import tag_generate
 from r3_client.layouts import Missing, RankPlan, miles_layout
 from r3_client.layouts._packing import check_rank, row_runs, sp_part, zigzag_positions
-from r3_client.rank_local import RangeSource, StatSource, check_step, fetch_plan_rows
+from r3_client.rank_local import RangeSource, StatSource, StepCheck, check_step, fetch_plan_rows
 
 if TYPE_CHECKING:
     from r3_client._client import AsyncRoutingClient
@@ -336,12 +336,20 @@ def step_rollouts(batch: dict[str, Any]) -> tuple[list[str], npt.NDArray[np.int6
 
 
 def check_areal_step(
-    source: StatSource, batch: dict[str, Any], *, missing: Missing = "raise"
-) -> None:
+    source: StatSource,
+    batch: dict[str, Any],
+    *,
+    missing: Missing = "raise",
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
+) -> StepCheck:
     """:func:`~r3_client.rank_local.check_step` on an AReaL batch (:func:`step_rollouts`):
-    call it on the trainer before ``compute_logp`` / ``ppo_update`` dispatch the batch."""
+    call it on the trainer before ``compute_logp`` / ``ppo_update`` dispatch the batch.
+    ``view`` / ``states``: the policy the ranks replay under and, under ``exact``, each
+    sample's state; returns the :class:`~r3_client.rank_local.StepCheck` (tokens replayed
+    off their own state)."""
     ids, num_tokens = step_rollouts(batch)
-    check_step(source, ids, num_tokens, missing=missing)
+    return check_step(source, ids, num_tokens, missing=missing, view=view, states=states)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from r3_client.layouts import Missing, miles_layout
 
 if TYPE_CHECKING:
     from r3_client._client import AsyncRoutingClient
-    from r3_client.rank_local import RangeSource, StatSource
+    from r3_client.rank_local import RangeSource, StatSource, StepCheck
 
 SampleRank = _samples.SampleRank
 RankReplay = _samples.RankReplay
@@ -184,23 +184,38 @@ def rank_keys(run: str, sample_indices: Sequence[int]) -> list[str]:
 
 
 async def check_stored(
-    samples: Any | Sequence[Any], client: AsyncRoutingClient, *, missing: Missing = "raise"
-) -> None:
+    samples: Any | Sequence[Any],
+    client: AsyncRoutingClient,
+    *,
+    missing: Missing = "raise",
+    view: ViewPolicy = "exact",
+) -> StepCheck:
     """Rollout side of the rank-local path, for a generate function of your own: each
     sample's rollout holds ``len(tokens) - 1`` rows, no gap (unless ``missing="fill"``),
     from the sample's tokens where digests were recorded; one batched stat.
-    Raises :class:`~r3_client.RolloutNotFoundError` / :class:`~r3_client.ShapeError`."""
-    await _samples.check_stored(_MILES, samples, client, missing=missing)
+    Raises :class:`~r3_client.RolloutNotFoundError` / :class:`~r3_client.ShapeError`.
+    Returns the :class:`~r3_client.rank_local.StepCheck` (tokens a replay under ``view``
+    gives another routing than the one they attended to)."""
+    return await _samples.check_stored(_MILES, samples, client, missing=missing, view=view)
 
 
 def check_samples(
-    samples: Sequence[Any], source: StatSource, *, missing: Missing = "raise"
-) -> None:
+    samples: Sequence[Any],
+    source: StatSource,
+    *,
+    missing: Missing = "raise",
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
+) -> StepCheck:
     """Before dispatch (the driver, e.g. in a ``--custom-convert-samples-to-train-data-path``
     function or a rollout function's end): every sample's rollout exists and holds
     ``len(tokens) - 1`` rows (:func:`~r3_client.rank_local.check_step`, one batched stat);
-    raises one error naming the failing samples and rollouts."""
-    _samples.check_samples(_MILES, samples, source, missing=missing)
+    raises one error naming the failing samples and rollouts.  ``view`` / ``states``: the
+    policy the ranks replay under and, under ``exact``, each sample's state; returns the
+    :class:`~r3_client.rank_local.StepCheck` (tokens replayed off their own state)."""
+    return _samples.check_samples(
+        _MILES, samples, source, missing=missing, view=view, states=states
+    )
 
 
 def fetch_rank_replay(

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from r3_client._exceptions import ShapeError
+from r3_client._exceptions import InvalidRequestError, ShapeError
 from r3_client._routing import Routing, check_rollout_id, token_digest
 from r3_client._views import ViewPolicy, one_routing_policy
 from r3_client.integrations.tags import tag_sampling_params
@@ -351,10 +351,14 @@ def check_rank_local_batch(
     rollout_ids: Sequence[str] | None = None,
     *,
     missing: Missing = "raise",
+    view: ViewPolicy = "exact",
 ) -> Any:
     """Driver side of the rank-local mode: check the step's rollouts, attach nothing.
 
-    Returns ``data``.
+    Returns ``data``; where it has a ``meta_info`` dict, the check's
+    :class:`~r3_client.rank_local.StepCheck` goes in ``meta_info["r3_step_check"]`` (how
+    many tokens the ranks, replaying under ``view``, give a routing other than the one
+    they attended to; a warning is logged when some are).
 
     Every sample's rollout (``rollout_ids``, default ``non_tensor_batch["r3_rollout_id"]``;
     given ids are written there) must be in the cache with a row for each of its tokens
@@ -388,16 +392,20 @@ def check_rank_local_batch(
         for i, (p, r) in enumerate(zip(prompt_lens, response_lens, strict=True))
     ]
     # As attach_routed_experts' _fit: more rows only where verl cut the response.
-    check_step(
+    found = check_step(
         source,
         ids,
         [len(t) for t in tokens],
         missing=missing,
         tokens=tokens,
         longer=[int(r) >= rlen for r in response_lens],
+        view=view,
     )
     if rollout_ids is not None:
         data.non_tensor_batch[ROLLOUT_ID_KEY] = np.array(ids, dtype=object)
+    meta = getattr(data, "meta_info", None)
+    if isinstance(meta, dict):
+        meta["r3_step_check"] = found
     return data
 
 
@@ -415,8 +423,10 @@ class RoutedRolloutManager:
     :func:`attach_routed_experts` applied, except for validation batches
     (``meta_info["validate"]``), which verl does not train on.  ``view``: the policy
     of the fetch (:func:`attach_routed_experts`).  With ``rank_local=True`` it applies
-    :func:`check_rank_local_batch` instead (``num_layers`` unused, ``view`` must be
-    ``"generated"``: the ranks read first computations) and the workers replay through
+    :func:`check_rank_local_batch` instead (``num_layers`` unused, ``view`` left at its
+    default: the driver fetches nothing, each rank chooses its policy where it reads,
+    :func:`~r3_client.rank_local.fetch_verl_rank_slice`'s ``view``; another one is
+    refused, :class:`~r3_client.InvalidRequestError`) and the workers replay through
     :class:`RankLocalReplay`.  Every other attribute is the wrapped manager's.
     """
 
@@ -437,9 +447,10 @@ class RoutedRolloutManager:
         self.view: ViewPolicy = one_routing_policy(view, "verl")
         self.rank_local = rank_local
         if rank_local and self.view != "generated":
-            raise ValueError(
-                f"rank_local=True reads each position's first computation; view={view!r} "
-                "needs the whole rollout on the driver (rank_local=False)"
+            raise InvalidRequestError(
+                f"rank_local=True: view={view!r} is the policy of the driver's fetch, which "
+                "the rank-local mode does not make; each rank chooses its policy where it "
+                "reads its slice (RankLocalReplay, fetch_verl_rank_slice(view=...))"
             )
         if not rank_local and num_layers is None:
             raise TypeError("num_layers (the model's num_hidden_layers) is required")
