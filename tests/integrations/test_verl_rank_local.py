@@ -386,7 +386,7 @@ def test_each_rank_replays_what_verls_own_r3_branch_sets(
                 ]
                 assert sorted(order) == sorted(ids) and order != ids
                 assert len(got) >= 2 * len(layers)
-            for name in r3_verl._PATCHED:  # verl's names are back
+            for name in r3_verl.worker._PATCHED:  # verl's names are back
                 assert not hasattr(getattr(verl.ti, name), "_r3_original")
 
 
@@ -405,7 +405,7 @@ def test_a_rollout_missing_at_the_rank_is_refused_naming_it(
         engine = r3_verl.RankLocalReplay(client).attach(_engine(verl, model, layers, tp=1, cp=1))
         with pytest.raises(RolloutNotFoundError, match=rf"sample \d \(rollout '{ids[3]}'\)"):
             _run(verl, engine, engine_env, td)
-    for name in r3_verl._PATCHED:
+    for name in r3_verl.worker._PATCHED:
         assert not hasattr(getattr(verl.ti, name), "_r3_original")
     assert "prepare_model_inputs" not in vars(engine)
 
