@@ -378,12 +378,12 @@ class RoutingClient:
         """
         policy = check_policy(view)
         items = ranged_reads(reads, policy)
-        for rid, a, b, _ in items:
+        for rid, a, b, _, _ in items:
             check_rollout_id(rid)
             self._core.check_range(a, b)
         stream = self._stream(
-            [rid for rid, _, _, _ in items],
-            [(a, b) for _, a, b, _ in items],
+            [rid for rid, _, _, _, _ in items],
+            [(a, b) for _, a, b, _, _ in items],
             (0, None, layers),
             chunk_size,
             False,
@@ -392,11 +392,11 @@ class RoutingClient:
         )
         infos: dict[str, RolloutInfo | R3Error] = {}
         if policy != "generated":
-            ids = list(dict.fromkeys(rid for rid, _, _, _ in items))
+            ids = list(dict.fromkeys(rid for rid, _, _, _, _ in items))
             infos = dict(zip(ids, self.stat_many(ids), strict=True))
-        for (rid, got), (_, _, _, state) in zip(stream, items, strict=True):
+        for (rid, got), (_, _, _, state, upto) in zip(stream, items, strict=True):
             if policy != "generated" and not isinstance(got, R3Error):
-                got = self._in_state(rid, got, infos[rid], policy, state, layers)
+                got = self._in_state(rid, got, infos[rid], policy, state, upto, layers)
             if isinstance(got, R3Error) and not return_errors:
                 raise got
             yield rid, got
@@ -408,6 +408,7 @@ class RoutingClient:
         info: RolloutInfo | R3Error,
         policy: str,
         state: int | None,
+        upto: int,
         layers: Sequence[int] | None,
     ) -> Routing | R3Error:
         """``base`` (a ranged read's first computations) with the views of its ``state``
@@ -423,6 +424,7 @@ class RoutingClient:
                 base.end,
                 info.num_rows,
                 rollout_id,
+                upto,
             )
             steps = apply_views(
                 base,

@@ -438,7 +438,7 @@ class DirectReader:
         """
         policy = check_policy(view)
         items = ranged_reads(reads, policy)
-        for rid, a, b, _ in items:
+        for rid, a, b, _, _ in items:
             check_rollout_id(rid)
             if a < 0 or b <= a:
                 raise ShapeError(f"token range [{a}, {b}) is empty or negative")
@@ -447,7 +447,7 @@ class DirectReader:
         span: _Span = None if policy == "generated" else (0, None)
 
         def decode(
-            rid: str, got: _Read | R3Error, a: int, b: int, state: int | None
+            rid: str, got: _Read | R3Error, a: int, b: int, state: int | None, upto: int
         ) -> Routing | R3Error:
             if isinstance(got, R3Error):
                 return got
@@ -456,7 +456,7 @@ class DirectReader:
                 return outside
             try:
                 base = self._decode(got.frames, rid, a, b, layers)
-                applied = read_views(got.views, policy, state, a, b, got.stored_end, rid)
+                applied = read_views(got.views, policy, state, a, b, got.stored_end, rid, upto)
                 steps = apply_views(
                     base, overlapping(applied, base), max_bytes=self.max_bytes, rollout_id=rid
                 )
@@ -469,12 +469,12 @@ class DirectReader:
             with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
                 held: dict[str, _Read | R3Error] = {}  # rollouts with reads still to submit
                 pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
-                for n, (rid, a, b, state) in enumerate(items):
+                for n, (rid, a, b, state, upto) in enumerate(items):
                     if rid not in held:  # its first read in this window: the next fetched
                         got_id, held[rid] = next(fetched)
                         assert got_id == rid, (got_id, rid)
                     got = held.pop(rid) if n in last else held[rid]
-                    pending.append((rid, pool.submit(decode, rid, got, a, b, state)))
+                    pending.append((rid, pool.submit(decode, rid, got, a, b, state, upto)))
                     del got  # the job holds the frames; the last one drops them
                     while len(pending) > 2 * width or (pending and pending[0][1].done()):
                         yield self._ready(pending.popleft(), return_errors)
@@ -485,7 +485,7 @@ class DirectReader:
 
     @staticmethod
     def _range_windows(
-        items: Sequence[tuple[str, int, int, int | None]], window: int
+        items: Sequence[tuple[str, int, int, int | None, int]], window: int
     ) -> tuple[list[str], set[int]]:
         """:meth:`get_ranges`' reads cut into windows of at most ``window`` rollouts: the
         rollouts to fetch, in order (each once per window it is named in, for its first
@@ -494,7 +494,7 @@ class DirectReader:
         order: list[str] = []
         last: set[int] = set()
         latest: dict[str, int] = {}  # this window's rollouts: their latest read so far
-        for n, (rid, _, _, _) in enumerate(items):
+        for n, (rid, _, _, _, _) in enumerate(items):
             if rid not in latest:
                 if len(latest) >= window:
                     last.update(latest.values())

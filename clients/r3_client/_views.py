@@ -140,23 +140,28 @@ def state_starts(views: Sequence[ViewInfo], num_rows: int) -> list[int]:
     return [a for a, _, _ in states_of(views, num_rows)]
 
 
-#: One ranged read: ``(rollout_id, start, end)``, or with the first row of the state it is
-#: read under (``exact``; :func:`read_views`) as a fourth element.
-RangeRead: TypeAlias = tuple[str, int, int] | tuple[str, int, int, int]
+#: One ranged read: ``(rollout_id, start, end)``; with the first row of the state it is read
+#: under (``exact``; :func:`read_views`) as a fourth element; and, fifth, the end of the rows
+#: its sample spans (a rank reads part of a sample: ``exact`` refuses the read when the
+#: *sample* reaches past its state, whichever part this rank reads).
+RangeRead: TypeAlias = (
+    tuple[str, int, int] | tuple[str, int, int, int | None] | tuple[str, int, int, int | None, int]
+)
 
 
 def ranged_reads(
     reads: Iterable[Sequence[Any]], policy: str
-) -> list[tuple[str, int, int, int | None]]:
-    """``reads`` as ``(rollout_id, start, end, state)`` (``state`` None where not given):
-    a state is a row of an ``exact`` read, so one given under another policy is refused
+) -> list[tuple[str, int, int, int | None, int]]:
+    """``reads`` as ``(rollout_id, start, end, state, upto)``: ``state`` None where not
+    given, ``upto`` the end of the sample's rows (``end`` where not given, never below it).
+    A state is a row of an ``exact`` read, so one given under another policy is refused
     (:class:`InvalidRequestError`: it would be ignored)."""
-    out: list[tuple[str, int, int, int | None]] = []
+    out: list[tuple[str, int, int, int | None, int]] = []
     for n, item in enumerate(reads):
-        if len(item) not in (3, 4):
+        if len(item) not in (3, 4, 5):
             raise InvalidRequestError(
-                f"read {n} is {tuple(item)!r}: give (rollout_id, start, end) or "
-                "(rollout_id, start, end, state)"
+                f"read {n} is {tuple(item)!r}: give (rollout_id, start, end), "
+                "(rollout_id, start, end, state) or (rollout_id, start, end, state, sample_end)"
             )
         state = None if len(item) == 3 or item[3] is None else int(item[3])
         if state is not None and policy != "exact":
@@ -166,7 +171,9 @@ def ranged_reads(
             )
         if state is not None and state < 0:
             raise InvalidRequestError(f"read {n} names state {state}: a state is a row >= 0")
-        out.append((str(item[0]), int(item[1]), int(item[2]), state))
+        end = int(item[2])
+        upto = max(end, int(item[4])) if len(item) == 5 else end
+        out.append((str(item[0]), int(item[1]), end, state, upto))
     return out
 
 
@@ -178,9 +185,13 @@ def read_views(
     end: int,
     num_rows: int,
     rollout_id: str = "",
+    upto: int | None = None,
 ) -> tuple[ViewInfo, ...]:
     """The views a read of rows ``[start, end)`` writes over the first computations under
-    ``policy``; ``views``: the rollout's applicable views, ``num_rows`` its stored rows.
+    ``policy``; ``views``: the rollout's applicable views, ``num_rows`` its stored rows;
+    ``upto``: where the rows of the read's sample end (a rank reads part of a sample; the
+    check below is on the whole sample's rows, so no rank replays part of a sample that
+    spans several states), ``end`` when not given.
 
     ``generated``: none; ``latest``: all.  ``exact``: those of the read's ``state`` (the
     first row it serves, :func:`states_of`; ``None`` is the first state, ``0``), and
@@ -201,9 +212,13 @@ def read_views(
     for a, b, applied in states:
         if a != at:
             continue
-        if end > b and len(states) > 1:
+        reach = end if upto is None else max(end, upto)
+        if reach > b and len(states) > 1:
+            what = f"rows [{start}, {end})" + (
+                f" (of a sample of rows [0, {reach}))" if reach > end else ""
+            )
             raise InvalidRequestError(
-                f'view="exact": rows [{start}, {end}) of {who} under its state starting at '
+                f'view="exact": {what} of {who} under its state starting at '
                 f"row {a} go past that state's rows [0, {b}): the tokens after row {b} "
                 f"attended to another routing ({len(states)} states start at rows "
                 f"{[s for s, _, _ in states]}); expand the sample into one training sample "

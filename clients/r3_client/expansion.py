@@ -37,7 +37,14 @@ from r3_client._exceptions import R3Error, RolloutNotFoundError, ShapeError
 from r3_client._routing import check_rollout_id
 from r3_client._views import applicable_views, states_of
 
-__all__ = ["Expansion", "SampleState", "expand_infos", "expand_states"]
+__all__ = [
+    "Expansion",
+    "SampleState",
+    "applicable_views",
+    "expand_infos",
+    "expand_states",
+    "states_of",
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,8 +229,13 @@ def fetch_plan_rows(
         if plan.seqlens[first] < 2:
             raise ShapeError("no sample of the micro-batch has a routing row (all one token)")
         runs = [(first, 0, 1, -1)]
+    # Under exact every read names its sample's rows' end, so a rank that reads only an
+    # early part of a sample spanning several states refuses it as the others do.
+    rows_of = plan.seqlens.astype(np.int64) - 1
     reads: list[RangeRead] = [
-        (ids[i], a, b) if states is None or states[i] is None else (ids[i], a, b, int(states[i]))  # type: ignore[arg-type]
+        (ids[i], a, b)
+        if policy != "exact"
+        else (ids[i], a, b, None if states is None else states[i], int(rows_of[i]))
         for i, a, b, _ in runs
     ]
     local: npt.NDArray[np.int64] | None = None

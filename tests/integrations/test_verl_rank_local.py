@@ -22,6 +22,7 @@ micro-batch by micro-batch and chunk by chunk, each fetched once.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import itertools
 import types
@@ -382,7 +383,7 @@ def test_each_rank_replays_what_verls_own_r3_branch_sets(
                     r
                     for reads, lay in source.calls
                     if lay == source.calls[0][1]
-                    for r in dict.fromkeys(key for key, _, _ in reads)
+                    for r in dict.fromkeys(key for key, *_ in reads)
                 ]
                 assert sorted(order) == sorted(ids) and order != ids
                 assert len(got) >= 2 * len(layers)
@@ -558,3 +559,130 @@ def test_canary_passes_on_verl_0_9_1_and_fails_loudly_when_verl_moves(
         with pytest.raises(RuntimeError, match="set_target_indices takes"):
             r3_verl.check_verl_hooks()
     r3_verl.check_verl_hooks()
+
+
+# ------------------------------------------------------------------ exact: an expanded batch
+
+
+def _store_straddled(
+    client: RoutingClient, model: Model, seed: int
+) -> tuple[list[str], list[list[np.ndarray]]]:
+    """The step's rollouts, sample 5 a three-turn agent with a push before each later turn
+    (views serving rows 3 and 6) and sample 6 recomputed after an eviction (a view of rows
+    [2, 8) serving row 8), the others single calls; each sample's states' rows."""
+    g = np.random.default_rng(seed)
+    layers = model.moe_ids
+
+    def rows(n: int) -> np.ndarray:
+        # each row's experts ascending: the cache's canonical order (a set per token)
+        return np.sort(np.argsort(g.random((n, len(layers), E)), axis=-1)[..., :K], axis=-1).astype(
+            np.int16
+        )
+
+    def put(key: str, idx: np.ndarray, start: int, version: str, view: int | None = None) -> None:
+        seg = Segment(start, start + idx.shape[0], "tiny-moe", version)
+        client.put(key, idx, num_experts=E, layer_ids=layers, segment=seg, view=view)
+
+    ids: list[str] = []
+    states: list[list[np.ndarray]] = []
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
+        key = rid()
+        n = p + r - 1
+        first = rows(n)
+        if i == 5:  # turns [0, 3), [3, 6), [6, 9)
+            again, third = rows(3), rows(6)
+            put(key, first[:3], 0, "w1")
+            put(key, again, 0, "w2", view=3)
+            put(key, first[3:6], 3, "w2")
+            put(key, third, 0, "w3", view=6)
+            put(key, first[6:9], 6, "w3")
+            s1 = np.concatenate([again, first[3:6]])
+            states.append([first[:3], s1, np.concatenate([third, first[6:9]])])
+        elif i == 6:  # rows [2, 8) recomputed for the turn starting at row 8
+            redo = rows(6)
+            put(key, first[:8], 0, "w1")
+            put(key, redo, 2, "w1", view=8)
+            put(key, first[8:], 8, "w1")
+            states.append([first[:8], np.concatenate([first[:2], redo, first[8:]])])
+        elif n > 0:
+            put(key, first, 0, "w1")
+            states.append([first])
+        else:
+            states.append([first])
+        ids.append(key)
+    return ids, states
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp", "pp", "vpp"), [(1, 1, 1, None), (2, 2, 2, None), (1, 2, 2, 2)]
+)
+def test_an_expanded_batch_replays_each_row_in_its_own_state_on_every_rank(
+    verl: Verl,
+    engine_env: Recorder,
+    svc: Service,
+    tp: int,
+    cp: int,
+    pp: int,
+    vpp: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``expand_verl_batch`` on the driver, ``RankLocalReplay`` (exact, the default) on every
+    (tp, cp, pp[, vp]) rank through verl's real ``forward_backward_batch``: the routers hold
+    what verl's own R3 branch sets from a whole ``routed_experts`` laid out from each
+    expanded row's own state; the unexpanded batch is refused at the rank, never replayed
+    with one state for all its tokens."""
+    model = MODELS[0]
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        ids, states = _store_straddled(client, model, seed=11 * tp + cp + pp)
+        data = _rollout(verl, ids)
+        exp = r3_verl.expand_verl_batch(data, client)
+        origin = list(exp.non_tensor_batch["r3_origin"])
+        state = list(exp.non_tensor_batch["r3_state"])
+        assert origin == [0, 1, 2, 3, 4, 5, 5, 5, 6, 6] and state[5:] == [0, 3, 6, 0, 8]
+        assert exp.meta_info["r3_expansion"]["extra_rows"] == 3
+        # the whole-batch reference: verl_layout of each row's own state's rows
+        plens = [PROMPTS[i] for i in origin]
+        totals = exp.batch["attention_mask"].sum(dim=1).tolist()
+        rlens = [t - p for t, p in zip(totals, plens, strict=True)]
+        seen: dict[int, int] = {}
+        own = []
+        for i in origin:
+            k = seen.get(i, 0)
+            seen[i] = k + 1
+            own.append(states[i][k])
+        routings = [
+            Routing.from_array(rows[: t - 1], num_experts=E, layer_ids=model.moe_ids)
+            for rows, t in zip(own, totals, strict=True)
+        ]
+        routed = verl_layout(
+            routings, plens, rlens, prompt_len=PROMPT_LEN, response_len=RESPONSE_LEN,
+            num_layers=NUM_LAYERS,
+        )  # fmt: skip
+        whole_data = copy.deepcopy(exp)
+        whole_data.batch["routed_experts"] = torch.from_numpy(routed)
+        whole = _worker_batch(verl, whole_data)
+        local = _worker_batch(verl, exp)
+        plain = _worker_batch(verl, _rollout(verl, ids))
+        chunks = megatron_chunks(pp, vpp)
+        refused = 0
+        for tp_rank, cp_rank, pp_rank in itertools.product(range(tp), range(cp), range(pp)):
+            layers = [[i for i in chunks[pp_rank, vp] if model.freq[i]] for vp in range(vpp or 1)]
+            set_rank(monkeypatch, tp, tp_rank, cp, cp_rank)
+            replay = r3_verl.RankLocalReplay(client)
+            engine = replay.attach(_engine(verl, model, layers, tp=tp, cp=cp))
+            want = _run(verl, engine, engine_env, whole)
+            got = _run(verl, engine, engine_env, local)
+            _assert_same(got, want)
+            # unexpanded: every rank that reads any row of a straddled sample refuses it
+            source = CountingSource(client)
+            engine = r3_verl.RankLocalReplay(source).attach(
+                _engine(verl, model, layers, tp=tp, cp=cp)
+            )
+            try:
+                _run(verl, engine, engine_env, plain)
+            except InvalidRequestError as exc:
+                refused += "expand the sample" in str(exc)
+            else:
+                read = {key for reads, _ in source.calls for key, *_ in reads}
+                assert not read & {ids[5], ids[6]}, "a straddled sample replayed in one state"
+        assert refused > 0

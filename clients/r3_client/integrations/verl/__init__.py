@@ -45,8 +45,11 @@ from __future__ import annotations
 from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY
 from r3_client.integrations.verl.driver import (
     RoutedRolloutManager,
+    advantages_by_origin,
     attach_routed_experts,
+    check_expansion_modes,
     check_rank_local_batch,
+    expand_verl_batch,
 )
 from r3_client.integrations.verl.rollout import (
     RoutedAgentLoop,
@@ -65,9 +68,12 @@ __all__ = [
     "RoutedAgentLoop",
     "RoutedRolloutManager",
     "TaggingServerClient",
+    "advantages_by_origin",
     "attach_routed_experts",
+    "check_expansion_modes",
     "check_rank_local_batch",
     "check_verl_hooks",
+    "expand_verl_batch",
     "new_rollout_id",
     "routed_agent_loop",
 ]

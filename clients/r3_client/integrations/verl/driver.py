@@ -12,7 +12,7 @@ import numpy as np
 from r3_client._exceptions import InvalidRequestError, ShapeError
 from r3_client._routing import Routing, check_rollout_id, token_digest
 from r3_client._views import ViewPolicy, one_routing_policy
-from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY
+from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY, STATE_KEY
 from r3_client.layouts import Missing, verl_layout
 from r3_client.rank_local import StatSource, check_step
 
@@ -278,3 +278,181 @@ class RoutedRolloutManager:
         if name == "wrapped":  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.wrapped, name)
+
+
+# ------------------------------------------------------------------ exact: state expansion
+
+#: The ``non_tensor_batch`` key of an expanded batch's rows' original samples (``-1`` for
+#: the rows added to keep the batch divisible); each row's state is under ``STATE_KEY``.
+ORIGIN_KEY = "r3_origin"
+#: The batch key holding each row's original ``response_mask`` (before the state's cut),
+#: which :func:`advantages_by_origin` computes advantages with.
+FULL_MASK_KEY = "r3_full_response_mask"
+
+# verl 0.9.1's loss aggregations and policy losses that are sums of per-token terms (each
+# token trained once in an expanded batch: the same loss) and those that are not.
+_TOKEN_AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+_SEQUENCE_LOSSES = {
+    "gspo": "a sequence-level importance ratio (core_algos.py:1545, the mean log-ratio of the "
+    "sequence's tokens)",
+    "sapo": "its loss aggregated seq-mean-token-mean whatever loss_agg_mode says "
+    "(core_algos.py:1622)",
+    "geo_mean": "a sequence-level geometric-mean ratio and advantage (core_algos.py:1928)",
+}
+
+
+def check_expansion_modes(loss_agg_mode: str, policy_loss_mode: str = "vanilla") -> None:
+    """Refuse (:class:`~r3_client.InvalidRequestError`) verl loss settings under which an
+    expanded batch does not train the loss of the original one.
+
+    An expanded batch trains each token once, in the sample of its own routing state, so
+    a loss that adds per-token terms is unchanged: ``token-mean`` and ``token-sum``, and
+    ``seq-mean-token-sum(-norm)`` under verl's trainer, which divides by the mini-batch's
+    configured size (``global_batch_size=ppo_mini_batch_size``, ``ray_trainer.py:1362``)
+    rather than by the rows it holds.  ``seq-mean-token-mean`` averages within each
+    sequence first, so a sample cut into states would weigh each part as a sequence; the
+    ``gspo``, ``sapo`` and ``geo_mean`` policy losses take sequence-level statistics of
+    the tokens trained together.  Those are refused under ``exact``: name ``view="latest"``
+    (or ``"generated"``) to replay one routing per sample (the pre-dispatch check counts
+    the tokens replayed off their own state), or use a token-level aggregation.
+    """
+    if loss_agg_mode not in _TOKEN_AGG:
+        raise InvalidRequestError(
+            f"verl loss_agg_mode={loss_agg_mode!r} is not a sum of per-token terms: a sample "
+            "expanded into one training sample per routing state (view='exact') would be "
+            f"weighed as several sequences. Use one of {', '.join(_TOKEN_AGG)}, or replay one "
+            "routing per sample with view='latest' or 'generated' (its off-state tokens are "
+            "counted by the pre-dispatch check)"
+        )
+    why = _SEQUENCE_LOSSES.get(policy_loss_mode)
+    if why is not None:
+        raise InvalidRequestError(
+            f"verl policy_loss.loss_mode={policy_loss_mode!r} takes {why}: a sample expanded "
+            "into one training sample per routing state (view='exact') would change it. Use a "
+            "token-level policy loss (vanilla, dppo_tv, dppo_kl, gpg, clip_cov, kl_cov, dro, "
+            "cispo), or replay one routing per sample with view='latest' or 'generated'"
+        )
+
+
+def expand_verl_batch(
+    data: Any,
+    source: StatSource,
+    rollout_ids: Sequence[str] | None = None,
+    *,
+    loss_agg_mode: str = "token-mean",
+    policy_loss_mode: str = "vanilla",
+    divisor: int = 1,
+) -> Any:
+    """A verl ``DataProto`` with one row per routing state of each sample (``exact``).
+
+    Call it on the driver where the training batch is complete (its rewards computed, the
+    rollout's per-sample fields set) and before ``compute_log_prob``: every later stage
+    (old and reference log-probs, values, advantages through :func:`advantages_by_origin`,
+    the update) then runs on the expanded batch, and each rank reads each row under its
+    state (:class:`~r3_client.integrations.verl.RankLocalReplay` reads
+    ``non_tensor_batch["r3_state"]``; or :func:`attach_routed_experts` on the expanded
+    batch).  One batched stat (:func:`r3_client.expand_states`), no rows.
+
+    Row ``j``, state ``s`` of sample ``i`` (rows ``[a, b)``), is sample ``i`` with its
+    ``attention_mask`` cut after token ``b`` (tokens past it are padding: they were
+    sampled after another routing) and its ``response_mask`` kept only on tokens
+    ``a + 1 .. b`` (AND-ed with the sample's own: tool tokens stay masked); every other
+    field is sample ``i``'s (old / reference / rollout log-probs, rewards, uids: per-token
+    fields are masked by ``response_mask`` where verl's losses read them).  A state whose
+    tokens are all prompt trains nothing and is left out.  The original mask is kept in
+    ``batch["r3_full_response_mask"]``; ``non_tensor_batch["r3_state"]`` and
+    ``["r3_origin"]`` say where each row comes from; ``meta_info["r3_expansion"]`` holds
+    the counts (samples, rows, extra rows, extra tokens).  ``divisor``: the row count is
+    padded to a multiple of it (verl's dispatch splits the batch evenly over its data-
+    parallel ranks) with copies of the last row that train nothing (``response_mask`` 0,
+    ``r3_origin`` -1).  A batch without views comes back with the same rows (and the keys).
+
+    Refuses (:class:`~r3_client.InvalidRequestError`, before any stat) the loss settings
+    of :func:`check_expansion_modes`.
+    """
+    import torch
+
+    from r3_client.expansion import expand_states
+
+    check_expansion_modes(loss_agg_mode, policy_loss_mode)
+    ids = _rollout_ids(data, rollout_ids)
+    mask = data.batch["attention_mask"]
+    plen = int(data.batch["prompts"].shape[1])
+    prompt_lens = mask[:, :plen].sum(dim=1).tolist()
+    counts = mask.sum(dim=1).tolist()
+    exp = expand_states(source, ids, counts)
+    keep = [
+        j
+        for j, s in enumerate(exp.states)
+        if s.num_tokens > prompt_lens[s.origin] or s.end >= counts[s.origin] - 1
+    ]
+    states = [exp.states[j] for j in keep]
+    pad = (-len(states)) % max(1, divisor)
+    rows = [s.origin for s in states] + [states[-1].origin] * pad
+    out = data.select_idxs(np.asarray(rows, dtype=np.int64))
+    full = out.batch["response_mask"] if "response_mask" in out.batch.keys() else None  # noqa: SIM118
+    attention = out.batch["attention_mask"].clone()
+    if full is None:
+        full = attention[:, plen:].clone()
+    response = full.clone()
+    width = attention.shape[1]
+    for j, s in enumerate(states):
+        p = prompt_lens[s.origin]
+        start = plen - p  # the sample's token 0 (verl left-pads prompts)
+        attention[j, start + s.num_tokens :] = 0
+        state_mask = torch.as_tensor(s.token_mask(width - plen, offset=p), device=response.device)
+        response[j] = response[j] * state_mask.to(response.dtype)
+    if pad:
+        response[len(states) :] = 0
+    out.batch["attention_mask"] = attention
+    out.batch["response_mask"] = response
+    out.batch[FULL_MASK_KEY] = full
+    out.non_tensor_batch[STATE_KEY] = np.asarray(
+        [s.state for s in states] + [states[-1].state] * pad, dtype=np.int64
+    )
+    out.non_tensor_batch[ORIGIN_KEY] = np.asarray(
+        [s.origin for s in states] + [-1] * pad, dtype=np.int64
+    )
+    out.non_tensor_batch[ROLLOUT_ID_KEY] = np.asarray([ids[i] for i in rows], dtype=object)
+    meta = dict(out.meta_info) if isinstance(out.meta_info, dict) else {}
+    meta["r3_expansion"] = {
+        "samples": len(ids),
+        "rows": len(rows),
+        "extra_rows": len(rows) - len(ids),
+        "extra_tokens": int(sum(s.num_tokens for s in states) - sum(counts)),
+        "padding_rows": pad,
+    }
+    out.meta_info = meta
+    return out
+
+
+def advantages_by_origin(data: Any, compute: Any, **kwargs: Any) -> Any:
+    """Run verl's advantage estimator over an expanded batch's original samples, once each,
+    and give every row its original's advantages and returns; return ``data``.
+
+    ``compute(originals, **kwargs)``: verl's ``compute_advantage`` (``ray_trainer.py``) or
+    any function that sets ``batch["advantages"]`` / ``["returns"]`` on the ``DataProto``
+    it is given and returns it.  The originals are each sample's last state's row (its
+    whole response) with its original ``response_mask``, so group statistics (GRPO's by
+    ``uid``, RLOO's baseline) and rewards count each sample once, as without expansion.
+    """
+    origin = np.asarray(data.non_tensor_batch[ORIGIN_KEY], dtype=np.int64)
+    last: dict[int, int] = {}
+    for j, i in enumerate(origin.tolist()):
+        if i >= 0:
+            last[i] = j  # a sample's states are consecutive, its last state last
+    order = sorted(last)
+    originals = data.select_idxs(np.asarray([last[i] for i in order], dtype=np.int64))
+    originals.batch["response_mask"] = originals.batch[FULL_MASK_KEY].clone()
+    originals = compute(originals, **kwargs)
+    where = {i: n for n, i in enumerate(order)}
+    take = np.asarray([where[i] if i >= 0 else 0 for i in origin.tolist()], dtype=np.int64)
+    import torch
+
+    index = torch.as_tensor(take, device=data.batch["response_mask"].device)
+    for key in ("advantages", "returns"):
+        if key in originals.batch.keys():  # noqa: SIM118
+            data.batch[key] = originals.batch[key].index_select(0, index) * data.batch[
+                "response_mask"
+            ].to(originals.batch[key].dtype)
+    return data

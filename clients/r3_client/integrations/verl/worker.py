@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY
+from r3_client._views import ViewPolicy, check_policy
+from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY, STATE_KEY
 from r3_client.layouts import Missing, VerlRank, VerlRankSlice
 from r3_client.rank_local import RangeSource, fetch_verl_rank_slice
 
@@ -184,6 +185,26 @@ class _Micro:
     prompt_lens: npt.NDArray[np.int64]
     response_lens: npt.NDArray[np.int64]
     local_cp_size: int | None
+    states: tuple[int, ...] | None = None  # an expanded batch's rows' states (r3_state)
+
+    @property
+    def key(self) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+        """What tells this micro-batch from another (a rollout's states may be in two)."""
+        return self.ids, self.states
+
+
+def _ids_and_states(batch: Any) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    """A verl micro-batch's rollout ids and, for an expanded batch
+    (:func:`~r3_client.integrations.verl.expand_verl_batch`), each row's state."""
+    from verl.utils import tensordict_utils as tu
+
+    raw = tu.get(batch, ROLLOUT_ID_KEY)
+    ids = (raw,) if isinstance(raw, str) else tuple(str(x) for x in raw)
+    if STATE_KEY not in batch.keys():  # noqa: SIM118 (a TensorDict refuses `in`)
+        return ids, None
+    got = tu.get(batch, STATE_KEY)
+    states = (int(got),) if np.ndim(got) == 0 else tuple(int(x) for x in got)
+    return ids, states
 
 
 def _micro_of(batch: Any) -> _Micro:
@@ -195,8 +216,7 @@ def _micro_of(batch: Any) -> _Micro:
     exactly when verl's mask replays it."""
     from verl.utils import tensordict_utils as tu
 
-    raw = tu.get(batch, ROLLOUT_ID_KEY)
-    ids = (raw,) if isinstance(raw, str) else tuple(str(x) for x in raw)
+    ids, states = _ids_and_states(batch)
     input_ids = batch["input_ids"]
     if not getattr(input_ids, "is_nested", False):
         raise TypeError("R3 router replay requires jagged input_ids (use_remove_padding)")
@@ -207,7 +227,11 @@ def _micro_of(batch: Any) -> _Micro:
         raise ValueError(f"{len(ids)} rollout ids for a micro-batch of {total.shape[0]} samples")
     local_cp_size = tu.get_non_tensor_data(data=batch, key="local_cp_size", default=None)
     return _Micro(
-        ids, total - response, response, None if local_cp_size is None else int(local_cp_size)
+        ids,
+        total - response,
+        response,
+        None if local_cp_size is None else int(local_cp_size),
+        states,
     )
 
 
@@ -217,7 +241,7 @@ class _Pending:
     rank-local mode: the micro-batch, whose rows the hook's ``set_router_replay_data`` reads."""
 
     batch: Any
-    ids: tuple[str, ...]
+    key: tuple[tuple[str, ...], tuple[int, ...] | None]
 
 
 class _Step:
@@ -229,14 +253,14 @@ class _Step:
         self.engine = engine
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="r3-verl-fetch")
         self.micro: list[_Micro] = []
-        self.index: dict[tuple[str, ...], int] = {}
+        self.index: dict[tuple[tuple[str, ...], tuple[int, ...] | None], int] = {}
         self.chunk_layers: list[tuple[int, ...]] = []
-        self.inflight: dict[tuple[tuple[str, ...], VerlRank], Future[VerlRankSlice]] = {}
+        self.inflight: dict[tuple[Any, VerlRank], Future[VerlRankSlice]] = {}
         self.fetched = 0
 
     # -- fetching
     def _submit(self, micro: _Micro, rank: VerlRank) -> Future[VerlRankSlice]:
-        key = (micro.ids, rank)
+        key = (micro.key, rank)
         fut = self.inflight.get(key)
         if fut is None:
             source = self.replay.source()
@@ -248,6 +272,8 @@ class _Step:
                 micro.response_lens,
                 rank=rank,
                 missing=self.replay.missing,
+                view=self.replay.view,
+                states=micro.states,
             )
             self.inflight[key] = fut
         return fut
@@ -261,7 +287,7 @@ class _Step:
         self, pending: _Pending, layers: tuple[int, ...], tf_config: Any, local_cp_size: Any
     ) -> VerlRankSlice:
         """The chunk's slice of the micro-batch: prefetched, or fetched now."""
-        i = self.index.get(pending.ids)
+        i = self.index.get(pending.key)
         micro = self.micro[i] if i is not None else _micro_of(pending.batch)
         rank = _verl_rank(tf_config, local_cp_size, layers)
         fut = self._submit(micro, rank)
@@ -270,7 +296,7 @@ class _Step:
         try:
             got = fut.result()
         finally:
-            self.inflight.pop((micro.ids, rank), None)
+            self.inflight.pop((micro.key, rank), None)
         self.fetched += 1
         return got
 
@@ -281,7 +307,7 @@ class _Step:
             unwrap_model = _module("verl.utils.megatron_utils").unwrap_model
 
             self.micro = [_micro_of(b) for b in batches]
-            self.index = {m.ids: i for i, m in enumerate(self.micro)}
+            self.index = {m.key: i for i, m in enumerate(self.micro)}
             chunks = unwrap_model(list(self.engine.module))
             self.chunk_layers = [
                 tuple(sorted({n - 1 for n, _ in rru.iter_model_routers(c)})) for c in chunks
@@ -358,11 +384,7 @@ class _Step:
         def prepare_model_inputs(batch: Any) -> Any:
             inputs = original(batch)
             if inputs.get("routed_experts") is None and ROLLOUT_ID_KEY in batch.keys():  # noqa: SIM118
-                from verl.utils import tensordict_utils as tu
-
-                raw = tu.get(batch, ROLLOUT_ID_KEY)
-                ids = (raw,) if isinstance(raw, str) else tuple(str(x) for x in raw)
-                inputs["routed_experts"] = _Pending(batch, ids)
+                inputs["routed_experts"] = _Pending(batch, _ids_and_states(batch))
             return inputs
 
         return prepare_model_inputs
@@ -435,7 +457,11 @@ class RankLocalReplay:
     (run on :meth:`attach` and :meth:`install`) refuses a verl whose names or statements
     moved.  ``source``: a :class:`~r3_client.RoutingClient` or
     :class:`~r3_client.DirectReader`, or a callable making one in the worker on first use.
-    ``missing``: as for :func:`~r3_client.rank_local.fetch_verl_rank_slice`.
+    ``missing``: as for :func:`~r3_client.rank_local.fetch_verl_rank_slice`.  ``view``:
+    the policy each rank reads under (``"exact"``, the default: each row of an expanded
+    batch, :func:`~r3_client.integrations.verl.expand_verl_batch`, in its state
+    ``non_tensor_batch["r3_state"]``, and a row of an unexpanded batch refused where it
+    spans several states; ``"latest"`` / ``"generated"`` by name).
     """
 
     def __init__(
@@ -444,6 +470,7 @@ class RankLocalReplay:
         *,
         missing: Missing = "raise",
         prefetch: int = 1,
+        view: ViewPolicy = "exact",
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
@@ -457,6 +484,7 @@ class RankLocalReplay:
             raise TypeError("source must have get_ranges, or make such an object when called")
         self.missing: Missing = missing
         self.prefetch = prefetch
+        self.view: ViewPolicy = check_policy(view)
         self._installed: tuple[type, Any] | None = None
         self.steps = 0  # hooked forward_backward_batch calls, for tests and logs
 
