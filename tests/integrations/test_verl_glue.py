@@ -756,9 +756,26 @@ def test_a_rollout_with_a_view_yields_the_latest_rows_when_asked(
         p, n = lens[i]
         rows = out.batch["routed_experts"][i, plen - p : plen + n - 1].numpy()
         assert np.array_equal(rows[:, list(MOE_IDS)], engine.latest(key))
-    r3_verl.attach_routed_experts(out, cache, num_layers=NUM_LAYERS)  # generated
+    r3_verl.attach_routed_experts(out, cache, num_layers=NUM_LAYERS, view="generated")
     check_attached(out, cache, engine)
-    with pytest.raises(InvalidRequestError, match="one forward"):
-        r3_verl.RoutedRolloutManager(r.manager, cache, num_layers=NUM_LAYERS, view="exact")
-    with pytest.raises(InvalidRequestError, match="one forward"):
-        r3_verl.attach_routed_experts(out, cache, num_layers=NUM_LAYERS, view="exact")
+    # exact, the default: a sample spanning two routing states is refused, never attached
+    # with one of them; expanded (one row per state) each row gets its own state's rows
+    with pytest.raises(InvalidRequestError, match="expand the sample"):
+        r3_verl.attach_routed_experts(out, cache, num_layers=NUM_LAYERS)
+    with pytest.raises(InvalidRequestError, match="expand first"):
+        r3_verl.expand_verl_batch(out, cache)  # routed_experts attached: one per sample
+    out.batch.pop("routed_experts")
+    exp = r3_verl.expand_verl_batch(out, cache)
+    assert exp.meta_info["r3_expansion"]["extra_rows"] == len(ids)  # each sample: 2 states
+    r3_verl.attach_routed_experts(exp, cache, num_layers=NUM_LAYERS)
+    for j, key in enumerate(exp.non_tensor_batch[r3_verl.ROLLOUT_ID_KEY]):
+        i, state = (
+            int(exp.non_tensor_batch["r3_origin"][j]),
+            int(exp.non_tensor_batch["r3_state"][j]),
+        )
+        p, _ = lens[i]
+        n = int(exp.batch["attention_mask"][j].sum())
+        rows = exp.batch["routed_experts"][j, plen - p : plen - p + n - 1].numpy()
+        served = {s.serves_start: s for s in cache.get_served(str(key))}[state]
+        want_rows = served.routing.indices[: n - 1]
+        assert np.array_equal(np.sort(rows[:, list(MOE_IDS)], -1), np.sort(want_rows, -1))

@@ -470,9 +470,16 @@ def test_driver_attaches_nothing_but_the_checked_ids(verl: Verl, service_single:
         # rollouts without views: every token replayed with the routing it attended to
         tokens = sum(PROMPTS) + sum(RESPONSES) - len(PROMPTS)
         assert out.meta_info["r3_step_check"] == StepCheck(7, 0, 0, 0, tokens, "exact")
-        # the driver fetches nothing: a policy given to it would be ignored, so it is refused
-        with pytest.raises(InvalidRequestError, match=r"view='latest'.*RankLocalReplay"):
-            r3_verl.RoutedRolloutManager(Manager(batch), client, rank_local=True, view="latest")
+        # the driver fetches nothing: its policy is the one its check reports for (the
+        # ranks' RankLocalReplay reads under theirs); a name that is no policy is refused
+        latest = r3_verl.RoutedRolloutManager(
+            Manager(batch), client, rank_local=True, view="latest"
+        )
+        assert latest.generate_sequences(verl.DataProto()).meta_info["r3_step_check"].policy == (
+            "latest"
+        )
+        with pytest.raises(InvalidRequestError, match="view must be one of"):
+            r3_verl.RoutedRolloutManager(Manager(batch), client, rank_local=True, view="last")  # type: ignore[arg-type]
         got = r3_verl.check_rank_local_batch(_rollout(verl, ids), client, view="generated")
         assert got.meta_info["r3_step_check"].policy == "generated"
         with pytest.raises(TypeError, match="num_layers"):

@@ -4,20 +4,25 @@ rank-local mode, the step checked and only its rollout ids dispatched; state exp
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from r3_client._exceptions import InvalidRequestError, ShapeError
+from r3_client._exceptions import InvalidRequestError, R3Error, ShapeError
 from r3_client._routing import Routing, check_rollout_id, token_digest
-from r3_client._views import ViewPolicy, one_routing_policy
+from r3_client._views import ViewPolicy, applicable_views, check_policy
 from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY, STATE_KEY
 from r3_client.layouts import Missing, verl_layout
-from r3_client.rank_local import StatSource, check_step
+from r3_client.rank_local import StatSource, StepCheck, check_step
 
 if TYPE_CHECKING:
     from r3_client._client import RoutingClient
+
+
+#: The ``non_tensor_batch`` key of an expanded batch's rows' original samples (``-1`` for
+#: the rows added to keep the batch divisible); each row's state is under ``STATE_KEY``.
+ORIGIN_KEY = "r3_origin"
 
 
 def _rollout_ids(data: Any, rollout_ids: Sequence[str] | None) -> list[str]:
@@ -33,7 +38,11 @@ def _rollout_ids(data: Any, rollout_ids: Sequence[str] | None) -> list[str]:
     ids = list(rollout_ids)
     if len(ids) != n:
         raise ValueError(f"{len(ids)} rollout ids for a batch of {n} samples")
-    first: dict[str, int] = {}
+    # An expanded batch (expand_verl_batch) holds a rollout once per state, and its padding
+    # rows (origin -1) repeat one: a rollout id and state name one row.
+    states = data.non_tensor_batch.get(STATE_KEY)
+    origins = data.non_tensor_batch.get(ORIGIN_KEY)
+    first: dict[tuple[str, int], int] = {}
     for i, key in enumerate(ids):
         if not key:
             raise ValueError(
@@ -41,14 +50,23 @@ def _rollout_ids(data: Any, rollout_ids: Sequence[str] | None) -> list[str]:
                 "(r3_client.integrations.verl.routed_agent_loop)"
             )
         check_rollout_id(key)
-        if key in first:
-            raise ValueError(f"verl samples {first[key]} and {i} share rollout id {key!r}")
-        first[key] = i
+        if origins is not None and int(origins[i]) < 0:
+            continue
+        tag = (key, 0 if states is None else int(states[i]))
+        if tag in first:
+            raise ValueError(f"verl samples {first[tag]} and {i} share rollout id {key!r}")
+        first[tag] = i
     return ids
 
 
 def _fit(
-    routing: Routing, tokens: Any, response: int, response_len: int, i: int, key: str
+    routing: Routing,
+    tokens: Any,
+    response: int,
+    response_len: int,
+    i: int,
+    key: str,
+    stored: int | None = None,
 ) -> Routing:
     """The rollout's rows for sample ``i`` (``tokens``: its prompt and response ids).
 
@@ -57,7 +75,7 @@ def _fit(
     sample's is checked against its digest.
     """
     want = len(tokens) - 1
-    have = routing.num_rows
+    have = routing.num_rows if stored is None else stored  # stored: a ranged read's rollout
     where = f"verl sample {i}, rollout {key!r}"
     if have < want:
         raise ShapeError(
@@ -77,7 +95,7 @@ def _fit(
                 f"{where}: stored rows [{seg.start}, {seg.end}) were computed from other "
                 "tokens than the sample's (token digest differs)"
             )
-    if have == want:
+    if routing.num_rows == want:
         return routing
     return Routing(
         routing.indices[:want], routing.num_experts, routing.layer_ids, 0, routing.segments
@@ -91,7 +109,7 @@ def attach_routed_experts(
     *,
     num_layers: int,
     missing: Missing = "raise",
-    view: ViewPolicy = "generated",
+    view: ViewPolicy = "exact",
 ) -> Any:
     """Set ``data.batch["routed_experts"]`` (a verl ``DataProto``) from the cache; return ``data``.
 
@@ -102,9 +120,14 @@ def attach_routed_experts(
     The tensor is :func:`~r3_client.layouts.verl_layout` of the rollouts, int16 ``[bs,
     prompt_len + response_len, num_layers, K]`` on ``attention_mask``'s device, with
     each sample's prompt and response lengths from ``attention_mask``.  ``view``:
+    ``"exact"`` (the default: each row replays the routing its tokens attended to; one
+    batched stat, then rollouts without views read as under ``generated`` and each
+    sample with views read by range in its state, ``non_tensor_batch["r3_state"]`` of a
+    batch expanded by :func:`expand_verl_batch`, else its first: a sample spanning
+    several states is refused, ``InvalidRequestError``, never attached with one of them),
     ``"generated"`` (each position's first computation; one streamed ``get_many``) or
     ``"latest"`` (what each rollout's last call attended to, verl#6054's answer; one
-    ``get(view="latest")`` per sample); docs/integrations.md.
+    ``get(view="latest")`` per sample), the last two chosen by name; docs/integrations.md.
 
     Raises :class:`~r3_client.RolloutNotFoundError` for a rollout the cache does not
     hold and :class:`~r3_client.ShapeError` (naming the sample and rollout) for one that
@@ -113,7 +136,7 @@ def attach_routed_experts(
     """
     import torch
 
-    policy = one_routing_policy(view, "verl")
+    policy = check_policy(view)
     ids = _rollout_ids(data, rollout_ids)
     mask = data.batch["attention_mask"]
     input_ids = data.batch["input_ids"]
@@ -123,15 +146,19 @@ def attach_routed_experts(
     response_lens = mask[:, plen:].sum(dim=1).tolist()
     tokens = input_ids.cpu().numpy()
     routings: list[Routing] = []
-    fetched = (
-        client.get_many(ids)
-        if policy == "generated"
-        else ((key, client.get(key, view=policy)) for key in ids)  # the stream has no views
-    )
-    for i, (key, routing) in enumerate(fetched):
+    fetched: Iterator[tuple[str, Routing | R3Error, int | None]]
+    if policy == "exact":
+        fetched = _exact_rows(
+            data, client, ids, [p + r for p, r in zip(prompt_lens, response_lens, strict=True)]
+        )
+    elif policy == "generated":
+        fetched = ((key, got, None) for key, got in client.get_many(ids))
+    else:  # the stream has no views
+        fetched = ((key, client.get(key, view=policy), None) for key in ids)
+    for i, (key, routing, stored) in enumerate(fetched):
         assert isinstance(routing, Routing)  # errors raise: return_errors is off
         p, r = prompt_lens[i], response_lens[i]
-        routings.append(_fit(routing, tokens[i, plen - p : plen + r], r, rlen, i, key))
+        routings.append(_fit(routing, tokens[i, plen - p : plen + r], r, rlen, i, key, stored))
     try:
         routed = verl_layout(
             routings,
@@ -149,6 +176,35 @@ def attach_routed_experts(
         raise ShapeError(f"verl {exc} (rollout {ids[int(m.group(1))]!r})") from exc
     data.batch["routed_experts"] = torch.from_numpy(routed).to(mask.device)
     return data
+
+
+def _exact_rows(
+    data: Any, client: RoutingClient, ids: list[str], counts: list[int]
+) -> Iterator[tuple[str, Routing | R3Error, int | None]]:
+    """Each sample's rollout under ``exact``: rollouts without views whole (the streamed
+    ``get_many``, as ``generated`` reads them: their one state), a sample with views its
+    rows ``[0, T - 1)`` in its state (``r3_state``, else the first), read by range, which
+    refuses a sample reaching past its state (:func:`attach_routed_experts` checks what it
+    gets as for every policy)."""
+    states = data.non_tensor_batch.get(STATE_KEY)
+    infos = client.stat_many(ids)
+    one_state = [isinstance(info, R3Error) or not applicable_views(info) for info in infos]
+    whole = client.get_many([key for key, one in zip(ids, one_state, strict=True) if one])
+    for i, (key, info) in enumerate(zip(ids, infos, strict=True)):
+        if one_state[i] or isinstance(info, R3Error):  # a missing rollout raises in the read
+            got_key, routing = next(whole)
+            assert got_key == key
+            yield key, routing, None
+            continue
+        want = counts[i] - 1
+        if info.num_rows < want or want == 0:  # _fit refuses the one, the other has no rows
+            yield key, client.get(key), None
+            continue
+        state = None if states is None else int(states[i])
+        ((_, routing),) = client.get_ranges([(key, 0, want, state, want)], view="exact")
+        # an expanded row is a prefix of its sample by construction (expand_verl_batch
+        # checked the sample's length); an original row is held to the length rules
+        yield key, routing, info.num_rows if states is None else None
 
 
 def check_rank_local_batch(
@@ -187,6 +243,21 @@ def check_rank_local_batch(
             "rank-local mode verl's workers replay the cache's rows, not this tensor; "
             "drop it or use attach_routed_experts"
         )
+    found = _check_batch(data, source, ids, missing, view)
+    if rollout_ids is not None:
+        data.non_tensor_batch[ROLLOUT_ID_KEY] = np.array(ids, dtype=object)
+    meta = getattr(data, "meta_info", None)
+    if isinstance(meta, dict):
+        meta["r3_step_check"] = found
+    return data
+
+
+def _check_batch(
+    data: Any, source: StatSource, ids: list[str], missing: Missing, view: ViewPolicy
+) -> StepCheck:
+    """:func:`~r3_client.rank_local.check_step` on a verl batch: its samples' token counts
+    and tokens from ``attention_mask`` and ``input_ids``, more rows allowed only where verl
+    cut the response (as :func:`attach_routed_experts`' ``_fit``)."""
     mask = data.batch["attention_mask"]
     plen = int(data.batch["prompts"].shape[1])
     rlen = int(data.batch["responses"].shape[1])
@@ -197,8 +268,7 @@ def check_rank_local_batch(
         input_ids[i, plen - int(p) : plen + int(r)]
         for i, (p, r) in enumerate(zip(prompt_lens, response_lens, strict=True))
     ]
-    # As attach_routed_experts' _fit: more rows only where verl cut the response.
-    found = check_step(
+    return check_step(
         source,
         ids,
         [len(t) for t in tokens],
@@ -207,12 +277,6 @@ def check_rank_local_batch(
         longer=[int(r) >= rlen for r in response_lens],
         view=view,
     )
-    if rollout_ids is not None:
-        data.non_tensor_batch[ROLLOUT_ID_KEY] = np.array(ids, dtype=object)
-    meta = getattr(data, "meta_info", None)
-    if isinstance(meta, dict):
-        meta["r3_step_check"] = found
-    return data
 
 
 class RoutedRolloutManager:
@@ -228,12 +292,15 @@ class RoutedRolloutManager:
     ``ray_trainer.py:1513``) returns the wrapped one's batch with
     :func:`attach_routed_experts` applied, except for validation batches
     (``meta_info["validate"]``), which verl does not train on.  ``view``: the policy
-    of the fetch (:func:`attach_routed_experts`).  With ``rank_local=True`` it applies
-    :func:`check_rank_local_batch` instead (``num_layers`` unused, ``view`` left at its
-    default: the driver fetches nothing, each rank chooses its policy where it reads,
-    :func:`~r3_client.rank_local.fetch_verl_rank_slice`'s ``view``; another one is
-    refused, :class:`~r3_client.InvalidRequestError`) and the workers replay through
-    :class:`RankLocalReplay`.  Every other attribute is the wrapped manager's.
+    of the fetch (:func:`attach_routed_experts`; ``"exact"`` by default, which refuses a
+    sample spanning several routing states rather than attach one of them: name
+    ``"latest"`` or ``"generated"`` to replay one routing per sample, or expand the batch,
+    :func:`expand_verl_batch`, where the trainer's loop allows it, docs/integrations.md).
+    With ``rank_local=True`` it applies :func:`check_rank_local_batch` instead
+    (``num_layers`` unused; ``view`` is the policy the pre-dispatch check reports for:
+    give :class:`RankLocalReplay` the same, the driver fetches nothing) and the workers
+    replay through :class:`RankLocalReplay`.  Every other attribute is the wrapped
+    manager's.
     """
 
     def __init__(
@@ -243,21 +310,15 @@ class RoutedRolloutManager:
         *,
         num_layers: int | None = None,
         missing: Missing = "raise",
-        view: ViewPolicy = "generated",
+        view: ViewPolicy = "exact",
         rank_local: bool = False,
     ) -> None:
         self.wrapped = manager
         self.client = client
         self.num_layers = num_layers
         self.missing: Missing = missing
-        self.view: ViewPolicy = one_routing_policy(view, "verl")
+        self.view: ViewPolicy = check_policy(view)
         self.rank_local = rank_local
-        if rank_local and self.view != "generated":
-            raise InvalidRequestError(
-                f"rank_local=True: view={view!r} is the policy of the driver's fetch, which "
-                "the rank-local mode does not make; each rank chooses its policy where it "
-                "reads its slice (RankLocalReplay, fetch_verl_rank_slice(view=...))"
-            )
         if not rank_local and num_layers is None:
             raise TypeError("num_layers (the model's num_hidden_layers) is required")
 
@@ -268,7 +329,7 @@ class RoutedRolloutManager:
         if prompts.meta_info.get("validate", False):
             return out
         if self.rank_local:
-            return check_rank_local_batch(out, self.client, missing=self.missing)
+            return check_rank_local_batch(out, self.client, missing=self.missing, view=self.view)
         assert self.num_layers is not None
         return attach_routed_experts(
             out, self.client, num_layers=self.num_layers, missing=self.missing, view=self.view
@@ -282,9 +343,6 @@ class RoutedRolloutManager:
 
 # ------------------------------------------------------------------ exact: state expansion
 
-#: The ``non_tensor_batch`` key of an expanded batch's rows' original samples (``-1`` for
-#: the rows added to keep the batch divisible); each row's state is under ``STATE_KEY``.
-ORIGIN_KEY = "r3_origin"
 #: The batch key holding each row's original ``response_mask`` (before the state's cut),
 #: which :func:`advantages_by_origin` computes advantages with.
 FULL_MASK_KEY = "r3_full_response_mask"
@@ -375,7 +433,17 @@ def expand_verl_batch(
     from r3_client.expansion import expand_states
 
     check_expansion_modes(loss_agg_mode, policy_loss_mode)
+    if STATE_KEY in data.non_tensor_batch:
+        raise InvalidRequestError("the batch is expanded already (it carries r3_state)")
     ids = _rollout_ids(data, rollout_ids)
+    if "routed_experts" in data.batch.keys():  # noqa: SIM118 (a TensorDict refuses `in`)
+        raise InvalidRequestError(
+            "the batch carries batch['routed_experts']: each row of an expanded batch needs "
+            "its own state's rows; expand first, then attach_routed_experts (or rank-local)"
+        )
+    # the originals held to every rule of the rank-local check (rows for each token, the
+    # sample's own tokens, longer only where verl cut the response), before any row is cut
+    _check_batch(data, source, ids, "raise", "exact")
     mask = data.batch["attention_mask"]
     plen = int(data.batch["prompts"].shape[1])
     prompt_lens = mask[:, :plen].sum(dim=1).tolist()
