@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
-from r3_client import Routing, RoutingClient
+from r3_client import Routing, RoutingClient, expand_states
 from sglang_r3.tools.mismatch_report import output_logprobs
 from sglang_r3.tools.rl_scoring import TRAINED, Sample, train_step
 
@@ -66,6 +66,8 @@ class StepRecord:
     straddle_router_disagreement: float  # the same on the straddling episodes
     first_router_disagreement: float  # and on their first turn, at its own weights
     replay_router_disagreement: float  # replayed routing against the rows given: 0
+    loss: dict[str, float]  # {"expansion": trained, "per_state": exact forwards}: equal
+    expansion_max_abs_dlogp: float  # largest token log-prob gap between the two paths
     samples: int
     samples_with_views: int
     straddling_episodes: int
@@ -308,6 +310,18 @@ def _fetch_checked(
                 f"{s.rollout_id}: its view carries {[v.weight_version for v in views]}, "
                 f"recomputed under {s.versions[-1][1]!r}",
             )
+    # The framework path: the step expanded one training row per state (metadata only), each
+    # row's rows read by range under its state, as a training rank reads them.
+    exp = expand_states(client, [s.rollout_id for s in batch], [len(s.tokens) for s in batch])
+    reads = [(st.rollout_id, 0, st.num_tokens - 1, st.state) for st in exp.states]
+    for st, (_, rows) in zip(exp.states, client.get_ranges(reads), strict=True):
+        assert isinstance(rows, Routing)
+        batch[st.origin].expanded.append((st.state, st.num_tokens, rows))
+    for s in batch:
+        _check(
+            [st for st, _, _ in s.expanded] == [st.serves_start for st in s.served],
+            f"{s.rollout_id}: its expansion's states differ from get_served's",
+        )
     for e, s in zip(pending, finished, strict=True):
         assert e.first_rows is not None and s.generated is not None
         first_rows = np.asarray(s.generated.indices)[: len(e.first_rows)]
@@ -362,6 +376,11 @@ def run_loop(
             m = train_step(model, optimizer, batch, previous if step.finished else None)
             previous.load_state_dict(current)
             _check(
+                m["expansion_max_abs_dlogp"] < 1e-4,
+                f"step {n}: the expanded batch's log-probs differ from the per-state forwards' "
+                f"by {m['expansion_max_abs_dlogp']:.3e}",
+            )
+            _check(
                 m["replay_router_disagreement"] == 0.0,
                 f"step {n}: replayed routing differs from the rows given in "
                 f"{m['replay_router_disagreement']:.4%} of routers",
@@ -407,6 +426,8 @@ def _run_checks(memory: list[int]) -> list[str]:
         "episodes' first turns unchanged after the push",
         "episodes across a push: exact states start at their turns (a view of the prefix)",
         "generated/latest/exact reads agree (first and last state)",
+        "trained through state expansion: every token's log-prob within 1e-4 of the per-state "
+        "forwards', the expansion's states get_served's",
         "no stale prefix rows after a push",
         f"Redis memory last/first {memory[-1] / memory[0]:.2f} <= 1.2",
     ]

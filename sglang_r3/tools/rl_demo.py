@@ -299,6 +299,17 @@ def run_rl_demo(args: argparse.Namespace) -> int:
             + (f" ({where})" if worse else ""),
             flush=True,
         )
+    print(
+        f"trained through state expansion (one row per routing state, one batched forward, as "
+        f"a framework would); paired with the per-state forwards ({TRAINED}):",
+        flush=True,
+    )
+    for r in records:
+        print(
+            f"  step {r.step}: loss {r.loss['expansion']:.6e} (expansion) / "
+            f"{r.loss['per_state']:.6e} (per state), max |dlogp| {r.expansion_max_abs_dlogp:.1e}",
+            flush=True,
+        )
     for c in run.checks:
         print(f"check: {c}: ok", flush=True)
     if not args.no_plots:

@@ -20,7 +20,6 @@ view): ``generated`` is right for its first turn only, ``latest`` for its last t
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +49,9 @@ class Sample:
     generated: Routing | None = None
     latest: Routing | None = None
     served: list[ServedRouting] = field(default_factory=list)
+    # The framework path: one training row per state (r3_client.expand_states), each row's
+    # rows read rank-locally under its state (get_ranges): (state, tokens, routing) per row.
+    expanded: list[tuple[int, int, Routing]] = field(default_factory=list)
 
     @property
     def reward(self) -> float:
@@ -124,6 +126,46 @@ def score(model: Any, s: Sample, policy: str) -> Scored:
     return Scored(torch.cat(parts), rows)
 
 
+def expanded_logps(model: Any, samples: Sequence[Sample]) -> list[Any]:
+    """Each sample's sampled tokens' log-probs as a framework computes them after state
+    expansion: every sample cut into one row per state (``Sample.expanded``), the rows
+    right-padded into one batch, each replaying its own state's rows (``hf_layout``), one
+    forward; token ``t`` taken from the row of the state that trains it (``state < t <=
+    end``).  Differentiable; equal to :func:`score` under ``exact`` (one forward per state)
+    but for the padded batch's float rounding."""
+    import torch
+
+    from r3_client.layouts import hf_layout
+    from r3_client.replay import replay_routing
+
+    rows = [(i, st, n, r) for i, s in enumerate(samples) for st, n, r in s.expanded]
+    width = max(n for _, _, n, _ in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for j, (i, _, n, _) in enumerate(rows):
+        ids[j, :n] = torch.tensor(samples[i].tokens[:n])
+        mask[j, :n] = 1
+    layout = hf_layout([r for *_, r in rows], mask.numpy(), as_torch=True, dtype=torch.int64)
+    with replay_routing(model, layout):
+        logits = model(ids, attention_mask=mask).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # [rows, width - 1]: token t at t-1
+    out: list[Any] = []
+    for i, s in enumerate(samples):
+        at = np.asarray(s.sampled_at)
+        parts: list[Any] = []
+        mine = [(j, st, n) for j, (k, st, n, _) in enumerate(rows) if k == i]
+        for n_row, (j, st, n) in enumerate(mine):
+            end = mine[n_row + 1][1] if n_row + 1 < len(mine) else len(s.tokens) - 1
+            keep = at[(at > st) & (at <= min(end, n - 1))]
+            parts.append(picked[j, torch.from_numpy(keep - 1)])
+        got = torch.cat(parts)
+        if got.shape[0] != len(at):
+            raise ValueError(f"{s.rollout_id}: its expanded rows train {got.shape[0]} of {len(at)}")
+        out.append(got)
+    return out
+
+
 def _k3(train: list[npt.NDArray[Any]], infer: list[npt.NDArray[Any]]) -> float:
     if not train:
         return float("nan")
@@ -154,7 +196,11 @@ def train_step(
     differs from the engine's at one router or more (``flipped_samples`` of them; on the
     others native and replayed forwards route alike).  ``replay_router_disagreement``:
     largest disagreement between the routing a replayed forward used and the rows it was
-    given (must be 0).
+    given (must be 0).  The step trains on the state-expansion path
+    (:func:`expanded_logps`, as a framework would: one row per state, one batched
+    forward); ``loss`` pairs its loss with the per-state forwards' (``per_state``) and
+    ``expansion_max_abs_dlogp`` is the largest difference of a token's log-prob between
+    the two.
     """
     import torch
 
@@ -165,24 +211,32 @@ def train_step(
         r = rewards[idx]
         adv[idx] = (r - r.mean()) / (r.std() + 1e-6) if len(idx) > 1 else r - rewards.mean()
     optimizer.zero_grad()
+    # The framework path (state expansion, one batched forward) is what is trained; the
+    # per-state forwards (exact) are scored beside it and must give the same loss.
+    expanded = expanded_logps(model, samples)
+    loss_expanded = torch.zeros(())
+    for lp, a in zip(expanded, adv, strict=True):
+        loss_expanded = loss_expanded - float(a) * lp.mean() / len(samples)
     parts = ("grpo", "straddle", "first", "flipped")
     train: dict[tuple[str, str], list[Any]] = {(p, q): [] for p in POLICIES for q in parts}
     infer: dict[str, list[Any]] = {q: [] for q in parts}
     native_rows: dict[str, list[Any]] = {q: [] for q in parts}
     replay_dis = 0.0
     loss = torch.zeros(())
-    for s, a in zip(samples, adv, strict=True):
+    expansion_dlogp = 0.0
+    for s, a, lp_exp in zip(samples, adv, expanded, strict=True):
         at, lp_infer = np.asarray(s.sampled_at), np.asarray(s.logp_infer, dtype=np.float64)
         now = at >= s.since
         part = "straddle" if s.straddles else "grpo"
         infer[part].append(lp_infer[now])
         got, flipped = {}, False
         for policy in POLICIES:
-            grad = policy == TRAINED
-            with contextlib.nullcontext() if grad else torch.no_grad():
+            with torch.no_grad():
                 sc = score(model, s, policy)
-            if grad:
+            if policy == TRAINED:
                 loss = loss - float(a) * sc.logp.mean() / len(samples)
+                dlogp = (sc.logp.double() - lp_exp.detach().double()).abs().max()
+                expansion_dlogp = max(expansion_dlogp, float(dlogp))
             got[policy] = sc.logp.detach().double().numpy()[now]
             train[policy, part].append(got[policy])
             if policy == "native":
@@ -207,9 +261,11 @@ def train_step(
                     if policy == "native":  # against the rows the first turn attended to
                         end, (used, _) = s.served[0].serves_end, sc.rows[0]
                         native_rows["first"].append((used[:end], s.served[0].routing.indices))
-    loss.backward()  # type: ignore[no-untyped-call]
+    loss_expanded.backward()  # type: ignore[no-untyped-call]
     optimizer.step()
     out: dict[str, Any] = {"reward": float(rewards.mean())}
+    out["loss"] = {"expansion": float(loss_expanded.detach()), "per_state": float(loss)}
+    out["expansion_max_abs_dlogp"] = expansion_dlogp
     for key in ("k3_kl", "logp_abs_diff", "f2", "f5"):
         out[key] = {}
     for policy in POLICIES:

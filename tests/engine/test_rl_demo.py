@@ -43,6 +43,10 @@ def test_two_steps_of_grpo_with_weight_pushes_scored_paired(tmp_path: Path) -> N
         for key in ("k3_kl", "logp_abs_diff", "f2", "f5", "straddle_k3_kl", "first_turn_k3_kl"):
             assert sorted(r[key]) == sorted(POLICIES), (key, r[key])
         assert r["replay_router_disagreement"] == 0.0
+        # trained through state expansion (one batched forward over a row per state), its
+        # loss and every token's log-prob equal to the per-state forwards'
+        assert r["expansion_max_abs_dlogp"] < 1e-4, r["expansion_max_abs_dlogp"]
+        assert r["loss"]["expansion"] == pytest.approx(r["loss"]["per_state"], abs=1e-5)
     step0, step1 = records
     assert all(v != v for v in step0["straddle_k3_kl"].values())  # NaN: no episode yet
     # The GRPO samples have no views here (one state): the three replay policies are the
