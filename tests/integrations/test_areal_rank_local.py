@@ -34,6 +34,7 @@ from r3_client import (
     RolloutNotFoundError,
     Routing,
     RoutingClient,
+    Segment,
     ShapeError,
 )
 from r3_client.integrations import areal as r3_areal
@@ -494,3 +495,101 @@ def test_missing_fill_routes_gaps_live(svc: Service) -> None:
     for target, mask in zip(got.per_layer, got.valid_mask, strict=True):
         np.testing.assert_array_equal(mask, want)
         assert (target[~want] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------
+# exact: a step expanded into one sample per routing state (r3_client.expand_states)
+# ------------------------------------------------------------------------------------------
+
+X_LENGTHS = [40, 12, 30]  # token counts
+
+
+def _store_straddled(client: RoutingClient, seed: int) -> tuple[list[str], list[list[Any]]]:
+    """Sample 0 a three-turn agent (a push before each later turn: views serving rows 12
+    and 26), sample 2 recomputed after an eviction (a view of rows [2, 10) serving row 10),
+    sample 1 one call; each sample's states' rows."""
+    g = np.random.default_rng(seed)
+
+    def rows(n: int) -> np.ndarray:
+        # each row's experts ascending: the cache's canonical order (a set per token)
+        top = np.argsort(g.random((n, len(MOE), E)), axis=-1)[..., :K]
+        return np.sort(top, axis=-1).astype(np.int16)
+
+    def put(rid: str, idx: np.ndarray, start: int, version: str, view: int | None = None) -> None:
+        seg = Segment(start, start + idx.shape[0], "tiny-moe", version)
+        client.put(rid, idx, num_experts=E, layer_ids=MOE, segment=seg, view=view)
+
+    ids: list[str] = []
+    states: list[list[Any]] = []
+    for i, t in enumerate(X_LENGTHS):
+        rid = key_rollout_id(new_rollout_key())
+        first = rows(t - 1)
+        if i == 0:
+            again, third = rows(12), rows(26)
+            put(rid, first[:12], 0, "w1")
+            put(rid, again, 0, "w2", view=12)
+            put(rid, first[12:26], 12, "w2")
+            put(rid, third, 0, "w3", view=26)
+            put(rid, first[26:], 26, "w3")
+            cat = np.concatenate
+            states.append([first[:12], cat([again, first[12:26]]), cat([third, first[26:]])])
+        elif i == 2:
+            redo = rows(8)
+            put(rid, first[:10], 0, "w1")
+            put(rid, redo, 2, "w1", view=10)
+            put(rid, first[10:], 10, "w1")
+            states.append([first[:10], np.concatenate([first[:2], redo, first[10:]])])
+        else:
+            put(rid, first, 0, "w1")
+            states.append([first])
+        ids.append(rid)
+    return ids, states
+
+
+def test_an_expanded_step_replays_each_sample_in_its_own_state(svc: Service) -> None:
+    """``expand_states`` cuts the step (one sample per state: its first ``end + 1`` tokens);
+    ``fetch_areal_rank_targets(..., states=...)`` hands every router of every rank what the
+    PR's ``set_router_replay_data`` sets from inline ``routed_experts`` of each expanded
+    sample's own state; the unexpanded step is refused, never replayed in one state."""
+    from r3_client import InvalidRequestError, expand_states
+    from r3_client.rank_local import check_step
+
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        ids, states = _store_straddled(client, seed=3)
+        exp = expand_states(client, ids, X_LENGTHS)
+        assert exp.state_rows == [0, 12, 26, 0, 0, 10]
+        assert exp.num_tokens.tolist() == [13, 27, 40, 12, 11, 30]
+        lengths = exp.num_tokens.tolist()
+        seen: dict[int, int] = {}
+        own = []
+        for s in exp.states:
+            k = seen.get(s.origin, 0)
+            seen[s.origin] = k + 1
+            rows = states[s.origin][k][: s.num_tokens - 1]
+            own.append(Routing.from_array(rows, num_experts=E, layer_ids=MOE))
+        x_ids = [ids[s.origin] for s in exp.states]
+        batch = areal_inline_micro_batch(own, lengths, moe_only=False)
+        for (tp, t, cp, c), (start, end) in itertools.product(RANKS, STAGES[:3]):
+            align = tp * cp * 2 if cp > 1 else tp
+            old_cu, cu, max_seqlen = ref_padded_cu(lengths, align)
+            want = ref_set_router_replay_data(
+                ref_align(batch, old_cu, max_seqlen), cu, tp_size=tp, tp_rank=t, cp_size=cp,
+                cp_rank=c, layer_range=(start, end),
+            )  # fmt: skip
+            got = fetch_areal_rank_targets(
+                client, x_ids, seqlens=lengths, cu_seqlens=cu, tp_size=tp, tp_rank=t,
+                cp_size=cp, cp_rank=c, stage_layers=stage_moe_layers(start, end, MOE_LAYER_FREQ),
+                as_torch=True, states=exp.state_rows,
+            )  # fmt: skip
+            assert len(got.per_layer) == len(want)
+            for (w_target, w_mask), g_target, g_mask in zip(
+                want, got.per_layer, got.valid_mask, strict=True
+            ):
+                assert torch.equal(g_target, w_target) and torch.equal(g_mask, w_mask)
+        _, cu, _ = ref_padded_cu(X_LENGTHS, 1)
+        with pytest.raises(InvalidRequestError, match="expand the sample"):
+            fetch_areal_rank_targets(client, ids, seqlens=X_LENGTHS, cu_seqlens=cu)
+        # before dispatch: expanded, no token replayed off its state; unexpanded, some
+        found = check_step(client, x_ids, lengths, states=exp.state_rows)
+        assert found.off_state_tokens == 0 and found.samples_with_views == 5
+        assert check_step(client, ids, X_LENGTHS).off_state_tokens > 0

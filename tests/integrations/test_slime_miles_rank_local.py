@@ -51,6 +51,7 @@ from r3_client import (
     DirectReader,
     InvalidRequestError,
     RolloutNotFoundError,
+    Routing,
     RoutingClient,
     Segment,
     ShapeError,
@@ -921,3 +922,399 @@ def test_docs_rank_local_recipe_installs(svc: Service, monkeypatch: pytest.Monke
     rank = SampleRank(tp_size=2, tp_rank=1, sequence_parallel=True, data_pad_size_multiplier=4)
     want = their_micro_batches("slime", fields, dataclasses.replace(rank, router_layers=(4, 5)))
     same_records(recorders, want)
+
+
+# ------------------------------------------------------------------ exact: state expansion
+#
+# A step whose rollouts straddle several routing states (a weight push between an agent's
+# turns, an eviction, a view inside the prompt), stored with its views as the engine
+# ships them (``put(..., view=serves)``, as tests/service/test_exact_ranges.py and the verl
+# test's ``_store_straddled``).  ``expand_samples`` on the rollout side cuts each sample into
+# one ``Sample`` per state; every rank then replays each copy in its own state, equal to
+# what the framework's own fill records when each copy carries the whole layout of its own
+# state's rows.
+
+
+@dataclasses.dataclass
+class FullSample:
+    """The ``Sample`` fields expansion reads and cuts (slime utils/types.py:93-150, miles
+    utils/types.py:25-80)."""
+
+    index: int
+    tokens: list[int]
+    response_length: int
+    reward: float | None = 1.0
+    loss_mask: list[int] | None = None
+    rollout_log_probs: list[float] | None = None
+    teacher_log_probs: list[float] | None = None
+    opd_reverse_kl: list[float] | None = None  # miles
+    rollout_top_p_token_ids: list[int] | None = None  # slime
+    rollout_top_p_token_offsets: list[int] | None = None  # slime
+    rollout_routed_experts: Any = None
+    rollout_id: int | None = None
+    group_index: int | None = None
+    status: glue.Status = glue.Status.COMPLETED
+    session_id: str | None = None  # slime
+    routing_key: str | None = None  # miles
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+X_LENGTHS = [40, 12, 30, 9]  # len(tokens)
+X_PROMPTS = [5, 3, 4, 6]
+X_INDICES = [60, 61, 62, 63]
+#: each original's copies: (original, state, len(tokens)); sample 3's first state (rows
+#: [0, 2)) trains prompt tokens only and is dropped; sample 1 has one state, kept as it is
+X_COPIES = [(0, 0, 13), (0, 12, 27), (0, 26, 40), (1, None, 12), (2, 0, 11), (2, 10, 30), (3, 2, 9)]
+
+
+def store_straddled(client: RoutingClient, keys: Sequence[str], seed: int) -> list[list[Any]]:
+    """Sample 0 a three-turn agent with a push before each later turn (views serving rows
+    12 and 26), sample 2 recomputed after an eviction (a view of rows [2, 10) serving row
+    10), sample 3 a view inside its prompt (rows [0, 2) serving row 2), sample 1 one call;
+    each sample's states' rows."""
+    g = np.random.default_rng(seed)
+
+    def rows(n: int) -> np.ndarray:
+        # each row's experts ascending: the cache's canonical order (a set per token)
+        top = np.argsort(g.random((n, len(MOE), E)), axis=-1)[..., :K]
+        return np.sort(top, axis=-1).astype(np.int16)
+
+    def put(key: str, idx: np.ndarray, start: int, version: str, view: int | None = None) -> None:
+        seg = Segment(start, start + idx.shape[0], "tiny-moe", version)
+        client.put(key, idx, num_experts=E, layer_ids=MOE, segment=seg, view=view)
+
+    states: list[list[Any]] = []
+    for i, (key, n) in enumerate(zip(keys, X_LENGTHS, strict=True)):
+        first = rows(n - 1)
+        if i == 0:
+            again, third = rows(12), rows(26)
+            put(key, first[:12], 0, "w1")
+            put(key, again, 0, "w2", view=12)
+            put(key, first[12:26], 12, "w2")
+            put(key, third, 0, "w3", view=26)
+            put(key, first[26:], 26, "w3")
+            cat = np.concatenate
+            states.append([first[:12], cat([again, first[12:26]]), cat([third, first[26:]])])
+        elif i == 2:
+            redo = rows(8)
+            put(key, first[:10], 0, "w1")
+            put(key, redo, 2, "w1", view=10)
+            put(key, first[10:], 10, "w1")
+            states.append([first[:10], np.concatenate([first[:2], redo, first[10:]])])
+        elif i == 3:
+            redo = rows(2)
+            put(key, first[:2], 0, "w1")
+            put(key, redo, 0, "w2", view=2)
+            put(key, first[2:], 2, "w2")
+            states.append([np.concatenate([redo, first[2:]])])  # its one kept state's rows
+        else:
+            put(key, first, 0, "w1")
+            states.append([first])
+    return states
+
+
+def x_samples(framework: str, keys: Sequence[str]) -> list[FullSample]:
+    field = "session_id" if framework == "slime" else "routing_key"
+    out = []
+    for i, (n, p, idx, key) in enumerate(zip(X_LENGTHS, X_PROMPTS, X_INDICES, keys, strict=True)):
+        r = n - p
+        mask = [1] * r
+        if i == 0:
+            mask[13 - p : 16 - p] = [0, 0, 0]  # tool tokens 13..15: state 12 trains from 16
+        s = FullSample(
+            index=idx,
+            tokens=list(range(100 * i, 100 * i + n)),
+            response_length=r,
+            reward=[1.0, 0.0, 0.5, 2.0][i],
+            loss_mask=None if i == 2 else mask,
+            rollout_log_probs=[-0.01 * j for j in range(r)],
+            teacher_log_probs=[-0.02 * j for j in range(r)],
+            group_index=i // 2,
+        )
+        if framework == "slime":  # response token j keeps ids [o[j], o[j+1]): j % 3 of them
+            s.rollout_top_p_token_offsets = [0, *itertools.accumulate(j % 3 for j in range(r))]
+            s.rollout_top_p_token_ids = list(range(s.rollout_top_p_token_offsets[-1]))
+        else:
+            s.opd_reverse_kl = [0.1 * j for j in range(r)]
+            s.metadata["opd_student_top_logprobs"] = [[j] for j in range(r)]
+        setattr(s, field, key)
+        out.append(s)
+    return out
+
+
+def own_fields(framework: str, copies: Sequence[Any], states: list[list[Any]]) -> list[Any]:
+    """Each copy's whole field, laid out from its own state's rows (the reference)."""
+    layout = slime_layout if framework == "slime" else miles_layout
+    seen: dict[int, int] = {}
+    out = []
+    assert len(copies) == len(X_COPIES)
+    for origin, _, n in X_COPIES:
+        k = seen.get(origin, 0)
+        seen[origin] = k + 1
+        rows = states[origin][k][: n - 1]
+        routing = Routing.from_array(rows, num_experts=E, layer_ids=MOE)
+        out.append(layout(routing, n, num_layers=NUM_LAYERS))
+    return out
+
+
+def their_fill(
+    framework: str, fields: Sequence[Any], counts: Sequence[int], rank: SampleRank
+) -> list[torch.Tensor]:
+    if framework == "slime":
+        prepared = slime_prepare([torch.as_tensor(f) for f in fields], counts, rank)
+    else:
+        prepared = miles_prepare(list(fields), counts, rank)
+    assert rank.router_layers is not None
+    return routers(prepared, rank.router_layers)
+
+
+def x_args(framework: str, **kw: Any) -> types.SimpleNamespace:
+    """The trainer's args as expansion checks them (GRPO with group normalization)."""
+    base: dict[str, Any] = dict(
+        advantage_estimator="grpo",
+        rewards_normalization=True,
+        grpo_std_normalization=True,
+        n_samples_per_prompt=2,
+        rollout_batch_size=2,
+        reward_key=None,
+        use_opsm=False,
+        custom_reward_post_process_path=(
+            "r3_client.integrations.slime.normalize_rewards" if framework == "slime" else None
+        ),
+    )
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("framework", ["slime", "miles"])
+def test_expanded_samples_replay_each_state_on_every_rank(svc: Service, framework: str) -> None:
+    """``expand_samples`` (rollout side) cuts each straddled sample into one Sample per
+    state; ``fetch_rank_replay(..., states=...)`` on every rank equals the framework's own
+    fill of whole fields laid out from each copy's own state; every trained token of an
+    original is trained by exactly one copy; the unexpanded step is refused at the rank."""
+    module = r3_slime if framework == "slime" else r3_miles
+    run = f"x-{uuid.uuid4().hex[:8]}"
+    with RoutingClient(url_of(svc, "http"), api_key=KEY_A) as client:
+        keys = module.rank_keys(run, X_INDICES)
+        states = store_straddled(client, keys, seed=5)
+        originals = x_samples(framework, keys)
+        copies = module.expand_samples(originals, client, args=x_args(framework))
+        # the copies, in order, each original's states consecutive
+        assert [c.metadata.get("r3_state") for c in copies] == [s for _, s, _ in X_COPIES]
+        assert [len(c.tokens) for c in copies] == [n for *_, n in X_COPIES]
+        assert copies[3] is originals[1]  # one state: the sample itself
+        by_origin: dict[int, list[Any]] = {}
+        for c, (origin, _, n) in zip(copies, X_COPIES, strict=True):
+            by_origin.setdefault(origin, []).append(c)
+            o = originals[origin]
+            p = X_PROMPTS[origin]
+            assert c.tokens == o.tokens[:n] and c.response_length == n - p
+            assert c.index == o.index and c.reward == o.reward and c.group_index == o.group_index
+            assert module.rank_keys(run, [c.index]) == [keys[origin]]
+            assert c.rollout_log_probs == o.rollout_log_probs[: n - p]
+            assert c.teacher_log_probs == o.teacher_log_probs[: n - p]
+            if framework == "slime":
+                offsets = c.rollout_top_p_token_offsets
+                assert offsets == o.rollout_top_p_token_offsets[: n - p + 1]
+                assert c.rollout_top_p_token_ids == o.rollout_top_p_token_ids[: offsets[-1]]
+            else:
+                assert c.opd_reverse_kl == o.opd_reverse_kl[: n - p]
+                assert len(c.metadata["opd_student_top_logprobs"]) == n - p
+            if c is not o:
+                assert c.rollout_id == o.index  # siblings share it: the rollout counts once
+        assert all(o.metadata.get("r3_state") is None for o in originals)  # untouched
+        # every trained token of an original is trained by exactly one of its copies
+        for origin, own in by_origin.items():
+            o = originals[origin]
+            p, n = X_PROMPTS[origin], X_LENGTHS[origin]
+            acc = np.zeros(n, dtype=np.int64)
+            for c in own:
+                mask = c.loss_mask if c.loss_mask is not None else [1] * c.response_length
+                assert len(mask) == c.response_length
+                acc[p : p + len(mask)] += np.asarray(mask)
+            want = o.loss_mask if o.loss_mask is not None else [1] * o.response_length
+            assert acc[p:].tolist() == list(want), origin
+        # before dispatch: the copies replay no token off its state, the originals do
+        found = module.check_samples(copies, client)
+        assert found.off_state_tokens == 0 and found.samples_with_views == 6
+        assert module.check_samples(originals, client).off_state_tokens > 0
+        # every rank: the copies' replay equals their fill of each copy's own state's rows
+        fields = own_fields(framework, copies, states)
+        counts = [len(c.tokens) for c in copies]
+        copy_keys = [module.rank_keys(run, [c.index])[0] for c in copies]
+        copy_states = [c.metadata.get("r3_state") for c in copies]
+        kw: dict[str, Any] = {"num_experts": E} if framework == "slime" else {}
+        for _, rank in ranks()[::3]:
+            got = module.fetch_rank_replay(
+                client, copy_keys, counts, rank=rank, num_layers=NUM_LAYERS, as_torch=True,
+                states=copy_states, **kw,
+            )  # fmt: skip
+            same(framework, got, their_fill(framework, fields, counts, rank))
+        # the unexpanded step: refused at the rank, never replayed in one state
+        rank = SampleRank(data_pad_size_multiplier=1, router_layers=MOE)
+        with pytest.raises(InvalidRequestError, match="expand the sample"):
+            module.fetch_rank_replay(
+                client, keys, X_LENGTHS, rank=rank, num_layers=NUM_LAYERS, **kw
+            )
+        # under one-routing policies the originals are replayed (the caller chose it)
+        module.fetch_rank_replay(
+            client, keys, X_LENGTHS, rank=rank, num_layers=NUM_LAYERS, view="latest", **kw
+        )
+
+
+@pytest.mark.parametrize("framework", ["slime", "miles"])
+def test_expansion_refuses_what_the_cut_would_change(svc: Service, framework: str) -> None:
+    module = r3_slime if framework == "slime" else r3_miles
+    run = f"x-{uuid.uuid4().hex[:8]}"
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        keys = module.rank_keys(run, X_INDICES)
+        store_straddled(client, keys, seed=6)
+        samples = x_samples(framework, keys)
+        for bad in ("ppo", "reinforce_plus_plus", "gspo"):
+            with pytest.raises(ValueError, match=f"advantage_estimator='{bad}'"):
+                module.expand_samples(
+                    samples, client, args=x_args(framework, advantage_estimator=bad)
+                )
+        with pytest.raises(ValueError, match="use_opsm"):
+            module.expand_samples(samples, client, args=x_args(framework, use_opsm=True))
+        if framework == "slime":  # slime's own normalization reshapes by count
+            args = x_args(framework, custom_reward_post_process_path=None)
+            with pytest.raises(ValueError, match="normalize_rewards"):
+                module.expand_samples(samples, client, args=args)
+        else:  # miles' counts each rollout once already
+            module.expand_samples(samples, client, args=x_args(framework))
+        samples[2].reward = None  # the reward model has not run: a cut copy would be scored
+        with pytest.raises(ValueError, match=r"sample 2 .* has no reward"):
+            module.expand_samples(samples, client)
+        samples[2].reward = 0.5
+        samples[1].reward = None  # one state, not cut: nothing to copy
+        assert len(module.expand_samples(samples, client)) == len(X_COPIES)
+        # a sample that trains nothing (remove_sample) keeps one whole copy, in its last state
+        samples[2].loss_mask = [0] * samples[2].response_length
+        got = module.expand_samples(samples, client)
+        assert [len(c.tokens) for c in got[4:6]] == [30, 9]
+        assert got[4].metadata["r3_state"] == 10 and got[4].loss_mask == samples[2].loss_mask
+        lost = keyed(samples[0], "session_id" if framework == "slime" else "routing_key", "x.0")
+        with pytest.raises(RolloutNotFoundError, match=f"{framework} rank-local routing"):
+            module.expand_samples([lost], client)
+
+
+def test_slime_normalize_rewards_counts_each_rollout_once(svc: Service) -> None:
+    """On originals it is slime's own _post_process_rewards (ray/rollout.py:612-631,
+    restated); on their expansion every copy gets its original's value."""
+
+    def slime_post_process(args: Any, samples: Sequence[Any]) -> tuple[list[Any], list[float]]:
+        raw = [s.reward for s in samples]
+        rewards = torch.tensor(raw, dtype=torch.float)
+        if rewards.shape[-1] == args.n_samples_per_prompt * args.rollout_batch_size:
+            rewards = rewards.reshape(-1, args.n_samples_per_prompt)
+        else:
+            rewards = rewards.view(-1, rewards.shape[-1])
+        rewards = rewards - rewards.mean(dim=-1, keepdim=True)
+        if args.advantage_estimator in ["grpo", "gspo", "cispo"] and args.grpo_std_normalization:
+            rewards = rewards / (rewards.std(dim=-1, keepdim=True) + 1e-6)
+        return raw, rewards.flatten().tolist()
+
+    run = f"x-{uuid.uuid4().hex[:8]}"
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        keys = r3_slime.rank_keys(run, X_INDICES)
+        store_straddled(client, keys, seed=7)
+        originals = x_samples("slime", keys)
+        for kw in ({}, {"grpo_std_normalization": False}, {"rollout_batch_size": 3}):
+            args = x_args("slime", **kw)
+            raw, want = slime_post_process(args, originals)
+            got_raw, got = r3_slime.normalize_rewards(args, originals)
+            assert got_raw == raw and got == pytest.approx(want, abs=1e-6)
+            copies = r3_slime.expand_samples(originals, client, args=args)
+            _, spread = r3_slime.normalize_rewards(args, copies)
+            origin = [o for o, _, _ in X_COPIES]
+            assert spread == pytest.approx([want[o] for o in origin], abs=1e-6)
+        args = x_args("slime", rewards_normalization=False)
+        assert r3_slime.normalize_rewards(args, originals)[1] == [1.0, 0.0, 0.5, 2.0]
+        copies = r3_slime.expand_samples(originals, client)
+        copies[1].reward = 3.0
+        with pytest.raises(ValueError, match="must share one reward"):
+            r3_slime.normalize_rewards(x_args("slime"), copies)
+
+
+@pytest.mark.parametrize("framework", ["slime", "miles"])
+def test_the_hooks_replay_an_expanded_step_in_each_state(
+    svc: Service, framework: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The installed hooks on an expanded step: each rank tells each copy's state from the
+    shipped loss masks and response lengths (one stat per call) and records what the
+    framework's own fill records from each copy's own state's layout; the unexpanded step
+    is refused; a source without stats reads every copy in its first state (refused)."""
+    module = r3_slime if framework == "slime" else r3_miles
+    run = f"hx-{uuid.uuid4().hex[:8]}"
+    calls: list[dict[str, Any]] = []
+    state: list[Any] = [None]
+    slime_actor = stub_slime(monkeypatch)
+    stub_miles(monkeypatch, calls, state)
+    micro = [[2, 0, 5], [1, 6, 3, 4]]
+    with (
+        RoutingClient(svc.http_url, api_key=KEY_A) as client,
+        DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader,
+    ):
+        keys = module.rank_keys(run, X_INDICES)
+        states = store_straddled(client, keys, seed=8)
+        originals = x_samples(framework, keys)
+        copies = module.expand_samples(originals, client)
+        fields = own_fields(framework, copies, states)
+
+        def data_of(samples: Sequence[Any], mbs: list[list[int]], vpp: int | None) -> Any:
+            data: dict[str, Any] = {
+                "tokens": [torch.tensor(s.tokens) for s in samples],
+                "sample_indices": [s.index for s in samples],
+                "loss_masks": [
+                    torch.tensor(s.loss_mask or [1] * s.response_length, dtype=torch.int)
+                    for s in samples
+                ],
+                "response_lengths": [s.response_length for s in samples],
+                "micro_batch_indices": mbs,
+            }
+            return data, [DataIterator(data, mbs) for _ in range(vpp or 1)]
+
+        def fill(source: Any, cfg: Cfg, pipe: tuple[int, int | None, int], data: Any) -> list[Any]:
+            recorders = [Recorder() for _ in PIPELINES[pipe]]
+            d, iterators = data
+            if framework == "slime":
+                hook = r3_slime.install_rank_local(hook_args(cfg), source=source, run=run)
+                actor = slime_actor()
+                actor.args, actor.model = hook_args(cfg), model_chunks(pipe[0], pipe[1])  # type: ignore[attr-defined]
+                RoutingReplay.all_routing_replays[:] = recorders
+                hook(actor, iterators, [1] * len(d["micro_batch_indices"]), d)
+            else:
+                hook = r3_miles.install_rank_local(hook_args(cfg), source=source, run=run)
+                hook(
+                    args=hook_args(cfg), models=model_chunks(pipe[0], pipe[1]),
+                    data_iterator=iterators, num_microbatches=[1] * len(d["micro_batch_indices"]),
+                    rollout_data=d,
+                    data_key="rollout_routed_experts", replay_list=recorders,
+                    register_replay_list_func=None,
+                )  # fmt: skip
+            return recorders
+
+        for cfg, t, r, pipe, rank in hook_ranks()[::2]:
+            with monkeypatch.context() as mp:
+                answer_mpu(mp, cfg.tp, t, cfg.cp, r, pipe[2])
+                state[0] = types.SimpleNamespace(tp=group(cfg.tp, t), cp=group(cfg.cp, r))
+                recorders = fill(client, cfg, pipe, data_of(copies, micro, pipe[1]))
+                for j, rec in enumerate(recorders):
+                    assert len(rec.recorded) == len(micro)
+                    for got, mb in zip(rec.recorded, micro, strict=True):
+                        counts = [len(copies[i].tokens) for i in mb]
+                        want = their_fill(framework, [fields[i] for i in mb], counts, rank)[j]
+                        assert got.dtype == torch.int32 and torch.equal(got, want.to(torch.int32))
+        assert calls == []
+        with monkeypatch.context() as mp:
+            cfg, pipe = Cfg(1, 1, False), (1, None, 0)
+            answer_mpu(mp, 1, 0, 1, 0, 0)
+            state[0] = types.SimpleNamespace(tp=group(1, 0), cp=group(1, 0))
+            with pytest.raises(InvalidRequestError, match="expand the sample"):
+                fill(client, cfg, pipe, data_of(originals, [[0, 1], [2, 3]], None))
+            with pytest.raises(InvalidRequestError, match="expand the sample"):
+                fill(reader, cfg, pipe, data_of(copies, micro, None))  # no stats: first states
+            # a step without views reads through a DirectReader as before
+            plain = [c for c, (o, *_) in zip(copies, X_COPIES, strict=True) if o == 1]
+            fill(reader, cfg, pipe, data_of(plain, [[0], [0]], None))

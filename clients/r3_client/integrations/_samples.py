@@ -11,6 +11,7 @@ Samples are duck-typed; nothing here imports either framework.
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
@@ -23,7 +24,8 @@ import numpy.typing as npt
 from r3_client._answers import RolloutInfo
 from r3_client._exceptions import InvalidRequestError, R3Error, RolloutNotFoundError, ShapeError
 from r3_client._routing import Routing, check_rollout_id
-from r3_client._views import ViewPolicy, one_routing_policy
+from r3_client._views import ViewPolicy, applicable_views, one_routing_policy, states_of
+from r3_client.expansion import Expansion, expand_states
 from r3_client.integrations.tags import tag_sampling_params
 from r3_client.layouts import Missing
 from r3_client.layouts._packing import (
@@ -219,9 +221,13 @@ def check_samples(
     """Driver side, before dispatch: :func:`~r3_client.rank_local.check_step` over a step's
     samples (their keys and ``len(tokens)``), a missing or short rollout refused naming
     the sample's position and framework index.  ``view`` / ``states``: the policy the
-    ranks replay under and, under ``exact``, each sample's state; returns the
+    ranks replay under and, under ``exact``, each sample's state (default: the state an
+    expanded sample records, :func:`sample_states`); returns the
     :class:`~r3_client.rank_local.StepCheck` (tokens replayed off their own state)."""
     keys = [sample_key(fw, s) for s in samples]
+    if states is None and view == "exact":
+        recorded = sample_states(samples)
+        states = recorded if any(x is not None for x in recorded) else None
     try:
         return check_step(
             source,
@@ -233,6 +239,179 @@ def check_samples(
         )
     except (RolloutNotFoundError, ShapeError) as exc:
         raise _named(fw, exc) from exc
+
+
+# ------------------------------------------------------------------ exact: state expansion
+
+#: Where an expanded sample records the state it replays (``Sample.metadata``, a dict in
+#: both: slime ``utils/types.py:142``, miles ``utils/types.py:69``).
+STATE_KEY = "r3_state"
+
+#: Per-response-token lists of slime's / miles' ``Sample``, cut with the response (slime
+#: ``utils/types.py:119-128``, checked against ``response_length`` at ``:418-426``; miles
+#: ``utils/types.py:44-55``, cut together by ``strip_last_output_tokens``, ``:221-244``).
+_PER_RESPONSE = ("loss_mask", "rollout_log_probs", "teacher_log_probs", "opd_reverse_kl")
+#: Per-row arrays (``[len(tokens) - 1, ...]``), cut with the tokens.
+_PER_ROW = ("rollout_routed_experts", "rollout_indexer_topk")
+#: miles keeps one more per-response-token list in ``metadata`` (``types.py:236-237``).
+_PER_RESPONSE_META = ("opd_student_top_logprobs",)
+
+#: Advantage estimators whose per-token values run to the sample's end (GAE, discounted
+#: returns: slime ``backends/megatron_utils/loss.py:769-794``, miles
+#: ``training_utils/loss_hub/advantages.py:59-91``) or whose ratio is one per sequence
+#: (GSPO, ``loss.py:1021-1028``): a sample cut at a state's end would change them.
+_CUT_CHANGES = ("ppo", "reinforce_plus_plus", "gspo")
+#: Estimators under which slime normalizes rewards per group (``ray/rollout.py:612-631``).
+NORMALIZED = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
+
+
+def sample_states(samples: Sequence[Any]) -> list[int | None]:
+    """The state each sample records (``metadata[STATE_KEY]``, set by :func:`expand_samples`;
+    ``None`` for a sample that was not cut)."""
+    out: list[int | None] = []
+    for s in samples:
+        meta = getattr(s, "metadata", None)
+        state = meta.get(STATE_KEY) if isinstance(meta, dict) else None
+        out.append(None if state is None else int(state))
+    return out
+
+
+def _check_expand_args(fw: Framework, args: Any) -> None:
+    """Refuse trainer settings under which the expanded samples would not train what the
+    originals do."""
+    estimator = getattr(args, "advantage_estimator", None)
+    if estimator in _CUT_CHANGES or getattr(args, "use_opsm", False):
+        what = "use_opsm" if estimator not in _CUT_CHANGES else f"advantage_estimator={estimator!r}"
+        raise ValueError(
+            f"{fw.name} state expansion cuts a sample at each state's end, which changes "
+            f"{what}: its values run over the whole sample (token-level returns, or one "
+            "ratio per sequence).  Use grpo / cispo / reinforce_plus_plus_baseline, or "
+            'replay one routing per sample (view="latest" or "generated")'
+        )
+    if (
+        fw.name == "slime"
+        and estimator in NORMALIZED
+        and getattr(args, "rewards_normalization", False)
+        and getattr(args, "custom_reward_post_process_path", None) is None
+    ):
+        raise ValueError(
+            "slime normalizes rewards by reshaping them into groups of n_samples_per_prompt "
+            "(slime/ray/rollout.py:618-623): expanded samples break that count and it falls "
+            "back to one group of every copy.  Pass --custom-reward-post-process-path "
+            "r3_client.integrations.slime.normalize_rewards (each original counted once)"
+        )
+
+
+def _cut(value: Any, n: int) -> Any:
+    return None if value is None else value[:n]
+
+
+def _copy_state(
+    sample: Any, state: int, num_tokens: int, first_token: int, prompt: int
+) -> Any | None:
+    """``sample`` cut to its first ``num_tokens`` tokens, training tokens ``first_token ..``
+    only; ``None`` when that trains nothing."""
+    response = num_tokens - prompt
+    if response <= 0:
+        return None  # all prompt
+    mask = [1] * sample.response_length if sample.loss_mask is None else list(sample.loss_mask)
+    mask = [0 if prompt + j < first_token else int(m) for j, m in enumerate(mask[:response])]
+    if not any(mask):
+        return None
+    out = copy.copy(sample)
+    out.tokens = list(sample.tokens[:num_tokens])
+    out.response_length = response
+    for name in _PER_RESPONSE[1:]:
+        if hasattr(sample, name):
+            setattr(out, name, _cut(getattr(sample, name), response))
+    out.loss_mask = mask
+    for name in _PER_ROW:
+        if hasattr(sample, name):
+            setattr(out, name, _cut(getattr(sample, name), num_tokens - 1))
+    offsets = getattr(sample, "rollout_top_p_token_offsets", None)
+    if offsets is not None:  # slime's ragged top-p ids: response token i owns ids[o[i]:o[i+1]]
+        out.rollout_top_p_token_offsets = offsets[: response + 1]
+        out.rollout_top_p_token_ids = sample.rollout_top_p_token_ids[: int(offsets[response])]
+    meta = dict(getattr(sample, "metadata", None) or {})
+    for name in _PER_RESPONSE_META:
+        if meta.get(name) is not None:
+            meta[name] = meta[name][:response]
+    meta[STATE_KEY] = int(state)
+    out.metadata = meta
+    if getattr(sample, "rollout_id", None) is None and hasattr(sample, "rollout_id"):
+        out.rollout_id = sample.index  # siblings share it: the rollout is counted once
+    return out
+
+
+def expand_sample_states(fw: Framework, samples: Sequence[Any], exp: Expansion) -> list[Any]:
+    """:func:`expand_samples` from an :class:`~r3_client.expansion.Expansion` of ``samples``
+    already made (e.g. by :func:`r3_client.expansion.expand_infos` from stats read
+    asynchronously)."""
+    if exp.num_samples != len(samples):
+        raise ShapeError(f"an expansion of {exp.num_samples} samples for {len(samples)} samples")
+    by_origin: dict[int, list[Any]] = {}
+    for st in exp.states:
+        by_origin.setdefault(st.origin, []).append(st)
+    out: list[Any] = []
+    for i, sample in enumerate(samples):
+        own = by_origin.get(i, [])
+        if len(own) <= 1:
+            out.append(sample)  # one state: replayed as it is
+            continue
+        if getattr(sample, "reward", None) is None:
+            raise ValueError(
+                f"{fw.name} sample {i} (index={getattr(sample, 'index', '?')}) has no reward "
+                "yet: expand after the reward model ran, since each expanded sample copies "
+                "the original's reward (scored on a cut copy it would be another)"
+            )
+        prompt = len(sample.tokens) - int(sample.response_length)
+        copies = [_copy_state(sample, s.state, s.num_tokens, s.first_token, prompt) for s in own]
+        kept = [c for c in copies if c is not None]
+        if not kept:  # trains nothing at all (e.g. remove_sample): one copy keeps its place,
+            whole = copy.copy(sample)  # in its last state (where a rank reads it, too)
+            whole.metadata = {**(getattr(sample, "metadata", None) or {}), STATE_KEY: own[-1].state}
+            kept = [whole]
+        out.extend(kept)
+    return out
+
+
+def expand_samples(
+    fw: Framework, samples: Sequence[Any], source: Any, *, args: Any = None
+) -> list[Any]:
+    """One ``Sample`` per routing state of each sample (``view="exact"``, docs/integrations.md
+    "Exact replay by state expansion"): :func:`r3_client.expand_states` of the samples'
+    keys and ``len(tokens)`` (one batched stat through ``source``, metadata only), then
+    per state ``s`` (rows ``[s, end)``) a shallow copy of the sample with
+
+    * ``tokens`` cut to the state's ``num_tokens`` (``end + 1``; the last state: all),
+      ``response_length`` to ``num_tokens - prompt`` (the prompt: ``len(tokens) -
+      response_length`` of the original);
+    * ``loss_mask`` (``None``: all ones) cut to that and zeroed on the response tokens
+      before ``s + 1``, so each trained token of the original is trained by exactly one
+      copy; the other per-response-token lists (``rollout_log_probs``,
+      ``teacher_log_probs``, ``opd_reverse_kl``, slime's top-p ids and offsets, miles'
+      ``metadata["opd_student_top_logprobs"]``) and per-row arrays
+      (``rollout_routed_experts``, ``rollout_indexer_topk``) cut with them;
+    * ``metadata[STATE_KEY] = s``; ``rollout_id`` (``None``: the original's ``index``)
+      shared by the copies, so slime / miles count the rollout once (per-rollout loss
+      denominators, step split, reward groups); ``index``, key, ``reward``, ``status``,
+      ``group_index`` and the rest copied (``response``, the text, is the original's).
+
+    A state that trains no token (all prompt, or loss mask zero there) is dropped; a sample
+    of one state is returned as it is.  Samples without a reward are refused when cut
+    (expand after the reward model).  ``args`` (the trainer's): refuses settings the cut
+    would change (token-level returns, GSPO / OPSM sequence ratios; slime's
+    count-reshaping reward normalization without
+    ``--custom-reward-post-process-path r3_client.integrations.slime.normalize_rewards``).
+    """
+    if args is not None:
+        _check_expand_args(fw, args)
+    keys = [sample_key(fw, s) for s in samples]
+    try:
+        exp = expand_states(source, keys, [len(s.tokens) for s in samples])
+    except (RolloutNotFoundError, ShapeError) as exc:
+        raise _named(fw, exc) from exc
+    return expand_sample_states(fw, samples, exp)
 
 
 def index_keys(fw: Framework, run: str, sample_indices: Sequence[int]) -> list[str]:
@@ -473,6 +652,8 @@ def fetch_rank_replay(
     num_experts: int | None = None,
     missing: Missing = "raise",
     as_torch: bool = False,
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
 ) -> RankReplay:
     """One micro-batch's replay targets for one slime or miles Megatron rank, read for it alone.
 
@@ -487,6 +668,12 @@ def fetch_rank_replay(
     :class:`~r3_client.RolloutNotFoundError` / :class:`~r3_client.ShapeError` naming the
     sample (``missing="fill"`` replays experts ``0..K-1`` on rows nobody shipped, as the
     layouts fill them).
+
+    ``view``: the policy every read is made under (docs/store.md, "Views"); under
+    ``"exact"`` (the default) ``states`` names each sample's state (its first row;
+    ``None``: ``0``), as :func:`expand_samples` records it, and a sample whose rows span
+    several states is refused (:class:`~r3_client.InvalidRequestError`, "expand the
+    sample") rather than replayed with one of them.
     """
     ids = [check_rollout_id(r) for r in rollout_ids]
     counts = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
@@ -501,7 +688,7 @@ def fetch_rank_replay(
             )
     plan, fill_index = _rank_plan(counts, rank)
     layers = None if routers is None else tuple(sorted(routers))
-    local, got_ids = fetch_plan_rows(source, ids, plan, layers, missing, -1)
+    local, got_ids = fetch_plan_rows(source, ids, plan, layers, missing, -1, view, states)
     if routers is None:
         routers = list(got_ids)
     if any(x >= num_layers for x in got_ids):
@@ -545,8 +732,68 @@ ROUTED_EXPERTS = "rollout_routed_experts"
 
 #: What a rank-local fill asks of the actor's data iterator per micro-batch: the keys
 #: slime and miles ship to every DP rank anyway (slime ray/rollout.py:786-807; miles
-#: ray/rollout/train_data_conversion.py:357-381).
-FILL_KEYS = ("sample_indices", "tokens")
+#: ray/rollout/train_data_conversion.py:357-381).  The first two are needed; the loss
+#: masks and response lengths tell each sample's state under ``exact``
+#: (:func:`trained_states`).
+FILL_KEYS = ("sample_indices", "tokens", "loss_masks", "response_lengths")
+
+
+def _as_array(x: Any) -> npt.NDArray[Any]:
+    if hasattr(x, "detach"):  # torch (the actor moves loss masks to the GPU)
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def trained_states(
+    source: Any,
+    rollout_ids: Sequence[str],
+    num_tokens: Sequence[int],
+    response_lengths: Sequence[int],
+    loss_masks: Sequence[Any],
+) -> list[int | None] | None:
+    """Each sample's state as a training rank can tell it: the state holding its first
+    trained token (the first response token whose loss mask is set; a sample training none:
+    its last token's), from one batched stat of the rollouts (``source.stat_many``, else one
+    ``stat`` each).  slime and miles ship no per-sample metadata to the ranks, but they do
+    ship ``loss_masks`` and ``response_lengths``, and :func:`expand_samples` zeroes each
+    copy's mask before its state's first token, so this is the state it recorded.  A sample
+    whose trained tokens run past that state's rows is then refused by the read ("expand
+    the sample"); one whose earlier states are masked out (a resumed partial rollout under
+    ``mask_offpolicy_in_partial_rollout``) replays its last state, as it should.  ``None``
+    when ``source`` answers no stats (a :class:`~r3_client.DirectReader`): every sample is
+    then read in its first state.  A rollout the cache does not hold gets ``None`` (the
+    read names it)."""
+    many = getattr(source, "stat_many", None)
+    one = getattr(source, "stat", None)
+    if many is None and one is None:
+        return None
+    ids = list(rollout_ids)
+    distinct = list(dict.fromkeys(ids))
+    if many is not None:
+        got = list(many(distinct))
+    else:
+        got = []
+        for rid in distinct:
+            try:
+                got.append(one(rid))  # type: ignore[misc]
+            except RolloutNotFoundError as exc:
+                got.append(exc)
+    infos = dict(zip(distinct, got, strict=True))
+    out: list[int | None] = []
+    for rid, n, r, mask in zip(ids, num_tokens, response_lengths, loss_masks, strict=True):
+        info = infos[rid]
+        if isinstance(info, R3Error):
+            if not isinstance(info, RolloutNotFoundError):
+                raise info
+            out.append(None)
+            continue
+        rows = max(0, min(info.num_rows, int(n) - 1))
+        states = states_of(applicable_views(info), rows) if rows else [(0, 0, ())]
+        trained = np.flatnonzero(_as_array(mask).reshape(-1)[: int(r)])
+        first = int(n) - int(r) + int(trained[0]) if trained.size else int(n) - 1
+        row = max(0, first - 1)  # token t attended to rows [0, t): it trains in t - 1's state
+        out.append(max(a for a, _, _ in states if a <= row))
+    return out
 
 
 def source_getter(source: Any) -> Callable[[], RangeSource]:
@@ -613,17 +860,21 @@ def fill_micro_batches(
     num_experts: int | None,
     missing: Missing,
     record: Callable[[RankReplay], None],
+    view: ViewPolicy = "exact",
 ) -> int:
     """The loop of slime's ``fill_routing_replay`` (``actor.py:319-323, 354-355``) and miles'
     ``fill_replay_data`` (``replay_data.py:55-56, 73-74, 133-134``), reading
-    ``sample_indices`` and ``tokens`` instead of the routing: every iterator reset, then
-    ``sum(num_microbatches)`` times ``data_iterator[0].get_next(FILL_KEYS)``, each
-    micro-batch's :func:`fetch_rank_replay` (keys :func:`index_keys`, ``len(tokens)`` per
-    sample) handed to ``record``, then every iterator reset again.  Returns the count."""
+    ``sample_indices`` and ``tokens`` (and the loss masks and response lengths) instead of
+    the routing: every iterator reset, then ``sum(num_microbatches)`` times
+    ``data_iterator[0].get_next(FILL_KEYS)``, each micro-batch's :func:`fetch_rank_replay`
+    (keys :func:`index_keys`, ``len(tokens)`` per sample, under ``view``) handed to
+    ``record``, in order, then every iterator reset again.  Under ``exact`` each sample's
+    state is :func:`trained_states` of the whole call's samples (one batched stat per call,
+    where ``source`` answers stats).  Returns the count."""
     for iterator in data_iterator:
         iterator.reset()
-    done = 0
-    for _ in range(sum(int(n) for n in num_microbatches)):
+    batches: list[tuple[list[str], list[int], list[Any] | None, list[Any] | None]] = []
+    for done in range(sum(int(n) for n in num_microbatches)):
         batch = data_iterator[0].get_next(list(FILL_KEYS))
         indices, tokens = batch.get("sample_indices"), batch.get("tokens")
         if indices is None or tokens is None:
@@ -639,22 +890,46 @@ def fill_micro_batches(
             )
         if any(i is None for i in indices):
             raise ValueError(f"{fw.name} micro-batch {done}: a sample has no index")
+        batches.append(
+            (
+                index_keys(fw, run, indices),
+                [len(t) for t in tokens],
+                batch.get("loss_masks"),
+                batch.get("response_lengths"),
+            )
+        )
+    states: list[list[int | None] | None] = [None] * len(batches)
+    if view == "exact" and batches and all(m is not None and r is not None for *_, m, r in batches):
+        flat = trained_states(
+            source,
+            [k for keys, *_ in batches for k in keys],
+            [n for _, counts, *_ in batches for n in counts],
+            [int(x) for *_, r in batches for x in r],  # type: ignore[union-attr]
+            [m for *_, masks, _ in batches for m in masks],  # type: ignore[union-attr]
+        )
+        if flat is not None:
+            at = 0
+            for j, (keys, *_) in enumerate(batches):
+                states[j] = flat[at : at + len(keys)]
+                at += len(keys)
+    for (keys, counts, _, _), mb_states in zip(batches, states, strict=True):
         replay = fetch_rank_replay(
             fw,
             source,
-            index_keys(fw, run, indices),
-            [len(t) for t in tokens],
+            keys,
+            counts,
             rank=rank,
             num_layers=num_layers,
             num_experts=num_experts,
             missing=missing,
             as_torch=True,
+            view=view,
+            states=mb_states,
         )
         record(replay)
-        done += 1
     for iterator in data_iterator:
         iterator.reset()
-    return done
+    return len(batches)
 
 
 def hook_env(framework: str) -> tuple[str, str | None, str]:

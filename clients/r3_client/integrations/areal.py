@@ -492,6 +492,8 @@ def fetch_areal_rank_targets(
     stage_layers: Sequence[int] | None = None,
     missing: Missing = "raise",
     as_torch: bool = False,
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
 ) -> ArealReplayTargets:
     """One rank's :class:`ArealReplayTargets` for one AReaL micro-batch, read for that rank alone.
 
@@ -504,13 +506,20 @@ def fetch_areal_rank_targets(
     (:func:`areal_micro_batch`).  Raises as :func:`~r3_client.rank_local.fetch_megatron_rank_batch`
     does; ``missing="fill"`` marks rows nobody shipped invalid (routed live, as AReaL treats
     rows it has no routing for).  ``as_torch``: CPU torch tensors.
+
+    ``view``: the policy every read is made under (docs/store.md, "Views"); under
+    ``"exact"`` (the default) ``states`` names each sample's state (its first row; ``None``:
+    ``0``; :func:`r3_client.expand_states` gives them, ``Expansion.state_rows``), and a
+    sample whose rows span several states is refused
+    (:class:`~r3_client.InvalidRequestError`, "expand the sample") rather than replayed
+    with one of them.
     """
     ids = tuple(check_rollout_id(r) for r in rollout_ids)
     plan = areal_rank_plan(
         seqlens, cu_seqlens, tp_size=tp_size, tp_rank=tp_rank, cp_size=cp_size, cp_rank=cp_rank
     )
     layers = None if stage_layers is None else tuple(sorted(int(x) for x in stage_layers))
-    local, layer_ids = fetch_plan_rows(source, list(ids), plan, layers, missing, -1)
+    local, layer_ids = fetch_plan_rows(source, list(ids), plan, layers, missing, -1, view, states)
     valid: npt.NDArray[np.bool_] = np.asarray((local >= 0).all(axis=2))  # [L, local_tokens]
     local[local < 0] = 0
     per_layer: list[Any] = [local[j] for j in range(local.shape[0])]

@@ -41,6 +41,7 @@ __all__ = [
     "check_miles_hooks",
     "check_samples",
     "check_stored",
+    "expand_samples",
     "fetch_rank_replay",
     "fill_routed_experts",
     "install_rank_local",
@@ -218,6 +219,30 @@ def check_samples(
     )
 
 
+def expand_samples(samples: Sequence[Any], source: Any, *, args: Any = None) -> list[Any]:
+    """One ``Sample`` per routing state of each sample, for ``view="exact"`` on the ranks
+    (:func:`r3_client.integrations._samples.expand_samples`: tokens, ``response_length``,
+    ``loss_mask``, ``rollout_log_probs``, ``teacher_log_probs``, ``opd_reverse_kl``,
+    ``metadata["opd_student_top_logprobs"]`` and the per-row arrays cut to the state, as
+    ``strip_last_output_tokens`` cuts them, ``utils/types.py:221-244``;
+    ``metadata["r3_state"]``; ``rollout_id`` shared, the original's ``index`` when unset).
+    ``source``: a :class:`~r3_client.RoutingClient` (one batched stat).
+
+    Run it on the rollout side once the rewards are set, before miles converts the samples
+    to train data.  miles' own reward normalization already counts each rollout once
+    (one shared reward per ``rollout_id`` / ``index`` in each ``group_index`` group,
+    ``ray/rollout/train_data_conversion.py:172-254``; ``group_index`` set, as miles' data
+    source sets it, else it falls back to counting samples, ``:196-204``), and its loss
+    divides by per-rollout mask sums (``:101, 162-169``;
+    ``backends/training_utils/loss_hub/losses.py:264-272``), so the copies train what the
+    original did.  Not with multi-LoRA's ``prompt_group_sizes``, which count samples
+    (``:174-186``).  ``args``
+    (miles'): refuses the settings the cut would change (``ppo`` /
+    ``reinforce_plus_plus`` returns, ``gspo`` / ``use_opsm`` sequence ratios).
+    """
+    return _samples.expand_samples(_MILES, samples, source, args=args)
+
+
 def fetch_rank_replay(
     source: RangeSource,
     rollout_ids: Sequence[str],
@@ -227,6 +252,8 @@ def fetch_rank_replay(
     num_layers: int,
     missing: Missing = "raise",
     as_torch: bool = False,
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
 ) -> RankReplay:
     """One micro-batch's replay targets on one miles Megatron rank, read for that rank alone.
 
@@ -237,7 +264,10 @@ def fetch_rank_replay(
     which its replay reads as experts ``0..K-1`` (``replay_base.py:102-109``).  Router
     ``j`` of the rank records ``per_layer[j]`` (:meth:`RankReplay.record`), equal to what
     miles' own fill records from whole ``miles_layout`` arrays; only the rank's rows of
-    its routers' layers are fetched.  See :func:`r3_client.integrations._samples.fetch_rank_replay`.
+    its routers' layers are fetched.  ``view`` (default ``"exact"``) / ``states``: the read
+    policy and, under ``exact``, each sample's state (:func:`expand_samples` records it); a
+    sample spanning several states is refused ("expand the sample").  See
+    :func:`r3_client.integrations._samples.fetch_rank_replay`.
     """
     return _samples.fetch_rank_replay(
         _MILES,
@@ -248,6 +278,8 @@ def fetch_rank_replay(
         num_layers=num_layers,
         missing=missing,
         as_torch=as_torch,
+        view=view,
+        states=states,
     )
 
 
@@ -298,6 +330,7 @@ def rank_local_fill_replay_data(
     *,
     original: Callable[..., Any] | None = None,
     missing: Missing = "raise",
+    view: ViewPolicy = "exact",
 ) -> Callable[..., None]:
     """A replacement for miles' ``fill_replay_data(*, args, models, data_iterator,
     num_microbatches, rollout_data, data_key, replay_list, register_replay_list_func,
@@ -318,6 +351,13 @@ def rank_local_fill_replay_data(
     shipped ``rollout_data["rollout_routed_experts"]`` is dropped unread (``:131``); every
     iterator reset again (``:133-134``).  thd only: ``args.qkv_format == "bshd"``
     (``:88-99``) is refused, as are token-position indices.
+
+    ``view``: the read policy (default ``"exact"``: each sample in its state, a sample
+    spanning several states refused; :func:`expand_samples` cuts them).  The rank tells an
+    expanded sample's state from its shipped ``loss_masks`` / ``response_lengths`` and one
+    batched stat per call (:func:`r3_client.integrations._samples.trained_states`; a
+    source without stats, a :class:`~r3_client.DirectReader`, reads every sample in its
+    first state).
     """
     check_rollout_id(f"{run}.0")
     get_source = _samples.source_getter(source)
@@ -380,6 +420,7 @@ def rank_local_fill_replay_data(
             num_experts=None,
             missing=missing,
             record=record,
+            view=view,
         )
         rollout_data.pop(_samples.ROUTED_EXPERTS, None)
 
@@ -428,6 +469,7 @@ def install_rank_local(
     source: Any = None,
     run: str | None = None,
     missing: Missing = "raise",
+    view: ViewPolicy = "exact",
 ) -> Callable[..., None]:
     """Make miles' Megatron actor of this process fill its routing replay rank-locally:
     ``miles.backends.megatron_utils.actor.fill_replay_data`` (the name ``train_actor``
@@ -441,6 +483,7 @@ def install_rank_local(
     ``R3_KEY`` (optional) and ``R3_RUN`` from the environment.  Refuses (``ValueError``)
     ``args`` without ``use_rollout_routing_replay`` (``actor.py:460-461``: the fill is not
     called) and (``RuntimeError``, :func:`check_miles_hooks`) a miles whose fill moved.
+    ``view``: the ranks' read policy (:func:`rank_local_fill_replay_data`).
     """
     if args is not None and not getattr(args, "use_rollout_routing_replay", False):
         raise ValueError(
@@ -454,7 +497,7 @@ def install_rank_local(
         source = _samples.client_factory(url, key) if source is None else source
         run = env_run if run is None else run
     own = _samples.unwrapped(actor.fill_replay_data)
-    fill = rank_local_fill_replay_data(source, run, original=own, missing=missing)
+    fill = rank_local_fill_replay_data(source, run, original=own, missing=missing, view=view)
     fill._r3_original = own  # type: ignore[attr-defined]
     actor.fill_replay_data = fill
     return fill

@@ -23,6 +23,8 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from r3_client._routing import check_rollout_id
 from r3_client._views import ViewPolicy
 from r3_client.integrations import _samples
@@ -41,9 +43,11 @@ __all__ = [
     "check_samples",
     "check_slime_hooks",
     "check_stored",
+    "expand_samples",
     "fetch_rank_replay",
     "fill_routed_experts",
     "install_rank_local",
+    "normalize_rewards",
     "rank_keys",
     "rank_local_fill_routing_replay",
     "rollout_key",
@@ -201,6 +205,83 @@ def check_samples(
     )
 
 
+def expand_samples(samples: Sequence[Any], source: Any, *, args: Any = None) -> list[Any]:
+    """One ``Sample`` per routing state of each sample, for ``view="exact"`` on the ranks
+    (:func:`r3_client.integrations._samples.expand_samples`: tokens, ``response_length``,
+    ``loss_mask``, ``rollout_log_probs``, ``teacher_log_probs`` and the top-p ids cut to the
+    state; ``metadata["r3_state"]``; ``rollout_id`` shared, the original's ``index`` when
+    unset).  ``source``: a :class:`~r3_client.RoutingClient` (one batched stat).
+
+    Run it on the rollout side once the rewards are set and before slime converts the
+    samples to train data: e.g. at the end of a ``--rollout-function-path`` function,
+    returning each group as ``[[copies of sample 0], [copies of sample 1], ...]`` (slime
+    flattens nested groups and checks that siblings share ``rollout_id``,
+    ``ray/rollout.py:595-604``).  slime's own reward normalization reshapes by count
+    (``ray/rollout.py:618-623``) and would weigh the copies: pass
+    ``--custom-reward-post-process-path r3_client.integrations.slime.normalize_rewards``.
+    ``args`` (slime's): refuses the settings the cut would change (``ppo`` /
+    ``reinforce_plus_plus`` returns, ``gspo`` / ``use_opsm`` sequence ratios, the
+    count-reshaping normalization).
+    """
+    return _samples.expand_samples(_SLIME, samples, source, args=args)
+
+
+def normalize_rewards(args: Any, samples: Sequence[Any]) -> tuple[list[Any], list[float]]:
+    """slime's ``_post_process_rewards`` (``ray/rollout.py:608-633``) counting each rollout
+    once: usable as ``--custom-reward-post-process-path
+    r3_client.integrations.slime.normalize_rewards`` (called as ``f(args, samples)``,
+    ``:609-610``).  Returns ``(raw_rewards, rewards)``, one each per sample.
+
+    Under ``rewards_normalization`` with ``advantage_estimator`` in ``grpo``, ``gspo``,
+    ``cispo``, ``reinforce_plus_plus_baseline``, slime's grouping applied to rollouts
+    instead of samples: each rollout (``rollout_id``, else ``index``) counts once with its
+    reward (its samples must share it); ``n_samples_per_prompt`` consecutive rollouts form
+    a group when there are ``n_samples_per_prompt * rollout_batch_size`` of them, else
+    all form one (``:619-623``); centred on the group's mean and, for ``grpo`` / ``gspo`` /
+    ``cispo`` with ``grpo_std_normalization``, divided by ``std + 1e-6`` (unbiased, as
+    ``torch.std``, ``:624-629``); every sample of a rollout gets its rollout's value.  On
+    samples that were not expanded this is slime's own result.  Otherwise the raw
+    rewards, as slime.
+    """
+    key = getattr(args, "reward_key", None)
+    raw = [s.reward if not key else s.reward[key] for s in samples]
+    estimator = getattr(args, "advantage_estimator", None)
+    if estimator not in _samples.NORMALIZED or not getattr(args, "rewards_normalization", False):
+        return raw, list(raw)
+    rollouts: dict[Any, list[int]] = {}
+    for i, s in enumerate(samples):
+        rid = s.rollout_id if getattr(s, "rollout_id", None) is not None else s.index
+        rollouts.setdefault(("row", i) if rid is None else rid, []).append(i)
+    order = list(rollouts)  # in order of their first sample
+    n = int(args.n_samples_per_prompt)
+    if len(order) != n * int(args.rollout_batch_size):
+        n = len(order)  # slime: "when samples count are not equal in each group", one group
+    grouped = [order[i : i + n] for i in range(0, len(order), n)]
+    out = [0.0] * len(samples)
+    use_std = estimator in ("grpo", "gspo", "cispo") and getattr(
+        args, "grpo_std_normalization", False
+    )
+    for group in grouped:
+        shared = []
+        for rid in group:
+            values = [raw[i] for i in rollouts[rid]]
+            if any(v != values[0] for v in values[1:]):
+                raise ValueError(
+                    f"slime rollout {rid!r}: its samples {rollouts[rid]} must share one reward, "
+                    f"got {values}"
+                )
+            shared.append(values[0])
+        r = np.asarray(shared, dtype=np.float32)
+        r = r - r.mean(dtype=np.float32)
+        if use_std:
+            std = r.std(ddof=1, dtype=np.float32) if r.size > 1 else np.float32(np.nan)
+            r = r / (std + np.float32(1e-6))
+        for rid, value in zip(group, r.tolist(), strict=True):
+            for i in rollouts[rid]:
+                out[i] = float(value)
+    return raw, out
+
+
 def fetch_rank_replay(
     source: RangeSource,
     rollout_ids: Sequence[str],
@@ -211,6 +292,8 @@ def fetch_rank_replay(
     num_experts: int,
     missing: Missing = "raise",
     as_torch: bool = False,
+    view: ViewPolicy = "exact",
+    states: Sequence[int | None] | None = None,
 ) -> RankReplay:
     """One micro-batch's replay targets on one slime Megatron rank, read for that rank alone.
 
@@ -221,7 +304,10 @@ def fetch_rank_replay(
     pads with ``arange % num_experts``, ``cp_utils.py:239-251``).  Router ``j`` of the rank records
     ``per_layer[j]`` (:meth:`RankReplay.record`), equal to what slime's own fill records
     from whole ``slime_layout`` arrays; only the rank's rows of its routers' layers are
-    fetched.  See :func:`r3_client.integrations._samples.fetch_rank_replay`.
+    fetched.  ``view`` (default ``"exact"``) / ``states``: the read policy and, under
+    ``exact``, each sample's state (:func:`expand_samples` records it); a sample spanning
+    several states is refused ("expand the sample").  See
+    :func:`r3_client.integrations._samples.fetch_rank_replay`.
     """
     return _samples.fetch_rank_replay(
         _SLIME,
@@ -233,6 +319,8 @@ def fetch_rank_replay(
         num_experts=num_experts,
         missing=missing,
         as_torch=as_torch,
+        view=view,
+        states=states,
     )
 
 
@@ -264,7 +352,7 @@ def sample_rank(args: Any, models: Sequence[Any]) -> SampleRank:
 
 
 def rank_local_fill_routing_replay(
-    source: Any, run: str, *, missing: Missing = "raise"
+    source: Any, run: str, *, missing: Missing = "raise", view: ViewPolicy = "exact"
 ) -> Callable[[Any, Any, Any, Any], None]:
     """A replacement for slime's ``MegatronTrainRayActor.fill_routing_replay(self,
     data_iterator, num_microbatches, rollout_data)`` (``actor.py:308-355``) that reads each
@@ -283,6 +371,13 @@ def rank_local_fill_routing_replay(
     refused unless the counts match (``:333-350``); a shipped
     ``rollout_data["rollout_routed_experts"]`` is dropped unread (``:352``); every iterator
     reset again (``:354-355``).  Imports megatron.core and slime when called.
+
+    ``view``: the read policy (default ``"exact"``: each sample in its state, a sample
+    spanning several states refused; :func:`expand_samples` cuts them).  The rank tells an
+    expanded sample's state from its shipped ``loss_masks`` / ``response_lengths`` and one
+    batched stat per call (:func:`r3_client.integrations._samples.trained_states`; a
+    source without stats, a :class:`~r3_client.DirectReader`, reads every sample in its
+    first state).
     """
     check_rollout_id(f"{run}.0")
     get_source = _samples.source_getter(source)
@@ -303,6 +398,7 @@ def rank_local_fill_routing_replay(
             num_experts=int(args.num_experts),
             missing=missing,
             record=lambda replay: replay.record(replays),
+            view=view,
         )
         rollout_data.pop(_samples.ROUTED_EXPERTS, None)
 
@@ -356,6 +452,7 @@ def install_rank_local(
     source: Any = None,
     run: str | None = None,
     missing: Missing = "raise",
+    view: ViewPolicy = "exact",
 ) -> Callable[[Any, Any, Any, Any], None]:
     """Make every slime Megatron actor of this process fill its routing replay rank-locally:
     ``MegatronTrainRayActor.fill_routing_replay`` becomes
@@ -369,7 +466,8 @@ def install_rank_local(
     environment and makes a :class:`~r3_client.RoutingClient` on the first fill.  Refuses
     (``ValueError``) ``args`` without ``use_rollout_routing_replay``, under which slime never
     calls the fill (``actor.py:430-431``), and (``RuntimeError``, :func:`check_slime_hooks`)
-    a slime whose fill moved.
+    a slime whose fill moved.  ``view``: the ranks' read policy
+    (:func:`rank_local_fill_routing_replay`).
     """
     if args is not None and not getattr(args, "use_rollout_routing_replay", False):
         raise ValueError(
@@ -381,7 +479,7 @@ def install_rank_local(
         url, key, env_run = _samples.hook_env("slime")
         source = _samples.client_factory(url, key) if source is None else source
         run = env_run if run is None else run
-    fill = rank_local_fill_routing_replay(source, run, missing=missing)
+    fill = rank_local_fill_routing_replay(source, run, missing=missing, view=view)
     fill._r3_original = _samples.unwrapped(cls.fill_routing_replay)  # type: ignore[attr-defined]
     cls.fill_routing_replay = fill  # type: ignore[attr-defined]
     return fill
