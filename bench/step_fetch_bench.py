@@ -382,9 +382,10 @@ Piece = tuple[int, int, float, bool]  # rows [a, b), stored bytes per row and la
 def state_pieces(info: RolloutInfo, state: int) -> tuple[list[Piece], list[Piece]]:
     """Where a read under ``state`` finds each row: the rollout's segments with the views
     that state applies written over them in order (later wins), each at its own stored
-    bytes per row and layer; and what today's client reads for it, at row granularity
-    (every segment row of the range, then each applied view's rows in it: the rows a
-    later view overwrites are read too)."""
+    bytes per row and layer; and what the client reads for it, at row granularity: since
+    issue 43 each row once, from that same source (``RoutingClient.get_ranges`` reads
+    ``read_pieces``), so the two are one list (before, it read every segment row of the
+    range, then each applied view's rows in it: the rows a later view overwrites too)."""
     segs: list[Piece] = [
         (
             g.segment.start,
@@ -394,7 +395,7 @@ def state_pieces(info: RolloutInfo, state: int) -> tuple[list[Piece], list[Piece
         )
         for g in info.segments
     ]
-    out, read = list(segs), list(segs)
+    out = list(segs)
     for v in applicable_views(info):
         if v.serves > state or v.end <= v.start:
             continue
@@ -406,15 +407,14 @@ def state_pieces(info: RolloutInfo, state: int) -> tuple[list[Piece], list[Piece
                 cut.append((max(a, v.end), b, rate, is_view))
         piece = (v.start, v.end, v.nbytes / (v.end - v.start) / LAYERS, True)
         out = [*cut, piece]
-        read.append(piece)
-    return out, read
+    return out, out
 
 
 def rank_share(job: Job, infos: dict[str, RolloutInfo]) -> tuple[float, float, float]:
     """The stored bytes of the rows x layers ``job``'s rank reads under its samples'
     states (each row at the bytes of the segment or view it is read from: its share), the
-    part of them read from views, and the bytes of the rows x layers today's client
-    reads for them (:func:`state_pieces`: the share plus the rows views overwrite)."""
+    part of them read from views, and the bytes of the rows x layers the client reads
+    for them (:func:`state_pieces`: the share, each row read once since issue 43)."""
     coords, micro = job
     rank = verl_rank(coords)
     pieces: dict[tuple[str, int], tuple[list[Piece], list[Piece]]] = {}
@@ -465,7 +465,7 @@ def straddled_step(
         r["share_bytes"] = share
         r["share_view_bytes"] = share_views
         r["bytes_over_share"] = r["bytes"] / share
-        # bytes / share = (rows read / share: overwritten rows re-read) x (bytes / rows
+        # bytes / share = (rows read / share: 1 since each row is read once) x (bytes / rows
         # read: whole blocks and layer groups around the rows)
         r["read_rows_bytes"] = read
         r["read_rows_over_share"] = read / share

@@ -16,11 +16,13 @@ import asyncio
 import functools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing, closing
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
@@ -40,8 +42,9 @@ from r3_client._exceptions import (
     InvalidRequestError,
     R3Error,
     RolloutNotFoundError,
+    ShapeError,
 )
-from r3_client._routing import Routing, Segment, check_rollout_id
+from r3_client._routing import Routing, Segment, check_rollout_id, index_dtype, layer_positions
 from r3_client._transports import (
     AsyncTransport,
     Transport,
@@ -54,16 +57,44 @@ from r3_client._views import (
     apply_views,
     arun_steps,
     check_policy,
+    check_rows_size,
     one_routing_policy,
     overlapping,
     ranged_reads,
+    read_pieces,
     read_views,
     run_steps,
     served,
+    write_rows,
 )
 from r3_client.codec import MAX_DECODED_BYTES, CodecName
 
 __all__ = ["AsyncRoutingClient", "RoutingClient"]
+
+
+@dataclass(frozen=True)
+class _RangePlan:
+    """How :meth:`RoutingClient.get_ranges` reads one range ``[start, end)``.
+
+    ``spans``: the batch stream's items for it (a rollout may be named once per span).
+    ``pieces`` None: the one span read as the segments hold it, and the views of its
+    state applied over it after (:meth:`RoutingClient._in_state`): a range no applied
+    view overlaps, and one the stat cannot cut (its stat failed, it reaches past the
+    stored rows, it names a layer the rollout lacks: the service's answer is the read's).
+    Otherwise each row's source (:func:`~r3_client._views.read_pieces`): ``spans`` the
+    pieces read from the segments (those with stored rows; the others are a gap, ``-1``),
+    each other piece read from its view; ``like``, a routing of no rows with the
+    answer's geometry; ``segments``, the stored segments the range overlaps.  ``error``:
+    the read's answer, read from nowhere (its state refused, over ``max_bytes``).
+    """
+
+    start: int
+    end: int
+    spans: tuple[tuple[int, int], ...]
+    pieces: tuple[tuple[ViewInfo | None, int, int], ...] | None = None
+    like: Routing | None = None
+    segments: tuple[Segment, ...] = ()
+    error: R3Error | None = None
 
 
 class RoutingClient:
@@ -373,33 +404,127 @@ class RoutingClient:
         a sample of several states is expanded into one training sample per state
         first, :func:`r3_client.expand_states`); ``"latest"`` every view applied;
         ``"generated"`` none.  Under ``exact`` and ``latest`` one batched stat names each
-        rollout's views, and each view with rows in a read's range is read by range
-        (one request per such view and read; rollouts without views cost the stat only).
+        rollout's views first, and each row of a read is received once, from where its
+        answer takes it (:func:`~r3_client._views.read_pieces`): the last applied view
+        that holds it (one request per run of rows the view wins in the read), else the
+        segments (one batch item per run of such rows; none for a read wholly in views).
+        Rollouts without views cost the stat only; the answer's size under ``max_bytes``
+        is checked from the stat before a read with views reads anything.
         """
         policy = check_policy(view)
         items = ranged_reads(reads, policy)
         for rid, a, b, _, _ in items:
             check_rollout_id(rid)
             self._core.check_range(a, b)
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        infos: dict[str, RolloutInfo | R3Error] = {}
+        if policy != "generated":
+            ids = list(dict.fromkeys(rid for rid, _, _, _, _ in items))
+            infos = dict(zip(ids, self.stat_many(ids), strict=True))
+        plans = [
+            self._range_plan(rid, a, b, state, upto, infos.get(rid), policy, layers)
+            for rid, a, b, state, upto in items
+        ]
         stream = self._stream(
-            [rid for rid, _, _, _, _ in items],
-            [(a, b) for _, a, b, _, _ in items],
+            [item[0] for item, plan in zip(items, plans, strict=True) for _ in plan.spans],
+            [span for plan in plans for span in plan.spans],
             (0, None, layers),
             chunk_size,
             False,
             True,
             decode_workers,
         )
-        infos: dict[str, RolloutInfo | R3Error] = {}
-        if policy != "generated":
-            ids = list(dict.fromkeys(rid for rid, _, _, _, _ in items))
-            infos = dict(zip(ids, self.stat_many(ids), strict=True))
-        for (rid, got), (_, _, _, state, upto) in zip(stream, items, strict=True):
-            if policy != "generated" and not isinstance(got, R3Error):
-                got = self._in_state(rid, got, infos[rid], policy, state, upto, layers)
-            if isinstance(got, R3Error) and not return_errors:
-                raise got
-            yield rid, got
+        with closing(stream):
+            for (rid, _, _, state, upto), plan in zip(items, plans, strict=True):
+                parts = [next(stream)[1] for _ in plan.spans]
+                got: Routing | R3Error
+                if plan.error is not None:
+                    got = plan.error
+                elif plan.pieces is None:
+                    got = parts[0]
+                    if policy != "generated" and not isinstance(got, R3Error):
+                        got = self._in_state(rid, got, infos[rid], policy, state, upto, layers)
+                else:
+                    got = self._pieced(rid, plan, parts, layers)
+                if isinstance(got, R3Error) and not return_errors:
+                    raise got
+                yield rid, got
+
+    def _range_plan(
+        self,
+        rollout_id: str,
+        start: int,
+        end: int,
+        state: int | None,
+        upto: int,
+        info: RolloutInfo | R3Error | None,
+        policy: str,
+        layers: Sequence[int] | None,
+    ) -> _RangePlan:
+        """Where :meth:`get_ranges` reads rows ``[start, end)`` of ``rollout_id`` from
+        (:class:`_RangePlan`), from its stat ``info`` (None under ``generated``)."""
+        whole = _RangePlan(start, end, ((start, end),))
+        if info is None or isinstance(info, R3Error) or end > info.num_rows:
+            return whole
+        try:
+            kept = info.layer_ids
+            if layers is not None:
+                kept = tuple(kept[p] for p in layer_positions(kept, layers))
+        except ShapeError:
+            return whole
+        try:
+            applied = read_views(
+                applicable_views(info), policy, state, start, end, info.num_rows, rollout_id, upto
+            )
+            views = tuple(v for v in applied if v.start < end and v.end > start)
+            if not views:
+                return whole
+            dtype = index_dtype(info.num_experts)
+            row = dtype.itemsize * len(kept) * info.topk
+            check_rows_size(row, start, end, views, [], self._core.max_bytes, rollout_id)
+        except R3Error as exc:
+            return _RangePlan(start, end, (), error=exc)
+        like = Routing(np.empty((0, len(kept), info.topk), dtype), info.num_experts, kept, start)
+        pieces = tuple(read_pieces(views, start, end))
+        stored = [s.segment for s in info.segments]
+        spans = tuple(
+            (a, b) for v, a, b in pieces if v is None and any(s.overlaps(a, b) for s in stored)
+        )
+        segments = tuple(s for s in stored if s.overlaps(start, end))
+        return _RangePlan(start, end, spans, pieces, like, segments)
+
+    def _pieced(
+        self,
+        rollout_id: str,
+        plan: _RangePlan,
+        parts: Sequence[Routing | R3Error],
+        layers: Sequence[int] | None,
+    ) -> Routing | R3Error:
+        """A planned read's answer: its segment pieces ``parts`` (the batch stream's
+        answers to ``plan.spans``) and each view's pieces (read here, one at a time)
+        written into one array, or the first error among them."""
+        assert plan.pieces is not None and plan.like is not None
+        like = plan.like
+        for got in parts:
+            if isinstance(got, R3Error):
+                return got
+        out = np.full((plan.end - plan.start, like.num_layers, like.topk), -1, like.indices.dtype)
+        try:
+            for got in parts:
+                assert isinstance(got, Routing)
+                write_rows(out, plan.start, got, like, None, rollout_id)
+            for v, a, b in plan.pieces:
+                if v is None:
+                    continue
+                data = self.get_frame(rollout_id, start=a, end=b, layers=layers, view=v.serves)
+                part = self._core.decode(data, rollout_id, a, b, layers)
+                write_rows(out, plan.start, part, like, v, rollout_id)
+                del part, data  # one view's rows held at a time
+        except R3Error as exc:
+            return exc
+        out.setflags(write=False)
+        return Routing(out, like.num_experts, like.layer_ids, plan.start, plan.segments)
 
     def _in_state(
         self,
@@ -445,7 +570,7 @@ class RoutingClient:
         progress: bool,
         return_errors: bool,
         decode_workers: int,
-    ) -> Iterator[Result]:
+    ) -> Generator[Result, None, None]:
         """:meth:`get_many` and :meth:`get_ranges`: ``rows`` is the one range and layers
         of every item, or ``ranges`` one range per item (with ``rows``' layers)."""
         start, end, layers = rows

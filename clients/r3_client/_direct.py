@@ -50,8 +50,10 @@ from r3_client._views import (
     ViewPolicy,
     apply_views,
     check_policy,
+    check_views_size,
     one_routing_policy,
     overlapping,
+    piece_sources,
     ranged_reads,
     read_views,
     run_steps,
@@ -427,7 +429,8 @@ class DirectReader:
         Each rollout is read whole (an ``HGETALL``: Redis cannot read part of a hash
         field, so a rank fetches its rollouts' whole segments) once, and only the reads'
         rows and ``layers`` are decoded; the hash lists the rollout's views, and the
-        hash of each view with rows in a read's range is read when that read applies it
+        hash of each view that holds some row of a read's answer (one with rows in its
+        range that later views do not all overwrite) is read when that read applies it
         (one view's rows held at a time).  What waits is bounded whatever the number of
         reads or their order: at most ``2 * workers`` decoded (or decoding) reads, and
         the frames of the rollouts of one window of reads (at most ``_range_window``,
@@ -457,8 +460,11 @@ class DirectReader:
             try:
                 base = self._decode(got.frames, rid, a, b, layers)
                 applied = read_views(got.views, policy, state, a, b, got.stored_end, rid, upto)
+                views = overlapping(applied, base)
+                check_views_size(base, views, [], self.max_bytes, rid)
+                # a view whose rows here later views all overwrite is not read
                 steps = apply_views(
-                    base, overlapping(applied, base), max_bytes=self.max_bytes, rollout_id=rid
+                    base, piece_sources(views, a, b), max_bytes=self.max_bytes, rollout_id=rid
                 )
                 return run_steps(steps, lambda v: self._view_rows(rid, v, base, layers))
             except R3Error as exc:

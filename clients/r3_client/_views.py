@@ -21,6 +21,7 @@ Three read policies (docs/store.md, "Views"):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Awaitable, Callable, Collection, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, TypeVar, cast
@@ -41,15 +42,19 @@ __all__ = [
     "applicable_views",
     "apply_views",
     "arun_steps",
+    "check_rows_size",
     "check_views_size",
     "off_state_tokens",
     "overlapping",
+    "piece_sources",
     "ranged_reads",
+    "read_pieces",
     "read_views",
     "run_steps",
     "served",
     "serving_views",
     "states_of",
+    "write_rows",
 ]
 
 T = TypeVar("T")
@@ -237,6 +242,43 @@ def overlapping(views: Iterable[ViewInfo], base: Routing) -> tuple[ViewInfo, ...
     return tuple(v for v in views if v.start < base.end and v.end > base.start)
 
 
+def read_pieces(
+    views: Sequence[ViewInfo], start: int, end: int
+) -> list[tuple[ViewInfo | None, int, int]]:
+    """Where each row of a read of rows ``[start, end)`` comes from when ``views`` (those
+    the read applies, in the order they are applied: a later one wins) are written over
+    the first computations: ``(source, a, b)`` pieces that tile ``[start, end)`` in
+    order, ``source`` the last of ``views`` whose rows ``[v.start, v.end)`` hold rows
+    ``[a, b)``, or None where no view does (the segments' rows).  Adjacent rows of the
+    same source are one piece; no piece is empty; none at all when ``end <= start``.
+
+    A reader that reads each piece from its source reads every row of the answer once:
+    no row a view overwrites is read from the segments, nor from an earlier view.
+    """
+    if end <= start:
+        return []
+    cuts = sorted({start, end, *(x for v in views for x in (v.start, v.end) if start < x < end)})
+    out: list[tuple[ViewInfo | None, int, int]] = []
+    for a, b in itertools.pairwise(cuts):
+        source: ViewInfo | None = None
+        for v in views:
+            if v.start <= a and b <= v.end:
+                source = v
+        if out and out[-1][0] is source:
+            out[-1] = (source, out[-1][1], b)
+        else:
+            out.append((source, a, b))
+    return out
+
+
+def piece_sources(views: Sequence[ViewInfo], start: int, end: int) -> tuple[ViewInfo, ...]:
+    """The ``views`` (in their order) that are the source of some row of ``[start, end)``
+    (:func:`read_pieces`): those a later view does not wholly cover there.  Applying only
+    these, in order, answers the same rows as applying every one of ``views``."""
+    won = {id(v) for v, _, _ in read_pieces(views, start, end) if v is not None}
+    return tuple(v for v in views if id(v) in won)
+
+
 def off_state_tokens(
     views: Sequence[ViewInfo], num_rows: int, policy: str, state: int | None, num_tokens: int
 ) -> int:
@@ -390,16 +432,30 @@ def check_views_size(
     declared sizes alone (before any view is read): ``base``, one copy of it to write the
     views over, the rows ``[0, b)`` of each earlier state kept (``kept``: their ends), and
     the largest view's rows in ``base``'s range."""
+    row = base.indices.itemsize * base.indices.shape[1] * base.indices.shape[2]
+    check_rows_size(row, base.start, base.end, views, kept, max_bytes, rollout_id)
+
+
+def check_rows_size(
+    row: int,
+    start: int,
+    end: int,
+    views: Sequence[ViewInfo],
+    kept: Sequence[int],
+    max_bytes: int,
+    rollout_id: str,
+) -> None:
+    """:func:`check_views_size` of an answer of rows ``[start, end)``, ``row`` bytes each
+    (decoded, in the layers read), before any of its rows are read."""
     if not views:
         return
-    row = base.indices.itemsize * base.indices.shape[1] * base.indices.shape[2]
-    part = max(max(0, min(v.end, base.end) - max(v.start, base.start)) for v in views)
-    need = row * (2 * base.num_rows + sum(kept) + part)
+    part = max(max(0, min(v.end, end) - max(v.start, start)) for v in views)
+    need = row * (2 * (end - start) + sum(kept) + part)
     if need > max_bytes:
         who = f"rollout {rollout_id}" if rollout_id else "a rollout"
         raise LimitExceededError(
             f"{who} with {len(views)} views needs {need} bytes to answer with its views "
-            f"applied ({len(kept) + 1} routings of up to {base.num_rows} rows, one view at a "
+            f"applied ({len(kept) + 1} routings of up to {end - start} rows, one view at a "
             f"time); this reader's limit is {max_bytes} (max_bytes): read fewer layers or "
             "rows, or raise max_bytes"
         )
@@ -410,21 +466,48 @@ def _write_view(
 ) -> npt.NDArray[Any]:
     """``cur`` (``base``'s rows; copied on the first write) with view ``v``'s rows ``part``
     written over it, after checking the view's geometry is the rollout's."""
-    if (
-        part.num_experts != base.num_experts
-        or part.layer_ids != base.layer_ids
-        or part.indices.shape[1:] != base.indices.shape[1:]
-    ):
-        who = f"rollout {rollout_id}" if rollout_id else "the rollout"
-        raise StoreError(
-            f"the view serving row {v.serves} of {who} holds layers {list(part.layer_ids)} "
-            f"of {part.num_experts} experts, top-{part.indices.shape[-1]}; the rollout holds "
-            f"layers {list(base.layer_ids)} of {base.num_experts}, top-{base.indices.shape[-1]}: "
-            "its stored view is not the rollout's (damaged at rest)"
-        )
+    _check_geometry(base, part, v, rollout_id)
     if cur is base.indices:
         cur = np.array(cur, copy=True)
     a, b = max(part.start, base.start), min(part.end, base.end)
     if a < b:
         cur[a - base.start : b - base.start] = part.indices[a - part.start : b - part.start]
     return cur
+
+
+def write_rows(
+    out: npt.NDArray[Any],
+    start: int,
+    part: Routing,
+    like: Routing,
+    source: ViewInfo | None,
+    rollout_id: str = "",
+) -> None:
+    """Write ``part``'s rows into ``out`` (rows ``[start, start + len(out))``; those of
+    ``part`` outside them are left out), after checking ``part`` has the geometry of
+    ``like`` (the rollout's: experts, layers read, top-k; :class:`StoreError` otherwise).
+    ``source``: the view ``part`` was read from, None for the segments (the message)."""
+    _check_geometry(like, part, source, rollout_id)
+    a, b = max(part.start, start), min(part.end, start + out.shape[0])
+    if a < b:
+        out[a - start : b - start] = part.indices[a - part.start : b - part.start]
+
+
+def _check_geometry(base: Routing, part: Routing, v: ViewInfo | None, rollout_id: str) -> None:
+    """:class:`StoreError` unless ``part`` (a view's rows, or with ``v`` None a segment's)
+    holds ``base``'s experts, layers and top-k."""
+    if (
+        part.num_experts == base.num_experts
+        and part.layer_ids == base.layer_ids
+        and part.indices.shape[1:] == base.indices.shape[1:]
+    ):
+        return
+    who = f"rollout {rollout_id}" if rollout_id else "the rollout"
+    what = f"the view serving row {v.serves}" if v is not None else "a segment"
+    stored = "its stored view" if v is not None else "the stored segment"
+    raise StoreError(
+        f"{what} of {who} holds layers {list(part.layer_ids)} "
+        f"of {part.num_experts} experts, top-{part.indices.shape[-1]}; the rollout holds "
+        f"layers {list(base.layer_ids)} of {base.num_experts}, top-{base.indices.shape[-1]}: "
+        f"{stored} is not the rollout's (damaged at rest)"
+    )

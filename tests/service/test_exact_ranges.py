@@ -103,6 +103,41 @@ def test_exact_ranges_are_each_states_own_routing(
             _eq(first.indices, states[0][3:30])
 
 
+def test_each_row_is_received_once(
+    svc: Service, transport: str, agent: tuple[str, list[np.ndarray]]
+) -> None:
+    """Under ``exact`` a row is asked of the service once, from where the answer takes it:
+    the last applied view holding it, else the segments (issue 43: none read twice)."""
+    r, states = agent
+    asked: list[tuple[int | None, int, int]] = []  # (view or None: the segments, rows)
+    with RoutingClient(url_of(svc, transport), api_key=KEY_A) as c:
+        t = c._t
+        inner_batch, inner_get = t.batch_get, t.get
+
+        def batch(ids: Any, start: Any, end: Any, layers: Any, ranges: Any = None) -> Any:
+            asked.extend((None, a, b) for a, b in ranges)
+            yield from inner_batch(ids, start, end, layers, ranges)
+
+        def get(rid: str, start: int, end: Any, layers: Any, *, view: Any = None) -> bytes:
+            asked.append((view, start, end))
+            return inner_get(rid, start, end, layers, view=view)
+
+        t.batch_get = batch  # type: ignore[method-assign]
+        t.get = get  # type: ignore[method-assign]
+        reads = [(r, 0, 150, 100), (r, 30, 70, 40), (r, 0, 40, 0), (r, 10, 30, 40)]
+        got = list(c.get_ranges(reads))
+    for (_, a, b, s), (_, routing) in zip(reads, got, strict=True):
+        _eq(routing.indices, states[[0, 40, 100].index(s)][a:b])
+    assert asked == [
+        (None, 100, 150),  # the batch: the rows no applied view holds
+        (None, 40, 70),
+        (None, 0, 40),  # the first state applies no view
+        (100, 0, 100),  # the second push's view hides the first's rows
+        (40, 30, 40),
+        (40, 10, 30),  # wholly in a view: no batch item
+    ]
+
+
 def test_latest_and_generated_ranges_are_what_get_answers(
     svc: Service, transport: str, agent: tuple[str, list[np.ndarray]]
 ) -> None:
