@@ -314,7 +314,11 @@ async def test_routed_experts_from_the_cache_equal_areals_inline_ones(
     A group of samples sent at once, as AReaL's grouped workflow does, gets one rollout each."""
     engine_server: EngineServer = fixture(request, server)
     inline = make_engine(engine_server)
-    routed = r3_areal.RoutedEngine(make_engine(engine_server), r3, num_layers=NUM_LAYERS)
+    # AReaL's inline routing is each position's first computation: generated, by name (the
+    # default, exact, refuses a response whose tokens span several routing states)
+    routed = r3_areal.RoutedEngine(
+        make_engine(engine_server), r3, num_layers=NUM_LAYERS, view="generated"
+    )
     dense = (0,) if server == "glm_engine" else ()
     for prompt, new in ((PROMPT, 8), ([5, 9, 200, 17, 33], 12)):
         want = await inline.agenerate(
@@ -471,7 +475,7 @@ async def test_a_request_aborted_for_a_weight_update_and_resumed_keeps_its_rollo
     under version 1 and the resumed call's under 2; ``routed_experts`` is ``[P+N-1, L*K]``."""
     engine = make_engine(push_engine)
     engine.set_version(1)
-    routed = r3_areal.RoutedEngine(engine, r3, num_layers=NUM_LAYERS)
+    routed = r3_areal.RoutedEngine(engine, r3, num_layers=NUM_LAYERS, view="generated")
     own_version = await engine_version(push_engine)
     req = areal.ModelRequest(input_ids=list(PROMPT), gconfig=greedy(areal, NEW, ignore_eos=True))
     run = await interrupted_generation(

@@ -924,16 +924,19 @@ async def test_a_rollout_with_a_view_yields_the_latest_rows_when_asked(
     await module.fill_routed_experts([s, plain], client, num_layers=NUM_LAYERS, view="latest")
     assert np.array_equal(s.rollout_routed_experts[:, list(MOE_IDS)], engine.latest(key))
     assert np.array_equal(plain.rollout_routed_experts[:, list(MOE_IDS)], engine.truth[pkey])
-    await module.fill_routed_experts([s, plain], client, num_layers=NUM_LAYERS)  # generated
+    await module.fill_routed_experts([s, plain], client, num_layers=NUM_LAYERS, view="generated")
     assert np.array_equal(s.rollout_routed_experts[:, list(MOE_IDS)], engine.truth[key])
     await check_filled(client, engine, s, framework)
 
-    # exact replays one routing per state: refused before any generation or fetch
+    # exact (the default) replays one routing per state: the straddled sample is refused,
+    # never filled with one of them; the plain one is filled; no generation is made
     calls = len(engine.calls)
-    with pytest.raises(InvalidRequestError, match="one forward"):
-        module.wrap_generate(run=run, client=client, num_layers=NUM_LAYERS, view="exact")
-    with pytest.raises(InvalidRequestError, match="one forward"):
-        await module.fill_routed_experts(s, client, num_layers=NUM_LAYERS, view="exact")
+    s.rollout_routed_experts = None
+    with pytest.raises(InvalidRequestError, match="expand the sample"):
+        await module.fill_routed_experts([s, plain], client, num_layers=NUM_LAYERS)
+    assert s.rollout_routed_experts is None
+    await module.fill_routed_experts(plain, client, num_layers=NUM_LAYERS)
+    assert np.array_equal(plain.rollout_routed_experts[:, list(MOE_IDS)], engine.truth[pkey])
     with pytest.raises(InvalidRequestError, match="view must be one of"):
         await module.fill_routed_experts(s, client, num_layers=NUM_LAYERS, view="newest")
     assert len(engine.calls) == calls
@@ -960,11 +963,11 @@ async def test_areal_resumed_request_yields_the_latest_rows_when_asked(
         await client.get(req.rid, view="latest"), n, num_layers=NUM_LAYERS
     )
     assert np.array_equal(resp.routed_experts, want)
-    await r3_areal.fill_routed_experts(resp, client, req.rid, num_layers=NUM_LAYERS)
+    await r3_areal.fill_routed_experts(
+        resp, client, req.rid, num_layers=NUM_LAYERS, view="generated"
+    )
     assert np.array_equal(resp.routed_experts, areal_inline(server.truth[req.rid]))
-    with pytest.raises(InvalidRequestError, match="one forward"):
-        r3_areal.RoutedEngine(engine, client, num_layers=NUM_LAYERS, view="exact")
-    with pytest.raises(InvalidRequestError, match="one forward"):
-        await r3_areal.fill_routed_experts(
-            resp, client, req.rid, num_layers=NUM_LAYERS, view="exact"
-        )
+    # exact (the default): the resumed response spans two routing states: refused, never
+    # filled with one of them
+    with pytest.raises(InvalidRequestError, match="expand the sample"):
+        await r3_areal.fill_routed_experts(resp, client, req.rid, num_layers=NUM_LAYERS)

@@ -389,9 +389,9 @@ async def test_miles_retry_keeps_the_rank_key_and_drops_the_old_attempt(
 async def test_rollout_side_refuses_a_view_it_would_ignore(
     service_single: Service, framework: str
 ) -> None:
-    """``wrap_generate(..., fill=False)`` fetches nothing: a policy other than the default
-    would be ignored (the ranks read under their own ``view``), so it is refused before any
-    generation; the default, given or not, is taken."""
+    """``wrap_generate(..., fill=False)`` fetches nothing: a policy given to it would be
+    ignored (the ranks read under their own ``view``), so it is refused before any
+    generation; none given is taken."""
     run = f"run-{uuid.uuid4().hex[:8]}"
     module = r3_slime if framework == "slime" else r3_miles
     async with AsyncRoutingClient(service_single.http_url, api_key=KEY_A) as client:
@@ -399,13 +399,12 @@ async def test_rollout_side_refuses_a_view_it_would_ignore(
             module.wrap_generate(
                 run=run, client=client, num_layers=glue.NUM_LAYERS, fill=False, view="latest"
             )
-        with pytest.raises(InvalidRequestError, match="one forward"):  # as with fill=True
-            module.wrap_generate(
-                run=run, client=client, num_layers=glue.NUM_LAYERS, fill=False, view="exact"
-            )
-        module.wrap_generate(
-            run=run, client=client, num_layers=glue.NUM_LAYERS, fill=False, view="generated"
-        )
+        for view in ("exact", "generated"):  # any policy given here: the ranks choose
+            with pytest.raises(InvalidRequestError, match="on the training side"):
+                module.wrap_generate(
+                    run=run, client=client, num_layers=glue.NUM_LAYERS, fill=False, view=view
+                )
+        module.wrap_generate(run=run, client=client, num_layers=glue.NUM_LAYERS, fill=False)
         module.wrap_generate(run=run, client=client, num_layers=glue.NUM_LAYERS, view="latest")
 
 

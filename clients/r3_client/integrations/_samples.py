@@ -24,7 +24,7 @@ import numpy.typing as npt
 from r3_client._answers import RolloutInfo
 from r3_client._exceptions import InvalidRequestError, R3Error, RolloutNotFoundError, ShapeError
 from r3_client._routing import Routing, check_rollout_id
-from r3_client._views import ViewPolicy, applicable_views, one_routing_policy, states_of
+from r3_client._views import ViewPolicy, applicable_views, check_policy, states_of
 from r3_client.expansion import Expansion, expand_states
 from r3_client.integrations.tags import tag_sampling_params
 from r3_client.layouts import Missing
@@ -93,6 +93,35 @@ def _layout(
         ) from exc
 
 
+async def exact_routing(
+    client: AsyncRoutingClient, key: str, num_tokens: int, state: int | None, who: str
+) -> Routing:
+    """The rows ``[0, serves_end)`` of the routing state a sample of ``num_tokens`` tokens
+    replays under ``exact`` (``get_served``): its ``state`` (the state's first row; ``None``
+    is the first), refused (:class:`~r3_client.InvalidRequestError`) when the sample's
+    tokens reach past that state, which one routing cannot replay: the sample is expanded
+    first (:func:`expand_samples`), or ``"latest"`` / ``"generated"`` named.  ``who``
+    names the sample in errors.  A rollout without views has one state: its rows."""
+    served = await client.get_served(key)
+    at = 0 if state is None else int(state)
+    for n, st in enumerate(served):
+        if st.serves_start != at:
+            continue
+        if num_tokens - 1 > st.serves_end and n + 1 < len(served):
+            raise InvalidRequestError(
+                f'{who}: view="exact": its {num_tokens} tokens span {len(served) - n} routing '
+                f"states of rollout {key!r} (states start at rows "
+                f"{[x.serves_start for x in served]}); expand the sample into one training "
+                'sample per state (expand_samples), or name view="latest" or "generated" to '
+                "replay one routing for all its tokens"
+            )
+        return st.routing
+    raise InvalidRequestError(
+        f'{who}: view="exact": rollout {key!r} has no state starting at row {at}; its states '
+        f"start at rows {[x.serves_start for x in served]}"
+    )
+
+
 async def fill_samples(
     fw: Framework,
     samples: Any,
@@ -100,19 +129,22 @@ async def fill_samples(
     *,
     num_layers: int,
     missing: Missing = "raise",
-    view: ViewPolicy = "generated",
+    view: ViewPolicy = "exact",
 ) -> None:
     """Set each sample's ``rollout_routed_experts`` from the rollout stored under its key.
 
-    ``samples``: one ``Sample`` (one ``get``) or a sequence, such as a group (one
-    ``get_many``).  ``view``: ``"generated"`` or ``"latest"`` (docs/store.md, "Views");
-    under ``"latest"`` a group is read with one ``get(view="latest")`` per sample, run
-    concurrently.  Raises :class:`~r3_client.RolloutNotFoundError` for a rollout the
+    ``samples``: one ``Sample`` or a sequence, such as a group.  ``view`` (docs/store.md,
+    "Views"): ``"exact"`` (the default: each sample's rows in its routing state, one
+    ``get_served`` per sample, concurrent; an expanded copy's state is its
+    ``metadata["r3_state"]``; a sample whose tokens span several states is refused,
+    :func:`exact_routing`, never filled with one of them), or by name ``"generated"``
+    (one ``get`` / ``get_many``) or ``"latest"`` (one ``get(view="latest")`` per sample,
+    concurrent).  Raises :class:`~r3_client.RolloutNotFoundError` for a rollout the
     cache does not hold and :class:`~r3_client.ShapeError` (naming the sample and
     rollout) for one whose rows are not ``len(tokens) - 1`` or include rows nobody
     shipped; no sample is changed then.  Samples sharing a key are refused (ValueError).
     """
-    policy = one_routing_policy(view, fw.name)
+    policy = check_policy(view)
     group = list(samples) if isinstance(samples, Sequence) else [samples]
     keys = [sample_key(fw, s) for s in group]
     first: dict[str, int] = {}
@@ -123,7 +155,33 @@ async def fill_samples(
                 "conversation needs its own key (rollout_key(..., conversation=k))"
             )
         first[key] = i
-    if len(keys) == 1:
+    if policy == "exact":
+        # one batched stat: rollouts without views (one state: their rows) in one
+        # get_many; each sample with views read in its state
+        infos = await client.stat_many(keys)
+        plain = [
+            k
+            for k, info in zip(keys, infos, strict=True)
+            if isinstance(info, RolloutInfo) and not applicable_views(info)
+        ]
+        routings = {}
+        if plain:
+            async for key, routing in client.get_many(plain):
+                assert isinstance(routing, Routing)  # errors raise: return_errors is off
+                routings[key] = routing
+        rest = [
+            (i, s, k) for i, (s, k) in enumerate(zip(group, keys, strict=True)) if k not in routings
+        ]
+        got = await asyncio.gather(
+            *(
+                exact_routing(
+                    client, k, len(s.tokens), sample_states([s])[0], f"{fw.name} sample {i} ({k!r})"
+                )
+                for i, s, k in rest
+            )
+        )
+        routings.update({k: r for (_, _, k), r in zip(rest, got, strict=True)})
+    elif len(keys) == 1:
         routings = {keys[0]: await client.get(keys[0], view=policy)}
     elif policy == "latest":  # the batch stream answers first computations only
         got = await asyncio.gather(*(client.get(k, view="latest") for k in keys))
@@ -454,7 +512,7 @@ def wrap_generate(
     generate: GenerateFn | None = None,
     share_prompt: bool | None = None,
     missing: Missing = "raise",
-    view: ViewPolicy = "generated",
+    view: ViewPolicy | None = None,
     fill: bool = True,
 ) -> GenerateFn:
     """A legacy custom generate function around ``generate`` (default: the framework's own).
@@ -466,20 +524,21 @@ def wrap_generate(
     directly reads it).  After the call, every returned sample whose status is
     ``COMPLETED`` or ``TRUNCATED`` gets ``rollout_routed_experts`` from the cache (one
     ``get_many`` when the call returns several); aborted samples get nothing until
-    their resumed call finishes.  ``view``: the policy of that fetch (:func:`fill_samples`).
+    their resumed call finishes.  ``view``: the policy of that fetch (:func:`fill_samples`;
+    ``None``: ``"exact"``).
 
     ``fill=False`` (rank-local training): the sample is keyed by ``fw.assign_rank_key``
     (rebuildable on a training rank from ``Sample.index``) and nothing is fetched into
     it; a finished sample's rollout is only checked (:func:`check_stored`: one ``stat``,
     no rows), so a missing, short, gapped or foreign-token rollout fails here, naming the
     sample, before slime / miles ship it to the trainer.  Nothing is fetched here, so
-    ``view`` stays at its default: the training ranks choose their policy where they read
-    (the rank-local fetches' ``view``); another one is refused
+    ``view`` is not given: the training ranks choose their policy where they read (the
+    rank-local fetches' ``view``, ``exact`` by default); a policy given here is refused
     (:class:`~r3_client.InvalidRequestError`) rather than ignored.
     """
     check_rollout_id(f"{run}.0")  # the run must make valid keys before any generation
-    one_routing_policy(view, fw.name)  # refused before any generation, too
-    if not fill and view != "generated":
+    policy = check_policy("exact" if view is None else view)  # before any generation, too
+    if not fill and view is not None:
         raise InvalidRequestError(
             f"{fw.name} wrap_generate(fill=False) fetches nothing, so view={view!r} would be "
             "ignored: the rank-local fetch chooses its policy on the training side (each "
@@ -505,7 +564,9 @@ def wrap_generate(
         out = await _call(inner[0], args, sample, params, evaluation)
         done = [s for s in (out if isinstance(out, list) else [out]) if finished(s)]
         if done and fill:
-            await fill_samples(fw, done, client, num_layers=num_layers, missing=missing, view=view)
+            await fill_samples(
+                fw, done, client, num_layers=num_layers, missing=missing, view=policy
+            )
         elif done:
             await check_stored(fw, done, client, missing=missing)
         return out

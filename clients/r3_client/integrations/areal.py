@@ -47,7 +47,8 @@ import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
 from r3_client._routing import Routing, check_rollout_id
-from r3_client._views import ViewPolicy, one_routing_policy
+from r3_client._views import ViewPolicy, check_policy
+from r3_client.integrations._samples import exact_routing
 from r3_client.integrations.tags import tag_generate
 from r3_client.layouts import Missing, RankPlan, miles_layout
 from r3_client.layouts._packing import check_rank, row_runs, sp_part, zigzag_positions
@@ -167,20 +168,28 @@ async def fill_routed_experts(
     *,
     num_layers: int,
     missing: Missing = "raise",
-    view: ViewPolicy = "generated",
+    view: ViewPolicy = "exact",
 ) -> None:
     """Set ``response.routed_experts`` (a ``ModelResponse``) from the rollout stored
     under ``rollout_id``, once its ``agenerate`` has returned.
 
-    ``num_layers``: the model's ``num_hidden_layers``.  ``view``: ``"generated"`` (each
-    position's first computation: what AReaL's inline concatenation holds) or
-    ``"latest"`` (what the last resume attended to); docs/integrations.md.  Raises
+    ``num_layers``: the model's ``num_hidden_layers``.  ``view``: ``"exact"`` (the
+    default: the rows its tokens attended to; a response whose tokens span several routing
+    states, a resume after a push, is refused rather than filled with one of them), or by
+    name ``"generated"`` (each position's first computation: what AReaL's inline
+    concatenation holds) or ``"latest"`` (what the last resume attended to);
+    docs/integrations.md.  Raises
     :class:`~r3_client.RolloutNotFoundError` when the rollout is not stored and
     :class:`~r3_client.ShapeError` when it does not hold exactly one row per token but
     the last of ``input_tokens + output_tokens``.
     """
     num_tokens = len(response.input_tokens) + len(response.output_tokens)
-    routing = await client.get(rollout_id, view=one_routing_policy(view, "AReaL"))
+    policy = check_policy(view)
+    if policy == "exact":
+        who = f"AReaL response of rollout {rollout_id!r}"
+        routing = await exact_routing(client, rollout_id, num_tokens, None, who)
+    else:
+        routing = await client.get(rollout_id, view=policy)
     try:
         response.routed_experts = routed_experts(
             routing, num_tokens, num_layers=num_layers, missing=missing
@@ -205,14 +214,14 @@ class RoutedEngine:
         num_layers: int,
         share_prompt: bool | None = None,
         missing: Missing = "raise",
-        view: ViewPolicy = "generated",
+        view: ViewPolicy = "exact",
     ) -> None:
         self.engine = engine
         self.client = client
         self.num_layers = num_layers
         self.share_prompt = share_prompt
         self.missing: Missing = missing
-        self.view: ViewPolicy = one_routing_policy(view, "AReaL")
+        self.view: ViewPolicy = check_policy(view)
 
     async def agenerate(self, req: Any) -> Any:
         """``engine.agenerate(req)`` with ``req`` tagged (resumes included) and the

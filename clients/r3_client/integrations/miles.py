@@ -118,7 +118,7 @@ async def fill_routed_experts(
     *,
     num_layers: int,
     missing: Missing = "raise",
-    view: ViewPolicy = "generated",
+    view: ViewPolicy = "exact",
 ) -> None:
     """Set ``sample.rollout_routed_experts`` = :func:`~r3_client.layouts.miles_layout`
     (int32) of the rollout stored under ``sample.routing_key``, for one sample or a
@@ -144,7 +144,7 @@ def wrap_generate(
     generate: _samples.GenerateFn | None = None,
     share_prompt: bool | None = None,
     missing: Missing = "raise",
-    view: ViewPolicy = "generated",
+    view: ViewPolicy | None = None,
     fill: bool = True,
 ) -> _samples.GenerateFn:
     """miles' ``generate`` (or ``generate``) as a legacy custom generate function

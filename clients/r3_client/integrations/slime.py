@@ -108,7 +108,7 @@ async def fill_routed_experts(
     *,
     num_layers: int,
     missing: Missing = "raise",
-    view: ViewPolicy = "generated",
+    view: ViewPolicy = "exact",
 ) -> None:
     """Set ``sample.rollout_routed_experts`` = :func:`~r3_client.layouts.slime_layout` of
     the rollout stored under ``sample.session_id``, for one sample or a group (one
@@ -134,7 +134,7 @@ def wrap_generate(
     generate: _samples.GenerateFn | None = None,
     share_prompt: bool | None = None,
     missing: Missing = "raise",
-    view: ViewPolicy = "generated",
+    view: ViewPolicy | None = None,
     fill: bool = True,
 ) -> _samples.GenerateFn:
     """slime's ``generate`` (or ``generate``) as a custom generate function
