@@ -477,7 +477,7 @@ class RoutingClient:
             applied = read_views(
                 applicable_views(info), policy, state, start, end, info.num_rows, rollout_id, upto
             )
-            views = tuple(v for v in applied if v.start < end and v.end > start)
+            views = overlapping(applied, start, end)
             if not views:
                 return whole
             dtype = index_dtype(info.num_experts)
@@ -553,7 +553,7 @@ class RoutingClient:
             )
             steps = apply_views(
                 base,
-                overlapping(applied, base),
+                overlapping(applied, base.start, base.end),
                 max_bytes=self._core.max_bytes,
                 rollout_id=rollout_id,
             )

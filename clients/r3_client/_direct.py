@@ -458,9 +458,10 @@ class DirectReader:
             if outside is not None:  # as the service answers such a read
                 return outside
             try:
-                base = self._decode(got.frames, rid, a, b, layers)
+                # the state first: a refused read decodes nothing (RoutingClient's plan too)
                 applied = read_views(got.views, policy, state, a, b, got.stored_end, rid, upto)
-                views = overlapping(applied, base)
+                base = self._decode(got.frames, rid, a, b, layers)
+                views = overlapping(applied, a, b)
                 check_views_size(base, views, [], self.max_bytes, rid)
                 # a view whose rows here later views all overwrite is not read
                 steps = apply_views(

@@ -237,9 +237,9 @@ def read_views(
     )
 
 
-def overlapping(views: Iterable[ViewInfo], base: Routing) -> tuple[ViewInfo, ...]:
-    """The ``views`` with rows in ``base``'s range (the others change none of its rows)."""
-    return tuple(v for v in views if v.start < base.end and v.end > base.start)
+def overlapping(views: Iterable[ViewInfo], start: int, end: int) -> tuple[ViewInfo, ...]:
+    """The ``views`` with rows in ``[start, end)`` (the others change none of its rows)."""
+    return tuple(v for v in views if v.start < end and v.end > start)
 
 
 def read_pieces(

@@ -60,6 +60,7 @@ from r3_client.layouts.verl import rank_slice_of
 __all__ = [
     "RangeSource",
     "StatSource",
+    "StatsInHand",
     "StepCheck",
     "check_step",
     "fetch_megatron_rank_batch",
@@ -97,6 +98,34 @@ class StatSource(Protocol):
     def stat(self, rollout_id: str) -> RolloutInfo:
         """What is stored for the rollout."""
         ...
+
+
+class StatsInHand:
+    """A :class:`StatSource` answering from stats already read (``None`` or a
+    :class:`~r3_client.RolloutNotFoundError`: not stored), so one batched stat serves
+    several checks of a step (:func:`check_step`, :func:`r3_client.expand_states`)."""
+
+    def __init__(self, infos: dict[str, RolloutInfo | R3Error | None]) -> None:
+        self.infos = infos
+
+    def stat(self, rollout_id: str) -> RolloutInfo:
+        """The stat in hand, or the error its read answered."""
+        info = self.infos[rollout_id]
+        if info is None:
+            raise RolloutNotFoundError(f"rollout {rollout_id!r} not found")
+        if isinstance(info, R3Error):
+            raise info
+        return info
+
+    def stat_many(self, rollout_ids: Sequence[str]) -> list[RolloutInfo | R3Error]:
+        """Each stat in hand or its error, in order (no threads, no I/O)."""
+        out: list[RolloutInfo | R3Error] = []
+        for rid in rollout_ids:
+            try:
+                out.append(self.stat(rid))
+            except R3Error as exc:
+                out.append(exc)
+        return out
 
 
 def _who(i: int, rid: str) -> str:

@@ -37,7 +37,14 @@ from r3_client.layouts._packing import (
     sp_part,
     zigzag_positions,
 )
-from r3_client.rank_local import RangeSource, StatSource, StepCheck, check_step, fetch_plan_rows
+from r3_client.rank_local import (
+    RangeSource,
+    StatsInHand,
+    StatSource,
+    StepCheck,
+    check_step,
+    fetch_plan_rows,
+)
 
 if TYPE_CHECKING:
     from r3_client._client import AsyncRoutingClient
@@ -199,19 +206,6 @@ async def fill_samples(
         s.rollout_routed_experts = arr
 
 
-class _Stats:
-    """A :class:`~r3_client.rank_local.StatSource` answering from stats already read."""
-
-    def __init__(self, infos: dict[str, RolloutInfo | None]) -> None:
-        self.infos = infos
-
-    def stat(self, rollout_id: str) -> RolloutInfo:
-        info = self.infos[rollout_id]
-        if info is None:
-            raise RolloutNotFoundError(f"rollout {rollout_id!r} not found")
-        return info
-
-
 def _named(fw: Framework, exc: R3Error) -> R3Error:
     """``exc`` said of the framework's samples (each key names its ``Sample.index``)."""
     return type(exc)(f"{fw.name} rank-local routing: {exc}")
@@ -231,7 +225,7 @@ def _check_infos(
     tokens = [[int(t) for t in s.tokens] for s in group]
     try:
         return check_step(
-            _Stats(infos),
+            StatsInHand(dict(infos)),
             keys,
             [len(t) for t in tokens],
             missing=missing,

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from r3_client._answers import RolloutInfo
 from r3_client._exceptions import InvalidRequestError, R3Error, ShapeError
 from r3_client._routing import Routing, check_rollout_id, token_digest
 from r3_client._views import ViewPolicy, applicable_views, check_policy
 from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY, STATE_KEY
 from r3_client.layouts import Missing, verl_layout
-from r3_client.rank_local import StatSource, StepCheck, check_step
+from r3_client.rank_local import StatsInHand, StatSource, StepCheck, check_step
 
 if TYPE_CHECKING:
     from r3_client._client import RoutingClient
@@ -190,18 +191,29 @@ def _exact_rows(
     infos = client.stat_many(ids)
     one_state = [isinstance(info, R3Error) or not applicable_views(info) for info in infos]
     whole = client.get_many([key for key, one in zip(ids, one_state, strict=True) if one])
+    # the samples with views that are read by range: one get_ranges call for all of them,
+    # each answer (or error) taken at its sample's turn
+    ranged = [
+        (i, (key, 0, counts[i] - 1, None if states is None else int(states[i]), counts[i] - 1))
+        for i, (key, info) in enumerate(zip(ids, infos, strict=True))
+        if not one_state[i] and isinstance(info, RolloutInfo) and 0 < counts[i] - 1 <= info.num_rows
+    ]
+    by_sample: dict[int, Routing | R3Error] = {}
+    if ranged:
+        answers = client.get_ranges([r for _, r in ranged], view="exact", return_errors=True)
+        by_sample = {i: got for (i, _), (_, got) in zip(ranged, answers, strict=True)}
     for i, (key, info) in enumerate(zip(ids, infos, strict=True)):
         if one_state[i] or isinstance(info, R3Error):  # a missing rollout raises in the read
             got_key, routing = next(whole)
             assert got_key == key
             yield key, routing, None
             continue
-        want = counts[i] - 1
-        if info.num_rows < want or want == 0:  # _fit refuses the one, the other has no rows
+        if i not in by_sample:  # _fit refuses a short rollout; a one-token sample has no rows
             yield key, client.get(key), None
             continue
-        state = None if states is None else int(states[i])
-        ((_, routing),) = client.get_ranges([(key, 0, want, state, want)], view="exact")
+        routing = by_sample[i]
+        if isinstance(routing, R3Error):
+            raise routing
         # an expanded row is a prefix of its sample by construction (expand_verl_batch
         # checked the sample's length); an original row is held to the length rules
         yield key, routing, info.num_rows if states is None else None
@@ -441,6 +453,10 @@ def expand_verl_batch(
             "the batch carries batch['routed_experts']: each row of an expanded batch needs "
             "its own state's rows; expand first, then attach_routed_experts (or rank-local)"
         )
+    # one batched stat (where the source has one) serves the check and the expansion
+    many = getattr(source, "stat_many", None)
+    if many is not None:
+        source = StatsInHand(dict(zip(ids, many(ids), strict=True)))
     # the originals held to every rule of the rank-local check (rows for each token, the
     # sample's own tokens, longer only where verl cut the response), before any row is cut
     _check_batch(data, source, ids, "raise", "exact")
