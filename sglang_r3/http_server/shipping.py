@@ -522,6 +522,12 @@ class Shipper:
                     f"r3: the scheduler retracted this request {retractions} time(s); its rows "
                     "may be re-prefilled rather than those sampled with (policy: fail)",
                 )
+        problem = getattr(routing, "problem", None)
+        if problem:
+            # The scheduler could not keep the rows some kept tokens were sampled after
+            # (sglang_r3.scheduler.row_hooks): storing what the KV held would be wrong rows.
+            metrics.GUARD_TRIPS.labels("retraction_rows").inc()
+            raise R3RequestError(500, problem)
         return tag.weight_version or str(meta_info.get("weight_version") or "")
 
     async def _store_rows(

@@ -33,6 +33,10 @@ def before_prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> None:
     tokens sampled after it attend to the new computation: the rows from the lowest
     start of each epoch up are shipped as a view (:mod:`sglang_r3.http_server.views`).
     One ``min`` per tagged request in the batch; nothing proportional to rows.
+
+    A re-prefill (epoch >= 1) also notes how many output tokens the request resumes
+    with: :func:`around_collect_routed_experts` refuses the rows if a token was kept
+    after the retraction whose rows the retraction did not keep.
     """
     if not engine_config().enabled:
         return None
@@ -43,6 +47,9 @@ def before_prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> None:
         starts: dict[int, int] = req.__dict__.setdefault("_r3_starts", {})
         prefix = int(getattr(req, "prefix_len", 0) or 0)
         starts[epoch] = min(starts.get(epoch, prefix), prefix)
+        if epoch:
+            resumed: dict[int, int] = req.__dict__.setdefault("_r3_resumed", {})
+            resumed.setdefault(epoch, len(req.output_ids))
     return None
 
 
@@ -58,6 +65,17 @@ def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) 
     :func:`sglang_r3.scheduler.hicache.after_in_flight`); a later forward that reuses a
     freed slot writes its rows when it is finalized, after that read (outputs are
     finalized in launch order).  O(rows), only on a retraction.
+
+    Which rows: ``[0, n)`` with ``n = min(seqlen - 1, kv_committed_len)``.  Every token
+    kept so far was sampled after them.  The position a decode still in flight computes
+    (``seqlen - 1``) is left out: upstream discards that forward's token for a retracted
+    request (``batch_result_processor``: ``req.is_retracted`` -> ``continue``), so the
+    re-prefill's computation of it is the one the next token is sampled after.
+    ``/pause_generation`` ``retract`` processes the forward in flight first, so its
+    token is in ``output_ids`` and its position inside ``n``.  A prompt whose chunked
+    prefill was cut short holds KV only up to ``kv_committed_len``: the slots past it
+    are another request's, never read.  The output count is noted as well;
+    :func:`around_collect_routed_experts` checks it against the re-prefill's.
     """
     req = kwargs.get("req")
     if req is not None and engine_config().enabled and _tagged(req) and not req.finished():
@@ -66,9 +84,12 @@ def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) 
         capturer = get_global_experts_capturer()
         pool = kwargs.get("req_to_token_pool")
         seqlen = len(req.origin_input_ids) + len(req.output_ids)
-        if capturer is not None and pool is not None and seqlen > 1:
-            slots = pool.req_to_token[req.kv.req_pool_idx][: seqlen - 1].cpu().clone()
-            kept: list[Any] = [seqlen - 1, None]
+        idx = req.kv.req_pool_idx
+        computed = 0 if idx is None else min(seqlen - 1, int(req.kv.kv_committed_len))
+        if capturer is not None and pool is not None:
+            req.__dict__.setdefault("_r3_retracted_outputs", []).append(len(req.output_ids))
+            slots = pool.req_to_token[idx or 0][: max(computed, 0)].cpu().clone()
+            kept: list[Any] = [max(computed, 0), None]
             req.__dict__.setdefault("_r3_snapshots", []).append(kept)
 
             def read() -> None:
@@ -110,13 +131,41 @@ def around_collect_routed_experts(original: Callable[..., Any], self: Any, req: 
         epochs = tuple(starts.get(e, stored) for e in range(max(starts, default=0) + 1))
         kept = req.__dict__.get("_r3_snapshots") or []
         snaps = tuple((int(n), held) for n, held in kept)
-        if any(held is None for _, held in snaps):
-            # A retraction's rows never landed (not seen on SGLang 0.5.23): ship what the KV
-            # holds at the end, as before views, rather than guess.
-            log.warning("r3: rows kept at a retraction of %s are missing", req.rid)
-            epochs, snaps = epochs[:1], ()
-        req.routed_experts = TaggedRows(rows, first, epochs, snaps)
+        problem = retraction_problem(req, snaps)
+        if problem:
+            log.warning("%s (request %s)", problem, req.rid)
+        req.routed_experts = TaggedRows(rows, first, epochs, snaps, problem)
     return result
+
+
+def retraction_problem(req: Any, snaps: tuple[tuple[int, Any], ...]) -> str | None:
+    """Why the rows kept at a request's retractions are not exactly what its kept tokens
+    were sampled after, or ``None``.
+
+    Refused, not guessed: rows that never landed (not seen on SGLang 0.5.23), a
+    retraction that kept no rows though the request had computed some, or a re-prefill
+    that resumed with more output tokens than the request had at its retraction (a token
+    sampled by a forward whose rows the retraction did not keep; upstream 0.5.23
+    discards it, :func:`around_release_req`).
+    """
+    outputs: list[int] = req.__dict__.get("_r3_retracted_outputs") or []
+    resumed: dict[int, int] = req.__dict__.get("_r3_resumed") or {}
+    if any(held is None for _, held in snaps):
+        return "r3: the rows kept at a retraction of this request never landed"
+    if len(snaps) != len(outputs):
+        return (
+            f"r3: this request was retracted {len(outputs)} time(s) but rows were kept at "
+            f"{len(snaps)} of them"
+        )
+    for i, before in enumerate(outputs):
+        after = resumed.get(i + 1, before)
+        if after != before:
+            return (
+                f"r3: after retraction {i + 1} this request resumed with {after} output "
+                f"tokens, {before} when it was retracted: the rows the later ones were "
+                "sampled after were not kept, so its routing cannot be stored exactly"
+            )
+    return None
 
 
 def around_detokenize(original: Callable[..., Any], self: Any, recv_obj: Any) -> Any:

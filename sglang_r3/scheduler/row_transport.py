@@ -42,10 +42,12 @@ class TaggedRows:
     ``first``: the row the tensor starts at (below the request's
     ``routed_experts_start_len`` when a prefill recomputed stored positions);
     ``epochs``: where each prefill epoch (0, then one per retraction) started computing;
-    ``snapshots``: the rows kept at each retraction (``row_hooks.around_release_req``).
+    ``snapshots``: the rows kept at each retraction (``row_hooks.around_release_req``);
+    ``problem``: why the rows cannot be stored exactly (the HTTP process refuses the
+    output with it), or ``None``.
     """
 
-    __slots__ = ("epochs", "first", "snapshots", "tensor")
+    __slots__ = ("epochs", "first", "problem", "snapshots", "tensor")
 
     def __init__(
         self,
@@ -53,18 +55,21 @@ class TaggedRows:
         first: int | None = None,
         epochs: tuple[int, ...] = (),
         snapshots: tuple[Snapshot, ...] = (),
+        problem: str | None = None,
     ) -> None:
         self.tensor = tensor
         self.first = first
         self.epochs = epochs
         self.snapshots = snapshots
+        self.problem = problem
 
     def numpy(self) -> npt.NDArray[np.int32]:
         """The rows as an int32 numpy array ``[rows, layers, K]`` (no copy)."""
         return self.tensor.numpy()  # type: ignore[no-any-return]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TaggedRows, (self.tensor, self.first, self.epochs, self.snapshots))
+        args = (self.tensor, self.first, self.epochs, self.snapshots, self.problem)
+        return (TaggedRows, args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +78,15 @@ class EngineRows:
 
     ``array``: ``[rows, num_hidden_layers, K]`` in uint8 or uint16 when every id fits
     (the exact int32 values otherwise, e.g. a negative id, which validation refuses).
-    ``first``, ``epochs``, ``snapshots`` (compacted the same way): as on :class:`TaggedRows`.
+    ``first``, ``epochs``, ``snapshots`` (compacted the same way), ``problem``: as on
+    :class:`TaggedRows`.
     """
 
     array: npt.NDArray[Any]
     first: int | None = None
     epochs: tuple[int, ...] = ()
     snapshots: tuple[tuple[int, npt.NDArray[Any]], ...] = ()
+    problem: str | None = None
 
     def to_base64(self) -> str:
         """Upstream's ``meta_info["routed_experts"]``: base64 of the int32 rows, exactly."""
@@ -103,4 +110,4 @@ def _compact(t: Any) -> npt.NDArray[Any]:
 def compact_rows(rows: TaggedRows) -> EngineRows:
     """Narrow the scheduler's int32 rows to uint8/uint16 when all ids fit (lossless)."""
     snaps = tuple((n, _compact(t)) for n, t in rows.snapshots)
-    return EngineRows(_compact(rows.tensor), rows.first, rows.epochs, snaps)
+    return EngineRows(_compact(rows.tensor), rows.first, rows.epochs, snaps, rows.problem)

@@ -428,7 +428,13 @@ def test_cache_write_failure_after_generation_follows_policy(
 def test_retraction_is_marked_or_refused(
     glm_engine: EngineServer, cache_client: RoutingClient
 ) -> None:
-    """Upstream retracts one of >= 2 running requests every few steps in this test mode."""
+    """Upstream retracts one of >= 2 running requests every few steps in this test mode.
+
+    The engine runs the overlap scheduler (SGLang's default, kept on CPU): the rows kept at
+    each retraction pass ``row_hooks.retraction_problem`` (no token kept past them), and
+    what the last tokens attended to equals the latest view."""
+    info = httpx.get(f"{glm_engine.url}/server_info", timeout=10).json()
+    assert info["disable_overlap_schedule"] is False
     ids = [rid("retract") for _ in range(3)]
     prompts = [list(range(30 + 40 * i, 60 + 40 * i)) for i in range(3)]
     status, outs = generate(
