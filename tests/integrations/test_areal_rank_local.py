@@ -40,8 +40,10 @@ from r3_client import (
 from r3_client.integrations import areal as r3_areal
 from r3_client.integrations.areal import (
     KEY_FIELD,
+    STATE_FIELD,
     areal_micro_batch,
     check_areal_step,
+    expand_areal_batch,
     fetch_areal_rank_targets,
     key_rollout_id,
     new_rollout_key,
@@ -353,7 +355,9 @@ def ref_micro_batch(batch: dict[str, Any], order: list[int], seq_align_to: int) 
     old_cu, cu, max_seqlen = ref_padded_cu(lens, seq_align_to)
     orig: dict[str, Any] = {"cu_seqlens": old_cu, "max_seqlen": max(lens)}
     padded: dict[str, Any] = {"cu_seqlens": cu, "max_seqlen": max_seqlen}
-    for key in ("input_ids", KEY_FIELD):
+    for key in ("input_ids", KEY_FIELD, STATE_FIELD):
+        if key not in batch:
+            continue
         value = batch[key][order]
         orig[key] = torch.cat([value[i, :n] for i, n in enumerate(lens)])
         out = torch.zeros(int(cu[-1]), dtype=value.dtype)
@@ -593,3 +597,68 @@ def test_an_expanded_step_replays_each_sample_in_its_own_state(svc: Service) -> 
         found = check_step(client, x_ids, lengths, states=exp.state_rows)
         assert found.off_state_tokens == 0 and found.samples_with_views == 5
         assert check_step(client, ids, X_LENGTHS).off_state_tokens > 0
+
+
+def _key_of(rollout: str) -> int:
+    return int(rollout.removeprefix("areal-"), 16)
+
+
+def test_expand_areal_batch_carries_each_state_to_the_ranks(svc: Service) -> None:
+    """``expand_areal_batch`` on an AReaL step (keys per token, loss mask on the responses):
+    the ranks read each expanded sample's state from its ``r3_state`` column through AReaL's
+    packing and padding, and get what the PR's ``set_router_replay_data`` sets from each
+    state's own inline rows; every original's trained tokens are trained once."""
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        ids, states = _store_straddled(client, seed=5)
+        width = max(X_LENGTHS) + 3
+        batch: dict[str, Any] = {
+            "input_ids": torch.zeros(3, width, dtype=torch.int64),
+            "attention_mask": torch.zeros(3, width, dtype=torch.bool),
+            "loss_mask": torch.zeros(3, width, dtype=torch.int32),
+            "rewards": torch.tensor([1.0, -1.0, 0.5]),
+        }
+        for i, t in enumerate(X_LENGTHS):
+            batch["input_ids"][i, :t] = torch.arange(1, t + 1)
+            batch["attention_mask"][i, :t] = True
+            batch["loss_mask"][i, 4:t] = 1  # a 4-token prompt
+        batch = {**batch, **with_rollout_keys(batch, [_key_of(r) for r in ids])}
+        x, exp = expand_areal_batch(client, batch)
+        assert exp.state_rows == [0, 12, 26, 0, 0, 10]
+        assert x["attention_mask"].sum(1).tolist() == exp.num_tokens.tolist()
+        assert x["rewards"].tolist() == [1.0, 1.0, 1.0, -1.0, 0.5, 0.5]
+        for i in range(3):  # each original's response tokens trained exactly once
+            trained = x["loss_mask"][torch.as_tensor(exp.origin == i)].sum(0)
+            assert torch.equal(trained, batch["loss_mask"][i])
+        assert x[STATE_FIELD][:, 0].tolist() == exp.state_rows
+        with pytest.raises(ShapeError, match="already expanded"):
+            expand_areal_batch(client, x)
+        order = [0, 1, 2, 4, 5]  # a micro-batch of five of the six expanded samples
+        for tp, cp in ((2, 2), (1, 1)):
+            align = tp * cp * 2 if cp > 1 else tp
+            item = ref_micro_batch(x, order, align)
+            mb = areal_micro_batch(item)
+            assert mb.states == tuple(exp.state_rows[j] for j in order)
+            own = []
+            for j in order:
+                s = exp.states[j]
+                index = [t.state for t in exp.states if t.origin == s.origin].index(s.state)
+                rows = states[s.origin][index][: s.num_tokens - 1]
+                own.append(Routing.from_array(rows, num_experts=E, layer_ids=MOE))
+            lens = mb.seqlens.tolist()
+            inline = areal_inline_micro_batch(own, lens, moe_only=False)
+            want = ref_set_router_replay_data(
+                ref_align(inline, item.old_cu_seqlens, item.padded_mb["max_seqlen"]),
+                item.padded_mb["cu_seqlens"], tp_size=tp, tp_rank=tp - 1, cp_size=cp,
+                cp_rank=cp - 1, layer_range=(0, NUM_LAYERS),
+            )  # fmt: skip
+            got = fetch_areal_rank_targets(
+                client, mb.rollout_ids, seqlens=mb.seqlens, cu_seqlens=mb.cu_seqlens,
+                tp_size=tp, tp_rank=tp - 1, cp_size=cp, cp_rank=cp - 1, as_torch=True,
+                states=mb.states,
+            )  # fmt: skip
+            for (w_target, w_mask), g_target, g_mask in zip(
+                want, got.per_layer, got.valid_mask, strict=True
+            ):
+                assert torch.equal(g_target, w_target) and torch.equal(g_mask, w_mask)
+        with pytest.raises(ShapeError, match="other samples"):
+            expand_areal_batch(client, {k: v[:2] for k, v in batch.items()}, expansion=exp)

@@ -45,9 +45,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from r3_client._exceptions import ShapeError
+from r3_client._exceptions import InvalidRequestError, ShapeError
 from r3_client._routing import Routing, check_rollout_id
 from r3_client._views import ViewPolicy, check_policy
+from r3_client.expansion import Expansion, expand_states
 from r3_client.integrations._samples import exact_routing
 from r3_client.integrations.tags import tag_generate
 from r3_client.layouts import Missing, RankPlan, miles_layout
@@ -59,7 +60,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KEY_FIELD",
+    "ORIGIN_FIELD",
     "ROLLOUT_ID_KEY",
+    "STATE_FIELD",
     "ArealMicroBatch",
     "ArealReplayTargets",
     "KeyedEngine",
@@ -67,9 +70,12 @@ __all__ = [
     "TaggingBackend",
     "areal_micro_batch",
     "areal_rank_plan",
+    "check_areal_expansion_modes",
     "check_areal_step",
+    "expand_areal_batch",
     "fetch_areal_rank_targets",
     "fill_routed_experts",
+    "gather_by_state",
     "install",
     "key_rollout_id",
     "new_rollout_key",
@@ -252,6 +258,11 @@ class RoutedEngine:
 
 #: The per-token batch column carrying each sample's rollout key (:func:`with_rollout_keys`).
 KEY_FIELD = "r3_key"
+#: The per-token column :func:`expand_areal_batch` adds: each expanded sample's state (its
+#: first row), which :func:`areal_micro_batch` reads back on the ranks.
+STATE_FIELD = "r3_state"
+#: The ``[B]`` column :func:`expand_areal_batch` adds: the original each sample was cut from.
+ORIGIN_FIELD = "r3_origin"
 
 _KEY_LIMIT = 1 << 63
 
@@ -361,15 +372,152 @@ def check_areal_step(
     return check_step(source, ids, num_tokens, missing=missing, view=view, states=states)
 
 
+def check_areal_expansion_modes(config: Any) -> None:
+    """Refuse an AReaL ``PPOActorConfig`` whose loss changes when a sample is cut into its
+    states (:func:`expand_areal_batch`); call it once, before the first step.
+
+    AReaL 1.0.4's actor loss is token-level (``grpo_loss_fn``: per-token ratios under
+    ``loss_mask``, each micro-batch weighted by ``loss_mask.count_nonzero()``,
+    ``areal/trainer/ppo/actor.py:340-363``), so a partition of each sample's trained tokens
+    leaves it unchanged.  Refused, naming the setting: ``importance_sampling_level=
+    "sequence"`` (GSPO: one geometric-mean ratio per sequence, ``functional.py:501``; an
+    expanded sample would get its own) and ``rejection_sampling.level="sequence"`` (one
+    filter decision per sequence).  The alternative: ``"token"``, or replay one state by
+    naming ``view="latest"``/``"generated"`` (counted by :func:`check_areal_step`).
+    """
+    level = getattr(config, "importance_sampling_level", "token")
+    if level != "token":
+        raise InvalidRequestError(
+            f"AReaL importance_sampling_level={level!r} takes one ratio per sequence, which "
+            "an expanded sample would take over its own tokens only: use 'token', or replay "
+            "one routing per sample with view='latest' / 'generated' (counted, not exact)"
+        )
+    rs = getattr(config, "rejection_sampling", None)
+    rs_level = getattr(rs, "level", "token") if rs is not None else "token"
+    if rs_level != "token":
+        raise InvalidRequestError(
+            f"AReaL rejection_sampling.level={rs_level!r} filters whole sequences, which an "
+            "expanded sample would filter by its own tokens only: use level='token', or "
+            "replay one routing per sample with view='latest' / 'generated'"
+        )
+
+
+def _rows(value: Any, count: int) -> bool:
+    return (
+        getattr(value, "shape", None) is not None
+        and len(value.shape) >= 1
+        and (int(value.shape[0]) == count)
+    )
+
+
+def expand_areal_batch(
+    source: StatSource,
+    batch: dict[str, Any],
+    *,
+    expansion: Expansion | None = None,
+    rolled: bool = False,
+    key_field: str = KEY_FIELD,
+) -> tuple[dict[str, Any], Expansion]:
+    """AReaL's padded ``[B, S]`` batch with each sample cut into one sample per routing state
+    (:mod:`r3_client.expansion`), and the :class:`~r3_client.Expansion`.
+
+    Every ``[B, ...]`` value is copied to each of its sample's states (``rewards``,
+    ``versions``, ``logprobs``, ``advantages``, the keys); ``attention_mask`` keeps each
+    state's first ``num_tokens`` tokens; ``loss_mask`` keeps only the tokens the state
+    served (``rolled``: the mask is AReaL's after ``compute_advantages``, where position
+    ``t`` stands for token ``t + 1``).  Adds ``r3_state`` (per token, the state's first
+    row: :func:`areal_micro_batch` reads it on the ranks) and ``r3_origin`` (``[B']``).
+    ``expansion``: reuse the one the first call returned (no stat).  One batched stat
+    otherwise.
+
+    Where in AReaL's step (``PPOTrainer``: ``compute_logp``, ``compute_advantages``,
+    ``ppo_update``), docs/integrations.md: expand before ``compute_logp`` (each state's
+    forward), bring its log-probs back to the originals (:func:`gather_by_state`), run
+    ``compute_advantages`` on the originals (group statistics count each sample once),
+    and expand that with ``expansion=..., rolled=True`` for ``ppo_update``.
+    """
+    if STATE_FIELD in batch:
+        raise ShapeError(
+            f"the batch is already expanded (it has {STATE_FIELD!r}): expand the originals"
+        )
+    ids, num_tokens = step_rollouts(batch)
+    if expansion is None:
+        expansion = expand_states(source, ids, num_tokens)
+    elif expansion.num_samples != len(ids) or any(
+        s.rollout_id != ids[s.origin] for s in expansion.states
+    ):
+        raise ShapeError(
+            f"the expansion was made for {expansion.num_samples} other samples than this "
+            f"batch's {len(ids)}: expand this batch itself"
+        )
+    b = len(ids)
+    mask = batch["attention_mask"]
+    width = int(mask.shape[1])
+    out: dict[str, Any] = {k: expansion.take(v) if _rows(v, b) else v for k, v in batch.items()}
+    keep = np.arange(width)[None, :] < expansion.num_tokens[:, None]
+    served = expansion.token_masks(width, offset=1 if rolled else 0)
+    state = np.repeat(np.asarray(expansion.state_rows, np.int64)[:, None], width, axis=1)
+    origin = expansion.origin
+    if hasattr(mask, "index_select"):
+        import torch  # the batch is torch: so is what is added to it
+
+        def like(a: npt.NDArray[Any], ref: Any) -> Any:
+            return torch.as_tensor(a, device=ref.device)
+
+        out["attention_mask"] = out["attention_mask"] * like(keep, mask).to(mask.dtype)
+        if "loss_mask" in out:
+            lm = out["loss_mask"]
+            out["loss_mask"] = lm * like(served, lm).to(lm.dtype)
+        out[STATE_FIELD] = like(state, mask)
+        out[ORIGIN_FIELD] = like(origin, mask)
+    else:
+        out["attention_mask"] = np.asarray(out["attention_mask"]) * keep.astype(mask.dtype)
+        if "loss_mask" in out:
+            lm = np.asarray(out["loss_mask"])
+            out["loss_mask"] = lm * served.astype(lm.dtype)
+        out[STATE_FIELD] = state
+        out[ORIGIN_FIELD] = origin
+    return out, expansion
+
+
+def gather_by_state(values: Any, expansion: Expansion, *, rolled: bool = True) -> Any:
+    """Per-token ``values`` of an expanded batch (``[B', S]``: ``prox_logp`` from
+    ``compute_logp``, entropies) back on the originals (``[B, S]``): each token's value from
+    the state that served it, the rest from the original's last state (all its tokens).
+    ``rolled``: position ``t`` holds token ``t + 1``'s value (AReaL's ``compute_logp``
+    output); ``False``: token ``t``'s."""
+    width = int(values.shape[1])
+    served = expansion.token_masks(width, offset=1 if rolled else 0)
+    last: dict[int, int] = {}
+    for j, s in enumerate(expansion.states):
+        last[s.origin] = j
+    rows = [last[i] for i in range(expansion.num_samples)]
+    if hasattr(values, "index_select"):
+        import torch
+
+        out = values[torch.as_tensor(rows, device=values.device)].clone()
+        for j, s in enumerate(expansion.states):
+            m = torch.as_tensor(served[j], device=values.device)
+            out[s.origin][m] = values[j][m]
+        return out
+    arr = np.asarray(values)
+    res = arr[rows].copy()
+    for j, s in enumerate(expansion.states):
+        res[s.origin][served[j]] = arr[j][served[j]]
+    return res
+
+
 @dataclass(frozen=True)
 class ArealMicroBatch:
     """One AReaL micro-batch as a rank sees it: its samples' rollout ids and token counts in
-    packing order, and the padded ``cu_seqlens`` the model runs on (with the batch-padding
-    sequence when AReaL appended one)."""
+    packing order, the padded ``cu_seqlens`` the model runs on (with the batch-padding
+    sequence when AReaL appended one), and each sample's state when the batch was expanded
+    (:func:`expand_areal_batch`; ``None``: not expanded)."""
 
     rollout_ids: tuple[str, ...]
     seqlens: npt.NDArray[np.int64]
     cu_seqlens: npt.NDArray[np.int64]
+    states: tuple[int, ...] | None = None
 
 
 def areal_micro_batch(mb_item: Any, *, key_field: str = KEY_FIELD) -> ArealMicroBatch:
@@ -380,7 +528,8 @@ def areal_micro_batch(mb_item: Any, *, key_field: str = KEY_FIELD) -> ArealMicro
     per-sequence alignment, ``pad_packed_tensor_dict``, data.py:843), else
     ``orig_mb["cu_seqlens"]``; the padded ``cu_seqlens`` from ``padded_mb`` (what
     ``megatron_engine_r3_patch.py:218-250`` passes on); each sample's key at its first
-    token of ``padded_mb[key_field]``.
+    token of ``padded_mb[key_field]``; each sample's state from ``r3_state`` when the batch
+    was expanded (pass ``mb.states`` to :func:`fetch_areal_rank_targets`).
     """
     padded = mb_item.padded_mb
     cu = _np(padded["cu_seqlens"]).astype(np.int64).reshape(-1)
@@ -406,7 +555,16 @@ def areal_micro_batch(mb_item: Any, *, key_field: str = KEY_FIELD) -> ArealMicro
             ids.append(key_rollout_id(keys[cu[i]]))
         except ShapeError as exc:
             raise ShapeError(f"micro-batch sample {i}: {exc}") from exc
-    return ArealMicroBatch(tuple(ids), seqlens, cu)
+    states = None
+    if STATE_FIELD in padded:
+        column = _np(padded[STATE_FIELD]).reshape(-1)
+        if column.shape[0] != keys.shape[0]:
+            raise ShapeError(
+                f"{STATE_FIELD!r} has {column.shape[0]} packed tokens, {key_field!r} "
+                f"{keys.shape[0]}"
+            )
+        states = tuple(int(column[cu[i]]) for i in range(n))
+    return ArealMicroBatch(tuple(ids), seqlens, cu, states)
 
 
 def areal_rank_plan(

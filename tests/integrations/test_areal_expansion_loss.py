@@ -1,0 +1,211 @@
+"""AReaL 1.0.4's own advantage and loss code on a step expanded by ``expand_areal_batch``.
+
+The recipe (docs/integrations.md, "Exact replay by state expansion", AReaL): expand before
+``compute_logp``; each state's forward gives the log-probs of the tokens it served; bring
+them back to the originals (``gather_by_state``); AReaL's ``PPOActor.compute_advantages``
+runs on the originals (its reward normalisation by group counts each sample once); the
+result is expanded again (``rolled=True``) for ``ppo_update``, whose ``grpo_loss_fn``
+(``areal/trainer/ppo/actor.py:340-363``) is AReaL's, unchanged.
+
+A "forward under state ``s``" is a deterministic function of (sample, state, position):
+what matters is which state's value each token gets.  The expanded batch's loss equals
+the loss of the originals with each token's log-prob from its own state (the exact loss),
+for the token-level settings; the sequence-level ones (GSPO) differ and are refused by
+``check_areal_expansion_modes``.  AReaL is imported with stubs for ray, hydra and its
+experiment loggers (none is on this path), as in test_areal_contract.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from r3_client import InvalidRequestError, RoutingClient
+from r3_client.integrations.areal import (
+    STATE_FIELD,
+    check_areal_expansion_modes,
+    expand_areal_batch,
+    gather_by_state,
+    with_rollout_keys,
+)
+from tests.support.service_process import KEY_A, Service
+
+if importlib.util.find_spec("areal") is None:
+    pytest.skip("AReaL is not installed (the `areal` extra)", allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+
+from tests.integrations.test_areal_contract import _installed, _StubModule, _stubs  # noqa: E402
+from tests.integrations.test_areal_rank_local import X_LENGTHS, _store_straddled  # noqa: E402
+
+PROMPT = 4
+
+
+@pytest.fixture(scope="module")
+def areal() -> Iterator[SimpleNamespace]:
+    """AReaL's PPO actor, config and loss, imported with the stubs in place."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, module in _stubs().items():
+            mp.setitem(sys.modules, name, module)
+        for name in ("swanlab", "trackio", "wandb", "tensorboardX"):  # experiment loggers
+            if not _installed(name):
+                stub = _StubModule(name)
+                stub.__path__ = []
+                mp.setitem(sys.modules, name, stub)
+        from areal.api.cli_args import NormConfig, PPOActorConfig, RejectionSamplingConfig
+        from areal.trainer.ppo.actor import PPOActor, grpo_loss_fn
+
+        yield SimpleNamespace(
+            PPOActor=PPOActor,
+            PPOActorConfig=PPOActorConfig,
+            NormConfig=NormConfig,
+            RejectionSamplingConfig=RejectionSamplingConfig,
+            grpo_loss_fn=grpo_loss_fn,
+        )
+
+
+def _forward(sample: int, state: int, width: int) -> Any:
+    """Log-probs a forward of ``sample`` under the state starting at ``state`` gives."""
+    g = np.random.default_rng(1000 * sample + state)
+    return torch.as_tensor(-g.random(width) - 0.1, dtype=torch.float32)
+
+
+def _step(client: RoutingClient) -> tuple[dict[str, Any], list[str]]:
+    ids, _ = _store_straddled(client, seed=9)
+    width = max(X_LENGTHS) + 2
+    g = np.random.default_rng(4)
+    batch: dict[str, Any] = {
+        "input_ids": torch.zeros(3, width, dtype=torch.int64),
+        "attention_mask": torch.zeros(3, width, dtype=torch.bool),
+        "loss_mask": torch.zeros(3, width, dtype=torch.int32),
+        "logprobs": torch.as_tensor(-g.random((3, width)), dtype=torch.float32),
+        "versions": torch.zeros(3, width, dtype=torch.int32),
+        "rewards": torch.tensor([1.0, 0.0, 1.0]),
+    }
+    for i, t in enumerate(X_LENGTHS):
+        batch["input_ids"][i, :t] = torch.arange(1, t + 1)
+        batch["attention_mask"][i, :t] = True
+        batch["loss_mask"][i, PROMPT:t] = 1
+    keys = [int(r.removeprefix("areal-"), 16) for r in ids]
+    return {**batch, **with_rollout_keys(batch, keys)}, ids
+
+
+def _exact_logp(batch: dict[str, Any], exp: Any) -> Any:
+    """Each original's log-probs, position ``t`` (token ``t + 1``) from the state that
+    served token ``t + 1``: the exact loss's inputs, made without the expansion's code."""
+    width = batch["attention_mask"].shape[1]
+    out = torch.zeros(exp.num_samples, width)
+    for i in range(exp.num_samples):
+        mine = [s for s in exp.states if s.origin == i]
+        for t in range(width):
+            token = t + 1
+            state = next((s for s in mine if s.state < token < s.num_tokens), mine[-1])
+            out[i, t] = _forward(i, state.state, width)[t]
+    return out
+
+
+def _loss(areal: Any, config: Any, data: dict[str, Any], logp: Any) -> float:
+    """AReaL's actor loss over one batch, weighted as ``train_batch`` weighs micro-batches
+    (``loss_mask.count_nonzero()``): the token mean of the per-token loss."""
+    loss, _ = _grpo(areal, config, data, logp)
+    return float(loss)
+
+
+def _grpo(areal: Any, config: Any, data: dict[str, Any], logp: Any) -> Any:
+    from areal.utils import stats_tracker
+
+    with stats_tracker.scope("t"):
+        loss = areal.grpo_loss_fn(
+            logp,
+            torch.zeros_like(logp),
+            data,
+            eps_clip=config.eps_clip,
+            eps_clip_higher=config.eps_clip_higher,
+            c_clip=config.c_clip,
+            importance_sampling_level=config.importance_sampling_level,
+        )
+    return loss, None
+
+
+@pytest.mark.parametrize("adv_norm", [False, True])
+def test_areal_loss_on_the_expanded_step_is_the_exact_loss(
+    areal: Any, service_single: Service, adv_norm: bool
+) -> None:
+    norm = areal.NormConfig(mean_level="group", std_level="group", group_size=3)
+    config = areal.PPOActorConfig(
+        experiment_name="r3", trial_name="t", kl_ctl=0.1, recompute_logprob=True,
+        use_decoupled_loss=False, adv_norm=norm if adv_norm else None, reward_norm=norm,
+    )  # fmt: skip
+    check_areal_expansion_modes(config)
+    actor = areal.PPOActor(config, engine=None)
+    with RoutingClient(service_single.http_url, api_key=KEY_A) as client:
+        batch, _ = _step(client)
+        x, exp = expand_areal_batch(client, batch)  # before compute_logp
+    assert exp.extra_samples == 3
+    assert x["attention_mask"].sum(1).tolist() == exp.num_tokens.tolist()
+    width = batch["attention_mask"].shape[1]
+    # compute_logp on the expanded batch: each sample forwarded under its own state
+    x_prox = torch.stack([_forward(s.origin, s.state, width) for s in exp.states])
+    exact = _exact_logp(batch, exp)
+    original = {k: v.clone() for k, v in batch.items()}
+    original["prox_logp"] = gather_by_state(x_prox, exp)
+    np.testing.assert_array_equal(  # every trained token's log-prob is its own state's
+        (original["prox_logp"] * torch.roll(batch["loss_mask"], -1, 1)).numpy(),
+        (exact * torch.roll(batch["loss_mask"], -1, 1)).numpy(),
+    )
+    adv = actor.compute_advantages([original])[0]  # AReaL's own, on the originals
+    train, again = expand_areal_batch(client, adv, expansion=exp, rolled=True)
+    assert again is exp and STATE_FIELD in train
+    # ppo_update: the expanded batch under each state's forward, against the exact loss
+    x_logp = torch.stack([_forward(s.origin, s.state, width) for s in exp.states]) * 1.01
+    got = _loss(areal, config, train, x_logp)
+    want = _loss(areal, config, adv, exact * 1.01)
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert int(train["loss_mask"].sum()) == int(adv["loss_mask"].sum())
+    # one routing per sample (the last state's, "latest") is not the exact loss
+    last = {s.origin: s.state for s in exp.states}
+    latest = torch.stack([_forward(i, last[i], width) for i in range(exp.num_samples)])
+    assert _loss(areal, config, adv, latest * 1.01) != pytest.approx(want, rel=1e-6)
+
+
+def test_sequence_level_settings_are_refused(areal: Any) -> None:
+    gspo = areal.PPOActorConfig(experiment_name="r3", trial_name="t",
+                                importance_sampling_level="sequence")  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="importance_sampling_level='sequence'"):
+        check_areal_expansion_modes(gspo)
+    rs = areal.PPOActorConfig(
+        experiment_name="r3", trial_name="t",
+        rejection_sampling=areal.RejectionSamplingConfig(level="sequence", upper=2.0),
+    )  # fmt: skip
+    with pytest.raises(InvalidRequestError, match=r"rejection_sampling\.level='sequence'"):
+        check_areal_expansion_modes(rs)
+    check_areal_expansion_modes(areal.PPOActorConfig(experiment_name="r3", trial_name="t"))
+
+
+def test_gspo_would_change_under_the_cut(areal: Any, service_single: Service) -> None:
+    """Why GSPO is refused: its per-sequence ratio over an expanded sample's tokens is not
+    the original's (AReaL's own loss, 2-D padded inputs: sequences by row)."""
+    config = areal.PPOActorConfig(experiment_name="r3", trial_name="t", kl_ctl=0.0,
+                                  importance_sampling_level="sequence")  # fmt: skip
+    actor = areal.PPOActor(config, engine=None)
+    with RoutingClient(service_single.http_url, api_key=KEY_A) as client:
+        batch, _ = _step(client)
+        _, exp = expand_areal_batch(client, batch)
+    width = batch["attention_mask"].shape[1]
+    original = {k: v.clone() for k, v in batch.items()}
+    original["prox_logp"] = gather_by_state(
+        torch.stack([_forward(s.origin, s.state, width) for s in exp.states]), exp
+    )
+    adv = actor.compute_advantages([original])[0]
+    train, _ = expand_areal_batch(client, adv, expansion=exp, rolled=True)
+    x_logp = torch.stack([_forward(s.origin, s.state, width) for s in exp.states]) * 1.3
+    exact = _exact_logp(batch, exp) * 1.3
+    assert _loss(areal, config, train, x_logp) != pytest.approx(
+        _loss(areal, config, adv, exact), rel=1e-4
+    )
