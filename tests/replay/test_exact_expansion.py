@@ -1,7 +1,8 @@
 """One exact loss, by state expansion, in a batched forward: equal to the per-state forwards.
 
-A straddled rollout (three turns, a weight push before each later one, so three states)
-and a plain one are stored in the real service.  The step is expanded one training sample
+A straddled rollout (three turns, a weight push before each later one, so three states),
+a call retracted and re-prefilled mid-response (two states) and a plain one are stored in
+the real service.  The step is expanded one training sample
 per state (:func:`r3_client.expand_states`), each expanded sample's rows are read rank-
 locally under its state (``get_ranges`` / ``fetch_megatron_rank_batch`` with ``states``),
 and the frameworks' own batched forward runs on the expanded batch:
@@ -47,8 +48,11 @@ def _random_rows(g: torch.Generator, n: int, layers: int, e: int, k: int) -> np.
 def store_step(
     c: RoutingClient, e: int, k: int, layers: tuple[int, ...], seed: int
 ) -> tuple[list[str], list[int], list[list[np.ndarray]]]:
-    """A three-state agent of 24 tokens (turns of rows [0, 6), [6, 15), [15, 23)) and a plain
-    rollout of 10 tokens; each sample's states' rows ``[0, end)``."""
+    """A three-state agent of 24 tokens (turns of rows [0, 6), [6, 15), [15, 23)), a plain
+    rollout of 10 tokens, and a 14-token call retracted mid-response, as the engine's shipper
+    stores one (docs/engine.md, "Recomputed positions: views"): rows [0, 8) kept at the
+    retraction, re-prefilled from the radix hit at 3, so segments [0, 8) and [8, 13) and the
+    view [3, 8) serving 8, one weight version; each sample's states' rows ``[0, end)``."""
     g = torch.Generator().manual_seed(seed)
     agent, plain = rid(), rid()
     first = _random_rows(g, 23, len(layers), e, k)
@@ -61,11 +65,18 @@ def store_step(
     _put(c, agent, first[15:23], 15, e, layers, version="w3")
     rows = _random_rows(g, 9, len(layers), e, k)
     _put(c, plain, rows, 0, e, layers)
+    retracted = rid()
+    kept = _random_rows(g, 13, len(layers), e, k)
+    redo = _random_rows(g, 5, len(layers), e, k)
+    _put(c, retracted, redo, 3, e, layers, view=8)  # views are written first
+    _put(c, retracted, kept[:8], 0, e, layers)
+    _put(c, retracted, kept[8:], 8, e, layers)
     states = [
         [first[:6], np.concatenate([again, first[6:15]]), np.concatenate([third, first[15:23]])],
         [rows],
+        [kept[:8], np.concatenate([kept[:3], redo, kept[8:]])],
     ]
-    return [agent, plain], [24, 10], states
+    return [agent, plain, retracted], [24, 10, 14], states
 
 
 def test_hf_expanded_batch_scores_each_token_as_served_logprobs(
@@ -84,6 +95,8 @@ def test_hf_expanded_batch_scores_each_token_as_served_logprobs(
             (0, 6, 16),
             (0, 15, 24),
             (1, 0, 10),
+            (2, 0, 9),
+            (2, 8, 14),
         ]
         # each expanded sample's rows, read under its state (what a rank reads)
         reads = [(s.rollout_id, 0, s.num_tokens - 1, s.state) for s in exp.states]
