@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from r3_client._answers import RolloutInfo
+from r3_client._answers import RolloutInfo, ViewInfo
 from r3_client._exceptions import R3Error, RolloutNotFoundError, ShapeError
 from r3_client._routing import check_rollout_id
 from r3_client._views import applicable_views, states_of
@@ -43,6 +43,7 @@ __all__ = [
     "applicable_views",
     "expand_infos",
     "expand_states",
+    "rollout_states",
     "states_of",
 ]
 
@@ -145,6 +146,18 @@ class Expansion:
         return out
 
 
+def rollout_states(
+    info: RolloutInfo, num_tokens: int
+) -> list[tuple[int, int, tuple[ViewInfo, ...]]]:
+    """The routing states ``(first row, end row, views applied)`` of a sample of
+    ``num_tokens`` tokens whose rollout is ``info``: its rows are ``[0, num_tokens - 1)``,
+    cut to what the rollout holds; a sample with no rows has the one state ``(0, 0, ())``."""
+    rows = max(0, min(info.num_rows, int(num_tokens) - 1))
+    if not rows:
+        return [(0, 0, ())]
+    return [(a, b, tuple(applied)) for a, b, applied in states_of(applicable_views(info), rows)]
+
+
 def expand_infos(
     infos: Sequence[RolloutInfo], num_tokens: Sequence[int] | npt.ArrayLike
 ) -> Expansion:
@@ -160,8 +173,7 @@ def expand_infos(
         if n < 1:
             raise ShapeError(f"sample {i} (rollout {info.rollout_id!r}) has {n} tokens")
         rows = max(0, min(info.num_rows, n - 1))
-        states = states_of(applicable_views(info), rows) if rows else [(0, 0, ())]
-        for a, b, applied in states:
+        for a, b, applied in rollout_states(info, n):
             last = b >= rows
             out.append(
                 SampleState(

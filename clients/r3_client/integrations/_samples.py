@@ -24,8 +24,8 @@ import numpy.typing as npt
 from r3_client._answers import RolloutInfo
 from r3_client._exceptions import InvalidRequestError, R3Error, RolloutNotFoundError, ShapeError
 from r3_client._routing import Routing, check_rollout_id
-from r3_client._views import ViewPolicy, applicable_views, check_policy, states_of
-from r3_client.expansion import Expansion, expand_states
+from r3_client._views import ViewPolicy, applicable_views, check_policy
+from r3_client.expansion import Expansion, expand_states, rollout_states
 from r3_client.integrations.tags import tag_sampling_params
 from r3_client.layouts import Missing
 from r3_client.layouts._packing import (
@@ -842,8 +842,7 @@ def trained_states(
                 raise info
             out.append(None)
             continue
-        rows = max(0, min(info.num_rows, int(n) - 1))
-        states = states_of(applicable_views(info), rows) if rows else [(0, 0, ())]
+        states = rollout_states(info, int(n))
         trained = np.flatnonzero(_as_array(mask).reshape(-1)[: int(r)])
         first = int(n) - int(r) + int(trained[0]) if trained.size else int(n) - 1
         row = max(0, first - 1)  # token t attended to rows [0, t): it trains in t - 1's state
