@@ -56,6 +56,7 @@ from tests.support.engine_fixtures import (  # noqa: F401  (fixtures, found by p
     tiny_models,
 )
 from tests.support.service_process import KEY_A, Service
+from tests.support.stubs import StubModule, installed
 
 if importlib.util.find_spec("areal") is None:
     pytest.skip(
@@ -74,37 +75,6 @@ PROMPT = [21 + i for i in range(24)]
 # ------------------------------------------------------------------ AReaL, imported
 
 
-class _Absent(type):
-    """Any name of a stubbed package: its attributes are more of them (so annotations and
-    ``except`` clauses that name them evaluate), and calling one raises."""
-
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _Absent(name, (Exception,), {"__module__": cls.__module__})
-        setattr(cls, name, value)
-        return value
-
-    def __call__(cls, *args: object, **kwargs: object) -> Any:
-        raise RuntimeError(f"{cls.__module__}.{cls.__name__} is a stub (test_areal_contract)")
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _Absent(name, (Exception,), {"__module__": self.__name__})
-        setattr(self, name, value)
-        return value
-
-
-def _installed(name: str) -> bool:
-    """Whether ``name`` is a real package (not a stub another test module left in place)."""
-    if name in sys.modules:
-        return getattr(sys.modules[name], "__spec__", None) is not None
-    return importlib.util.find_spec(name) is not None
-
-
 def _stubs() -> dict[str, types.ModuleType]:
     """ray and hydra as AReaL's package import reaches them, where they are not installed.
 
@@ -118,14 +88,14 @@ def _stubs() -> dict[str, types.ModuleType]:
     }  # fmt: skip
     out: dict[str, types.ModuleType] = {}
     for top, subs in names.items():
-        if _installed(top):
+        if installed(top):
             continue
         for full in (top, *subs):
             parts = full.split(".")
             for i in range(1, len(parts) + 1):
                 name = ".".join(parts[:i])
                 if name not in out:
-                    out[name] = _StubModule(name)
+                    out[name] = StubModule(name)
                     out[name].__path__ = []
                     if i > 1:
                         setattr(out[".".join(parts[: i - 1])], parts[i - 1], out[name])

@@ -35,13 +35,14 @@ from r3_client.integrations.areal import (
     with_rollout_keys,
 )
 from tests.support.service_process import KEY_A, Service
+from tests.support.stubs import StubModule, installed
 
 if importlib.util.find_spec("areal") is None:
     pytest.skip("AReaL is not installed (the `areal` extra)", allow_module_level=True)
 
 torch = pytest.importorskip("torch")
 
-from tests.integrations.test_areal_contract import _installed, _StubModule, _stubs  # noqa: E402
+from tests.integrations.test_areal_contract import _stubs  # noqa: E402
 from tests.integrations.test_areal_rank_local import X_LENGTHS, _store_straddled  # noqa: E402
 
 PROMPT = 4
@@ -54,8 +55,8 @@ def areal() -> Iterator[SimpleNamespace]:
         for name, module in _stubs().items():
             mp.setitem(sys.modules, name, module)
         for name in ("swanlab", "trackio", "wandb", "tensorboardX"):  # experiment loggers
-            if not _installed(name):
-                stub = _StubModule(name)
+            if not installed(name):
+                stub = StubModule(name)
                 stub.__path__ = []
                 mp.setitem(sys.modules, name, stub)
         from areal.api.cli_args import NormConfig, PPOActorConfig, RejectionSamplingConfig

@@ -29,6 +29,47 @@ def stub_ray() -> None:
     sys.modules["ray"] = ray
 
 
+def import_ray_trainer() -> types.ModuleType:
+    """verl's ``verl.trainer.ppo.ray_trainer`` (``RayPPOTrainer``, ``compute_advantage``),
+    imported without a Ray cluster: ray's submodules its import names, peft and accelerate
+    (imported by verl's checkpoint and LoRA helpers, unused by the trainer methods the tests
+    drive) stand in where they are not installed, and the CUDA-only ``flash_mla`` is hidden
+    from Megatron's import as :mod:`tests.support.megatron_model` does.  The ray stand-ins
+    stay for the session, like :func:`stub_ray`; peft's and accelerate's leave
+    ``sys.modules`` once verl is imported."""
+    # transformers records at import which optional packages exist (find_spec), and a stub
+    # has no spec: it looks first, so it finds no accelerate, as without the stubs.
+    import transformers.trainer_pt_utils  # noqa: F401
+
+    from tests.support.megatron_model import _hide_broken_flash_mla
+    from tests.support.stubs import stub_modules
+
+    stub_ray()
+    names = [
+        "ray.experimental.state.api",
+        "ray.util.placement_group",
+        "ray.util.scheduling_strategies",
+        "ray.actor",
+        "peft.utils.save_and_load",
+        "accelerate",
+    ]
+    added = {n: m for n, m in stub_modules(names).items() if n not in sys.modules}
+    sys.modules.update(added)
+    ray: Any = sys.modules["ray"]
+    if getattr(ray, "__spec__", None) is None and not hasattr(ray, "remote"):
+        ray.remote = lambda obj=None, **options: obj if obj is not None else (lambda o: o)
+    _hide_broken_flash_mla()
+    try:
+        import verl.trainer.ppo.ray_trainer as ray_trainer
+    finally:
+        # verl's modules keep what they imported; later find_spec("peft") / ("accelerate")
+        # calls (a stub has no spec: they would raise) see the machine as it is
+        for name in added:
+            if name.split(".")[0] != "ray":
+                sys.modules.pop(name, None)
+    return ray_trainer
+
+
 class FakeGroup:
     """A process group of ``size`` ranks seen from rank ``rank`` (only size/rank are asked)."""
 

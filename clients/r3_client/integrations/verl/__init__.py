@@ -36,8 +36,10 @@ only checks the step's rollouts (:func:`check_rank_local_batch`) and leaves
 ``non_tensor_batch["r3_rollout_id"]`` as the batch's only routing; on each training
 worker, :class:`RankLocalReplay` makes verl's Megatron engine replay every micro-batch
 from the rank's own slice (:func:`r3_client.rank_local.fetch_verl_rank_slice`) in place
-of the ``routed_experts`` its R3 branch would read.  Nothing here imports verl at module
-level; torch and verl are imported when a batch is attached or an engine hooked.
+of the ``routed_experts`` its R3 branch would read.  :class:`ExactReplayTrainer` makes
+verl's own ``RayPPOTrainer.fit`` train every token in its routing state (state expansion
+inside its step methods).  Nothing here imports verl at module level; torch and verl are
+imported when a batch is attached or an engine hooked.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ from r3_client.integrations.verl.rollout import (
     new_rollout_id,
     routed_agent_loop,
 )
+from r3_client.integrations.verl.trainer import (
+    ExactReplayTrainer,
+    arrange_mini_batches,
+    gather_by_state,
+)
 from r3_client.integrations.verl.worker import (
     RankLocalReplay,
     check_verl_hooks,
@@ -64,16 +71,19 @@ from r3_client.integrations.verl.worker import (
 
 __all__ = [
     "ROLLOUT_ID_KEY",
+    "ExactReplayTrainer",
     "RankLocalReplay",
     "RoutedAgentLoop",
     "RoutedRolloutManager",
     "TaggingServerClient",
     "advantages_by_origin",
+    "arrange_mini_batches",
     "attach_routed_experts",
     "check_expansion_modes",
     "check_rank_local_batch",
     "check_verl_hooks",
     "expand_verl_batch",
+    "gather_by_state",
     "new_rollout_id",
     "routed_agent_loop",
 ]
