@@ -210,3 +210,94 @@ def test_gspo_would_change_under_the_cut(areal: Any, service_single: Service) ->
     assert _loss(areal, config, train, x_logp) != pytest.approx(
         _loss(areal, config, adv, exact), rel=1e-4
     )
+
+
+class Engine:
+    """What AReaL's ``PPOActor`` uses of its ``TrainEngine`` on this path: ``forward`` (a
+    row's log-prob of token ``t + 1`` at position ``t``, scored in the state ``state_of``
+    names for it) and ``train_batch`` (AReaL's loss on each mini-batch it is given, and the
+    weight it gives it)."""
+
+    def __init__(self, ids: list[str], exp: Any, state_of: Any) -> None:
+        self.index = {int(r.removeprefix("areal-"), 16): i for i, r in enumerate(ids)}
+        self.exp, self.state_of = exp, state_of
+        self.steps: list[tuple[float, int]] = []
+
+    def eval(self) -> None: ...
+
+    def train(self) -> None: ...
+
+    def get_version(self) -> int:
+        return 0
+
+    def _scores(self, data: dict[str, Any], scale: float = 1.0) -> Any:
+        width = data["attention_mask"].shape[1]
+        out = torch.zeros(data["attention_mask"].shape[0], width)
+        for j in range(out.shape[0]):
+            i = self.index[int(data["r3_key"][j, 0])]
+            row_state = int(data[STATE_FIELD][j, 0]) if STATE_FIELD in data else None
+            for t in range(width):
+                state = self.state_of(i, t + 1, row_state)
+                out[j, t] = scale * _forward(i, state, width)[t]
+        return out
+
+    def forward(self, input_: dict[str, Any], aggregate_fn: Any = None) -> Any:
+        return self._scores(input_)
+
+    def train_batch(self, input_: Any, loss_fn: Any, loss_weight_fn: Any) -> dict[str, float]:
+        from areal.utils import stats_tracker
+
+        with stats_tracker.scope("t"):
+            logp = self._scores(input_, 1.01)
+            loss = loss_fn(logp, torch.zeros_like(logp), input_)
+        self.steps.append((float(loss), int(loss_weight_fn(input_))))
+        return {}
+
+
+def test_exact_ppo_actor_runs_areals_own_step_exactly(areal: Any, service_single: Service) -> None:
+    """AReaL's ``PPOActor`` with :class:`ExactPPOActor`: its own ``compute_logp``,
+    ``compute_advantages`` and ``ppo_update`` (one mini-batch) give the proximal log-probs
+    and the update's loss of the original step scored exactly; one routing per sample
+    does not."""
+    from r3_client.integrations.areal import ExactPPOActor
+
+    config = areal.PPOActorConfig(
+        experiment_name="r3", trial_name="t", kl_ctl=0.0, recompute_logprob=True,
+        use_decoupled_loss=False, ppo_n_minibatches=1,
+        reward_norm=areal.NormConfig(mean_level="group", std_level="group", group_size=3),
+    )  # fmt: skip
+    cls = type("Actor", (ExactPPOActor, areal.PPOActor), {})
+    with RoutingClient(service_single.http_url, api_key=KEY_A) as client:
+        batch, ids = _step(client)
+        _, exp = expand_areal_batch(client, batch)
+        runs = {}
+        for name, actor_cls, state_of in (
+            ("ours", cls, lambda i, t, row: row),
+            ("exact", areal.PPOActor, lambda i, t, row: _token_state(exp, i, t)),
+            ("latest", areal.PPOActor, lambda i, t, row: _last_state(exp, i)),
+        ):
+            engine = Engine(ids, exp, state_of)
+            actor = actor_cls(config, engine)
+            actor.r3_source = client
+            data = {k: v.clone() for k, v in batch.items()}
+            data["prox_logp"] = actor.compute_logp([data])[0]
+            adv = actor.compute_advantages([data])[0]
+            actor.ppo_update([adv])
+            runs[name] = (data["prox_logp"], adv, engine.steps)
+    trained = torch.roll(batch["loss_mask"], -1, 1).bool()
+    ours, exact, latest = runs["ours"], runs["exact"], runs["latest"]
+    torch.testing.assert_close(ours[0][trained], exact[0][trained])
+    torch.testing.assert_close(ours[1]["advantages"], exact[1]["advantages"])
+    (loss, weight), (want, want_weight) = ours[2][0], exact[2][0]
+    assert weight == want_weight == int(trained.sum())
+    assert loss == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert latest[2][0][0] != pytest.approx(want, rel=1e-6)
+
+
+def _token_state(exp: Any, i: int, token: int) -> int:
+    mine = [s for s in exp.states if s.origin == i]
+    return next((s for s in mine if s.state < token < s.num_tokens), mine[-1]).state
+
+
+def _last_state(exp: Any, i: int) -> int:
+    return [s for s in exp.states if s.origin == i][-1].state

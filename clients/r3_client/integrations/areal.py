@@ -65,6 +65,7 @@ __all__ = [
     "STATE_FIELD",
     "ArealMicroBatch",
     "ArealReplayTargets",
+    "ExactPPOActor",
     "KeyedEngine",
     "RoutedEngine",
     "TaggingBackend",
@@ -505,6 +506,47 @@ def gather_by_state(values: Any, expansion: Expansion, *, rolled: bool = True) -
     for j, s in enumerate(expansion.states):
         res[s.origin][served[j]] = arr[j][served[j]]
     return res
+
+
+class ExactPPOActor:
+    """Mixin for AReaL 1.0.4's ``PPOActor`` (put it first) that replays every token in its
+    routing state inside AReaL's own ``compute_logp`` and ``ppo_update``::
+
+        class Actor(ExactPPOActor, PPOActor): ...
+        actor = Actor(config.actor, engine)
+        actor.r3_source = RoutingClient(cache_url, api_key=key)  # stats only
+
+    ``compute_logp`` forwards the expanded batch (:func:`expand_areal_batch`) and returns
+    each token's log-prob from the state that served it (:func:`gather_by_state`), so the
+    trainer's ``compute_advantages`` runs on the original samples (group normalisation
+    counts each once); ``ppo_update`` expands its (advantaged, rolled) batch again and
+    trains that, after :func:`check_areal_expansion_modes`.  The ranks read each sample's
+    state from ``r3_state`` (:func:`areal_micro_batch`).  AReaL cuts the update into
+    ``ppo_n_minibatches`` token-balanced mini-batches (``split_padded_tensor_dict_into_mb_
+    list``): with more than one, the optimizer steps group the expanded samples as AReaL
+    balances them, each token still trained once, with its own routing.
+    """
+
+    r3_source: StatSource | None = None
+
+    def _r3(self) -> StatSource:
+        if self.r3_source is None:
+            raise InvalidRequestError(
+                "ExactPPOActor needs actor.r3_source (a RoutingClient) before the first step"
+            )
+        return self.r3_source
+
+    def _compute_logp(self, data: dict[str, Any]) -> Any:
+        """AReaL's, on the expanded batch; each token's log-prob from its own state."""
+        expanded, expansion = expand_areal_batch(self._r3(), data)
+        out = super()._compute_logp(expanded)  # type: ignore[misc]
+        return None if out is None else gather_by_state(out, expansion)
+
+    def _ppo_update(self, data: dict[str, Any]) -> None:
+        """AReaL's, on the batch expanded after ``compute_advantages`` (rolled masks)."""
+        check_areal_expansion_modes(self.config)  # type: ignore[attr-defined]
+        expanded, _ = expand_areal_batch(self._r3(), data, rolled=True)
+        super()._ppo_update(expanded)  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
