@@ -37,7 +37,7 @@ if importlib.util.find_spec("verl") is None:
     pytest.skip("verl is not installed (the verl test extra)", allow_module_level=True)
 
 from r3_client import InvalidRequestError, RoutingClient, Segment
-from r3_client.integrations.verl.trainer import ExactReplayTrainer
+from r3_client.integrations.verl import ExactReplayTrainer
 from tests.support.frames import rid
 from tests.support.service_process import KEY_A, Service
 from tests.support.verl_stubs import import_ray_trainer, verl_tensors

@@ -46,23 +46,21 @@ from __future__ import annotations
 
 from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY
 from r3_client.integrations.verl.driver import (
+    ExactReplayTrainer,
     RoutedRolloutManager,
     advantages_by_origin,
+    arrange_mini_batches,
     attach_routed_experts,
     check_expansion_modes,
     check_rank_local_batch,
     expand_verl_batch,
+    gather_by_state,
 )
 from r3_client.integrations.verl.rollout import (
     RoutedAgentLoop,
     TaggingServerClient,
     new_rollout_id,
     routed_agent_loop,
-)
-from r3_client.integrations.verl.trainer import (
-    ExactReplayTrainer,
-    arrange_mini_batches,
-    gather_by_state,
 )
 from r3_client.integrations.verl.worker import (
     RankLocalReplay,
