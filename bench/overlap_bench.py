@@ -8,9 +8,13 @@ op the loop launches releases the GIL and must take it back.  This bench measure
 much the overlapped fetch slows the step, on the CPU alone.
 
 **The training loop** (a CPU stand-in for a GPU launch loop): one thread,
-``torch.set_num_threads(1)``, ``--ops`` tiny torch ops per step (``x = x * 1.0001 + y``
-on 64-element float32 tensors: two ops each; 5,500 by default, some tens of ms a step
-on one core of the dev machine).
+``torch.set_num_threads(1)``, ``--ops`` small torch ops per step (``x = x * 1.0001 +
+y``, two ops each, on ``--op-size``-element float32 tensors).  Defaults: 5,500 ops (as
+many as the HF Qwen3-MoE step of ``bench/replay_bench.py`` dispatches) of 32,768
+elements, about 30 ms a step on one core of the dev machine: about twice a fetch, so
+the step need not wait for it (the same ops on 64 elements take about half as long,
+and the step then waits for the fetch; ``--op-size 64 --ops 11000`` keeps the step's
+length with a loop that spends more of its time holding the GIL).
 
 **The fetch**: a real ``redis-server`` (with a password: direct reads need one) and a
 real cache service (HTTP and gRPC, direct reads on), holding ``--rollouts`` rollouts of
@@ -25,27 +29,38 @@ int64 replay targets), through ``RoutingClient`` over HTTP, ``RoutingClient`` ov
 (``grpc://``) and ``DirectReader`` (Redis directly).
 
 **Runs**, each ``--steps`` steps (after ``--warmup`` untimed ones), in ``--rounds``
-rounds, the order of the four rotated each round:
+rounds, the order of the runs rotated each round:
 
 * **baseline**: the steps alone, no fetch;
 * **overlapped, per transport**: the same steps in today's loop, ``for mb, targets in
   prefetched(micro_batches, fetch): step()``: while a step runs, the next micro-batch
-  is fetched in ``prefetched``'s thread.
+  is fetched in ``prefetched``'s thread;
+* with ``--process``, a control per transport: the same loop with each fetch in a
+  spawned worker process (its own client; the targets pickled back), which shares no
+  GIL with the loop but still its cores.
 
 Reported per transport and distribution: the median step time (the step's own ops,
 not the wait) of baseline and overlapped runs, the ratio overlapped / baseline (of the
 pooled medians, and each round's against the same round's baseline: the median of
-those and their min-max spread), the time each step waited for its fetch after its own
-ops (median, max, steps that waited > 1 ms), the fetch alone per micro-batch (no
-training loop beside it: median, min-max) and while overlapped (each fetch timed in its
-thread), and the bytes per micro-batch (frame bytes the client received through the
-service; Redis's output bytes, which for ``DirectReader`` are what the rank received).
-The target (issue text): step time with the overlapped fetch / without <= 1.02 on the
-2-core dev machine.
+those and their min-max spread), the median of the rounds' extra ms per step (the
+loop's time lost to one fetch, whatever the step's length), where the loop's thread
+spent its step (Linux ``/proc/thread-self/schedstat``: on a CPU; runnable on a run
+queue with no core free, i.e. CPU contention; neither, asleep: mostly waiting for the
+GIL; medians, so they need not add up to the step's; in a VM the thread's CPU time is
+only good to a millisecond or two per step), the time each step waited
+for its fetch after its own ops (median, max, steps that waited > 1 ms), the fetch
+alone per micro-batch (no training loop beside it: median, min-max) and while
+overlapped (each fetch timed in its thread), and the bytes per micro-batch (frame
+bytes the client received through the service; Redis's output bytes, which for
+``DirectReader`` are what the rank received).  A baseline that itself waited for a
+core more than 5 % of its step is flagged ``busy`` (other load on the machine: its
+ratios do not measure the fetch).  The target (issue text): step time with the
+overlapped fetch / without <= 1.02 on the 2-core dev machine.
 
     python bench/overlap_bench.py                                  # 16 x 4,096, both
     python bench/overlap_bench.py --dist skewed --rounds 3         # quick
     python bench/overlap_bench.py --switch-interval 0.0005         # GIL hand-over 0.5 ms
+    python bench/overlap_bench.py --process                        # + worker-process control
 
 Writes ``bench/out/overlap_bench.json``.
 """
@@ -54,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import platform
 import secrets
@@ -62,6 +78,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +101,7 @@ PP, CP, TP = 2, 2, 2
 STAGE_LAYERS = range(0, LAYERS // PP)
 TRANSPORTS = ("http", "grpc", "direct")
 WAITED_S = 1e-3  # a step "waited" when its fetch was not done within 1 ms of its end
+BUSY = 0.05  # a baseline waiting for a core this share of its step: the machine was busy
 
 MicroBatch = list[str]
 
@@ -203,15 +221,45 @@ def check_equal(
 # ---------------------------------------------------------------- runs
 
 
+def sched() -> tuple[float, float] | None:
+    """The calling thread's time on a CPU and waiting on a run queue (runnable, no core
+    free), in seconds, from ``/proc/thread-self/schedstat`` (None where there is none)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, runq, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu) / 1e9, int(runq) / 1e9
+
+
+class StepClock:
+    """Each step's wall time, and where the loop's thread spent it: on a CPU, waiting for
+    a core (run queue: CPU contention), or neither (asleep: mostly waiting for the GIL)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.on_cpu: list[float] = []
+        self.runq: list[float] = []
+
+    def timed(self, step: Callable[[], None], keep: bool) -> None:
+        s0, t0 = sched(), time.perf_counter()
+        step()
+        t1, s1 = time.perf_counter(), sched()
+        if keep:
+            self.wall.append(t1 - t0)
+            if s0 is not None and s1 is not None:
+                self.on_cpu.append(s1[0] - s0[0])
+                self.runq.append(s1[1] - s0[1])
+
+    def report(self) -> dict[str, Any]:
+        return {"step_s": self.wall, "on_cpu_s": self.on_cpu, "runq_s": self.runq}
+
+
 def baseline_run(step: Callable[[], None], steps: int, warmup: int) -> dict[str, Any]:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"step_s": times}
+    clock = StepClock()
+    for i in range(warmup + steps):
+        clock.timed(step, i >= warmup)
+    return clock.report()
 
 
 def overlapped_run(
@@ -225,60 +273,128 @@ def overlapped_run(
     fetched while a step runs.  Times each step's ops, and the wait for the next fetch
     after them (``prefetched`` hands the next item once its fetch is done)."""
     total = warmup + steps
-    items = [micro[i % len(micro)] for i in range(total)]
+    items = [micro[i % len(micro)] for i in range(total + 1)]  # + 1: the last step's next
     spans: list[float] = []
-    times: list[float] = []
     waits: list[float] = []
+    clock = StepClock()
     it = prefetched(items, timed(fetch, spans))
     next(it)  # the first micro-batch: fetched before the loop, as a rank's first is
     for i in range(total):
-        t0 = time.perf_counter()
-        step()
+        clock.timed(step, i >= warmup)
         t1 = time.perf_counter()
-        if i + 1 < total:
-            next(it)  # the next micro-batch's targets: waits here if its fetch is not done
-        t2 = time.perf_counter()
+        next(it)  # the next micro-batch's targets: waits here if its fetch is not done
         if i >= warmup:
-            times.append(t1 - t0)
-            if i + 1 < total:
-                waits.append(t2 - t1)
-    for _ in it:  # nothing left: closes the pool
+            waits.append(time.perf_counter() - t1)
+    for _ in it:  # every item handed out: this closes the pool
         pass
-    return {"step_s": times, "wait_s": waits, "fetch_s": spans[warmup + 1 :]}
+    return {**clock.report(), "wait_s": waits, "fetch_s": spans[warmup + 1 :]}
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(http_url: str, grpc_url: str, name: str, tokens: int) -> None:
+    """A fetch worker process: its own client (or reader) for ``name``."""
+    svc = argparse.Namespace(http_url=http_url, grpc_url=grpc_url)
+    _WORKER["fetch"] = rank_fetch(open_source(svc, name), tokens)
+
+
+def _worker_fetch(mb: MicroBatch) -> tuple[MegatronReplayBatch, float]:
+    t0 = time.perf_counter()
+    got = _WORKER["fetch"](mb)
+    return got, time.perf_counter() - t0
+
+
+def process_pool(svc: Any, name: str, tokens: int) -> ProcessPoolExecutor:
+    """One spawned worker fetching through ``name`` (its own client, once started)."""
+    return ProcessPoolExecutor(
+        1,
+        mp_context=mp.get_context("spawn"),
+        initializer=_worker_init,
+        initargs=(svc.http_url, svc.grpc_url, name, tokens),
+    )
+
+
+def process_run(
+    step: Callable[[], None],
+    pool: ProcessPoolExecutor,
+    micro: list[MicroBatch],
+    steps: int,
+    warmup: int,
+) -> dict[str, Any]:
+    """The control: the same loop with each fetch in a worker process (no GIL shared with
+    the loop; its targets pickled back), submitted before the step, awaited after it."""
+    total = warmup + steps
+    items = [micro[i % len(micro)] for i in range(total + 1)]
+    spans: list[float] = []
+    waits: list[float] = []
+    clock = StepClock()
+    pool.submit(_worker_fetch, items[0]).result()  # the first micro-batch, before the loop
+    for i in range(total):
+        fut = pool.submit(_worker_fetch, items[i + 1])
+        clock.timed(step, i >= warmup)
+        t1 = time.perf_counter()
+        _, span = fut.result()
+        if i >= warmup:
+            waits.append(time.perf_counter() - t1)
+            spans.append(span)
+    return {**clock.report(), "wait_s": waits, "fetch_s": spans}
 
 
 def ms(xs: Sequence[float]) -> float:
-    return statistics.median(xs) * 1e3
+    return statistics.median(xs) * 1e3 if xs else float("nan")
 
 
-def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Medians and ratios of the rounds' runs, per transport against the baseline."""
-    base_all = [t for r in rounds for t in r["baseline"]["step_s"]]
+def where(run: dict[str, Any]) -> dict[str, float]:
+    """Median ms per step on a CPU, on a run queue, and neither (asleep: the GIL)."""
+    wall, cpu, runq = run["step_s"], run["on_cpu_s"], run["runq_s"]
+    if not cpu:
+        return {}
+    return {
+        "on_cpu_ms": ms(cpu),
+        "runq_ms": ms(runq),
+        "asleep_ms": ms([w - c - q for w, c, q in zip(wall, cpu, runq, strict=True)]),
+    }
+
+
+def summarize(rounds: list[dict[str, dict[str, Any]]], modes: list[str]) -> dict[str, Any]:
+    """Medians and ratios of the rounds' runs, per mode against the baseline."""
+
+    def pooled(mode: str) -> dict[str, Any]:
+        return {k: [x for r in rounds for x in r[mode].get(k, [])] for k in rounds[0][mode]}
+
+    base = pooled("baseline")
     out: dict[str, Any] = {
         "baseline": {
-            "median_step_ms": ms(base_all),
+            "median_step_ms": ms(base["step_s"]),
             "round_medians_ms": [ms(r["baseline"]["step_s"]) for r in rounds],
+            **where(base),
         }
     }
-    for name in TRANSPORTS:
-        steps_all = [t for r in rounds for t in r[name]["step_s"]]
-        waits = [w for r in rounds for w in r[name]["wait_s"]]
-        fetches = [f for r in rounds for f in r[name]["fetch_s"]]
-        per_round = [ms(r[name]["step_s"]) / ms(r["baseline"]["step_s"]) for r in rounds]
-        out[name] = {
-            "median_step_ms": ms(steps_all),
-            "round_medians_ms": [ms(r[name]["step_s"]) for r in rounds],
-            "ratio_of_medians": ms(steps_all) / out["baseline"]["median_step_ms"],
+    b = out["baseline"]
+    b["busy"] = b.get("runq_ms", 0.0) > BUSY * b["median_step_ms"]
+    b["round_spread"] = max(b["round_medians_ms"]) / min(b["round_medians_ms"])
+    for mode in modes[1:]:
+        runs = pooled(mode)
+        waits = runs["wait_s"]
+        per_round = [ms(r[mode]["step_s"]) / ms(r["baseline"]["step_s"]) for r in rounds]
+        extra = [ms(r[mode]["step_s"]) - ms(r["baseline"]["step_s"]) for r in rounds]
+        out[mode] = {
+            "median_step_ms": ms(runs["step_s"]),
+            "round_medians_ms": [ms(r[mode]["step_s"]) for r in rounds],
+            "ratio_of_medians": ms(runs["step_s"]) / out["baseline"]["median_step_ms"],
             "round_ratios": per_round,
             "median_round_ratio": statistics.median(per_round),
             "round_ratio_min": min(per_round),
             "round_ratio_max": max(per_round),
+            "median_round_extra_ms": statistics.median(extra),
+            **where(runs),
             "wait_median_ms": ms(waits),
             "wait_max_ms": max(waits) * 1e3,
             "steps_waited": sum(w > WAITED_S for w in waits),
             "steps": len(waits),
-            "fetch_overlapped_median_ms": ms(fetches),
-            "fetch_overlapped_max_ms": max(fetches) * 1e3,
+            "fetch_overlapped_median_ms": ms(runs["fetch_s"]),
+            "fetch_overlapped_max_ms": max(runs["fetch_s"]) * 1e3,
         }
     return out
 
@@ -291,13 +407,19 @@ def one_distribution(
     print(f"[{name}] stored {len(ids)} rollouts in {time.perf_counter() - t0:.0f} s", flush=True)
     micro = [ids[i : i + args.micro] for i in range(0, len(ids), args.micro)]
     step = make_step_fn(args.ops, args.op_size)
-    http = open_source(svc, "http")
-    grpc = open_source(svc, "grpc")
-    direct = open_source(svc, "direct")
+    sources: dict[str, Any] = {}
+    pools: dict[str, ProcessPoolExecutor] = {}
+    modes = ["baseline", *TRANSPORTS]
     try:
+        for n in TRANSPORTS:
+            sources[n] = open_source(svc, n)
+        if args.process:
+            for n in TRANSPORTS:
+                pools[n] = process_pool(svc, n, args.tokens)
+                pools[n].submit(_worker_fetch, micro[0]).result()  # started, connected
+            modes += [f"{n}-process" for n in TRANSPORTS]
         with RoutingClient(svc.http_url, api_key=KEY_A) as client:
             stored = sum(client.stat(r).stored_bytes for r in ids)
-        sources: dict[str, Any] = {"http": http, "grpc": grpc, "direct": direct}
         fetches = {n: rank_fetch(s, args.tokens) for n, s in sources.items()}
         check_equal(fetches, micro[0])
         alone = {}
@@ -311,7 +433,6 @@ def one_distribution(
                 f"{a['client_bytes_per_micro_batch'] / 1e6:.2f} MB received",
                 flush=True,
             )
-        modes = ["baseline", *TRANSPORTS]
         rounds: list[dict[str, dict[str, Any]]] = []
         for r in range(args.rounds):
             order = modes[r % len(modes) :] + modes[: r % len(modes)]
@@ -319,6 +440,9 @@ def one_distribution(
             for mode in order:
                 if mode == "baseline":
                     got[mode] = baseline_run(step, args.steps, args.warmup)
+                elif mode.endswith("-process"):
+                    pool = pools[mode.removesuffix("-process")]
+                    got[mode] = process_run(step, pool, micro, args.steps, args.warmup)
                 else:
                     got[mode] = overlapped_run(step, fetches[mode], micro, args.steps, args.warmup)
             rounds.append(got)
@@ -327,18 +451,20 @@ def one_distribution(
                 + ", ".join(f"{m} {ms(got[m]['step_s']):.1f} ms" for m in modes),
                 flush=True,
             )
-        summary = summarize(rounds)
+        summary = summarize(rounds, modes)
     finally:
-        http.close()
-        grpc.close()
-        direct.close()
+        for src in sources.values():
+            src.close()
+        for pool in pools.values():
+            pool.shutdown()
     with RoutingClient(svc.http_url, api_key=KEY_A) as client:
         for key in ids:
             client.delete(key)
-    for n in TRANSPORTS:
-        summary[n]["fetch_alone"] = alone[n]
-        summary[n]["fetch_alone_over_step"] = (
-            alone[n]["median_ms"] / summary["baseline"]["median_step_ms"]
+    for mode in modes[1:]:
+        a = alone[mode.removesuffix("-process")]
+        summary[mode]["fetch_alone"] = a
+        summary[mode]["fetch_alone_over_step"] = (
+            a["median_ms"] / summary["baseline"]["median_step_ms"]
         )
     return {
         "rollouts": args.rollouts,
@@ -346,23 +472,40 @@ def one_distribution(
         "micro_batches": len(micro),
         "stored_bytes": stored,
         "stored_bytes_per_micro_batch": stored / len(micro),
+        "modes": modes,
         "summary": summary,
         "rounds": rounds,
     }
+
+
+def split(t: dict[str, Any]) -> str:
+    if "on_cpu_ms" not in t:
+        return ""
+    return f"cpu {t['on_cpu_ms']:.1f} / runq {t['runq_ms']:.1f} / asleep {t['asleep_ms']:.1f} ms"
 
 
 def print_summary(name: str, res: dict[str, Any]) -> None:
     s = res["summary"]
     b = s["baseline"]
     spread = ", ".join(f"{x:.1f}" for x in b["round_medians_ms"])
-    print(f"[{name}] baseline step {b['median_step_ms']:.2f} ms (rounds: {spread})")
-    for n in TRANSPORTS:
+    print(
+        f"[{name}] baseline step {b['median_step_ms']:.2f} ms (rounds: {spread}; max / min "
+        f"{b['round_spread']:.2f}) {split(b)}"
+    )
+    if b.get("runq_ms", 0.0) > BUSY * b["median_step_ms"]:
+        print(
+            f"[{name}] WARNING: the baseline itself waited {b['runq_ms']:.1f} ms a step for a "
+            "core (other load on the machine): its ratios do not measure the fetch",
+            flush=True,
+        )
+    for n in res["modes"][1:]:
         t = s[n]
         a = t["fetch_alone"]
         print(
-            f"[{name}] {n:>6}: step {t['median_step_ms']:.2f} ms, ratio "
+            f"[{name}] {n:>14}: step {t['median_step_ms']:.2f} ms, ratio "
             f"{t['ratio_of_medians']:.3f} (rounds {t['round_ratio_min']:.3f}-"
-            f"{t['round_ratio_max']:.3f}, median {t['median_round_ratio']:.3f}) | fetch alone "
+            f"{t['round_ratio_max']:.3f}, median {t['median_round_ratio']:.3f}; "
+            f"+{t['median_round_extra_ms']:.1f} ms) {split(t)} | fetch alone "
             f"{a['median_ms']:.1f} ms ({a['median_ms'] / b['median_step_ms']:.2f} of a step), "
             f"overlapped {t['fetch_overlapped_median_ms']:.1f} ms | "
             f"{a['client_bytes_per_micro_batch'] / 1e6:.2f} MB/micro-batch | waited "
@@ -378,10 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=2, help="rollouts per micro-batch")
     ap.add_argument("--dist", choices=["skewed", "uniform", "both"], default="both")
     ap.add_argument("--ops", type=int, default=5500, help="torch ops per training step")
-    ap.add_argument("--op-size", type=int, default=16384, help="elements per op's tensors")
-    ap.add_argument("--steps", type=int, default=40, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before each run")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--op-size", type=int, default=32768, help="elements per op's tensors")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before each run")
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument(
         "--fetch-repeat", type=int, default=2, help="passes over the micro-batches, fetch alone"
     )
@@ -390,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="sys.setswitchinterval for the run (default: Python's, 0.005 s)",
+    )
+    ap.add_argument(
+        "--process",
+        action="store_true",
+        help="also each fetch in a spawned worker process (no GIL shared with the loop)",
     )
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "overlap_bench.json")
     args = ap.parse_args(argv)
