@@ -142,21 +142,15 @@ def retraction_problem(req: Any, snaps: tuple[tuple[int, Any], ...]) -> str | No
     """Why the rows kept at a request's retractions are not exactly what its kept tokens
     were sampled after, or ``None``.
 
-    Refused, not guessed: rows that never landed (not seen on SGLang 0.5.23), a
-    retraction that kept no rows though the request had computed some, or a re-prefill
-    that resumed with more output tokens than the request had at its retraction (a token
-    sampled by a forward whose rows the retraction did not keep; upstream 0.5.23
-    discards it, :func:`around_release_req`).
+    Refused, not guessed: rows that never landed (not seen on SGLang 0.5.23), or a
+    re-prefill that resumed with another number of output tokens than the request had at
+    its retraction (a token sampled by a forward whose rows the retraction did not keep;
+    upstream 0.5.23 discards it, :func:`around_release_req`).
     """
     outputs: list[int] = req.__dict__.get("_r3_retracted_outputs") or []
     resumed: dict[int, int] = req.__dict__.get("_r3_resumed") or {}
     if any(held is None for _, held in snaps):
         return "r3: the rows kept at a retraction of this request never landed"
-    if len(snaps) != len(outputs):
-        return (
-            f"r3: this request was retracted {len(outputs)} time(s) but rows were kept at "
-            f"{len(snaps)} of them"
-        )
     for i, before in enumerate(outputs):
         after = resumed.get(i + 1, before)
         if after != before:
