@@ -417,13 +417,13 @@ def expand_areal_batch(
     *,
     expansion: Expansion | None = None,
     rolled: bool = False,
-    key_field: str = KEY_FIELD,
 ) -> tuple[dict[str, Any], Expansion]:
     """AReaL's padded ``[B, S]`` batch with each sample cut into one sample per routing state
     (:mod:`r3_client.expansion`), and the :class:`~r3_client.Expansion`.
 
-    Every ``[B, ...]`` value is copied to each of its sample's states (``rewards``,
-    ``versions``, ``logprobs``, ``advantages``, the keys); ``attention_mask`` keeps each
+    The samples are named by ``r3_key`` (:func:`step_rollouts`).  Every ``[B, ...]`` value
+    is copied to each of its sample's states (``rewards``, ``versions``, ``logprobs``,
+    ``advantages``, the keys); ``attention_mask`` keeps each
     state's first ``num_tokens`` tokens; ``loss_mask`` keeps only the tokens the state
     served (``rolled``: the mask is AReaL's after ``compute_advantages``, where position
     ``t`` stands for token ``t + 1``).  Adds ``r3_state`` (per token, the state's first
