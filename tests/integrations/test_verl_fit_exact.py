@@ -121,6 +121,7 @@ class ActorGroup:
         self._dispatch_info = {"actor": list(range(DP))}  # RayPPOTrainer._get_dp_size
         self.steps: list[float] = []
         self.rows_per_step: list[int] = []
+        self.forwards = 0
 
     def _rows(self, td: Any) -> list[tuple[int, int | None]]:
         tu = self.verl.tu
@@ -132,6 +133,7 @@ class ActorGroup:
 
     def compute_log_prob(self, td: Any) -> Any:
         """Each row's log-prob of token ``u + 1`` at position ``u`` (verl's convention)."""
+        self.forwards += 1
         lengths = td["input_ids"].offsets().diff().tolist()
         values = []
         for (i, state), n in zip(self._rows(td), lengths, strict=True):
@@ -269,12 +271,16 @@ def test_sequence_level_settings_are_refused(verl: Any, service_single: Service)
         ids = _store(client)
         group = ActorGroup(verl, ids, lambda i, t, state: state)
         trainer = _trainer(verl, cls, group, client)
-        trainer.config.actor_rollout_ref.actor.loss_agg_mode = "seq-mean-token-sum"
         data = _batch(verl, ids)
         old, _ = trainer._compute_old_log_prob(data)
         data = verl.compute_advantage(data.union(old), adv_estimator=verl.grpo, num_repeat=1)
+        trainer.config.actor_rollout_ref.actor.loss_agg_mode = "seq-mean-token-sum"
         with pytest.raises(InvalidRequestError, match="seq-mean-token-sum"):
             trainer._update_actor(data)
+        forwards = group.forwards
+        with pytest.raises(InvalidRequestError, match="seq-mean-token-sum"):
+            trainer._compute_old_log_prob(_batch(verl, ids))  # before any forward
+        assert group.forwards == forwards
         trainer.config.actor_rollout_ref.actor.loss_agg_mode = "seq-mean-token-mean"
         with pytest.raises(InvalidRequestError, match="seq-mean-token-mean"):
             trainer._compute_old_log_prob(_batch(verl, ids))

@@ -697,6 +697,14 @@ class ExactReplayTrainer:
 
     def _r3_expand(self, batch: Any, divisor: int = 1) -> Any:
         actor = self.config.actor_rollout_ref.actor  # type: ignore[attr-defined]
+        if actor.loss_agg_mode not in _STEP_EXACT:  # before any forward is spent
+            raise InvalidRequestError(
+                f"ExactReplayTrainer: loss_agg_mode={actor.loss_agg_mode!r} is not kept by "
+                "expansion inside fit (verl divides the sequence-level modes by the "
+                "mini-batch's row count, which the expansion changes): use token-mean or "
+                "token-sum, or expand in your own loop (expand_verl_batch) with one "
+                "mini-batch per step"
+            )
         return expand_verl_batch(
             batch,
             self._r3_stat_source(batch),
@@ -728,13 +736,6 @@ class ExactReplayTrainer:
     def _update_actor(self, batch: Any) -> Any:
         """verl's, on the expanded batch arranged step by step (:func:`arrange_mini_batches`)."""
         config = self.config.actor_rollout_ref  # type: ignore[attr-defined]
-        mode = config.actor.loss_agg_mode
-        if mode not in _STEP_EXACT:
-            raise InvalidRequestError(
-                f"ExactReplayTrainer: loss_agg_mode={mode!r} is divided by the mini-batch's "
-                "row count, which expansion changes: use token-mean or token-sum, or expand "
-                "in your own loop (expand_verl_batch) with one mini-batch per step"
-            )
         n = int(config.rollout.n)
         expanded = self._r3_expand(batch)
         arranged, rows = arrange_mini_batches(
