@@ -103,22 +103,14 @@ def _exact_logp(batch: dict[str, Any], exp: Any) -> Any:
     width = batch["attention_mask"].shape[1]
     out = torch.zeros(exp.num_samples, width)
     for i in range(exp.num_samples):
-        mine = [s for s in exp.states if s.origin == i]
         for t in range(width):
-            token = t + 1
-            state = next((s for s in mine if s.state < token < s.num_tokens), mine[-1])
-            out[i, t] = _forward(i, state.state, width)[t]
+            out[i, t] = _forward(i, _token_state(exp, i, t + 1), width)[t]
     return out
 
 
 def _loss(areal: Any, config: Any, data: dict[str, Any], logp: Any) -> float:
     """AReaL's actor loss over one batch, weighted as ``train_batch`` weighs micro-batches
     (``loss_mask.count_nonzero()``): the token mean of the per-token loss."""
-    loss, _ = _grpo(areal, config, data, logp)
-    return float(loss)
-
-
-def _grpo(areal: Any, config: Any, data: dict[str, Any], logp: Any) -> Any:
     from areal.utils import stats_tracker
 
     with stats_tracker.scope("t"):
@@ -131,7 +123,7 @@ def _grpo(areal: Any, config: Any, data: dict[str, Any], logp: Any) -> Any:
             c_clip=config.c_clip,
             importance_sampling_level=config.importance_sampling_level,
         )
-    return loss, None
+    return float(loss)
 
 
 @pytest.mark.parametrize("adv_norm", [False, True])

@@ -512,6 +512,20 @@ def expand_verl_batch(
     return out
 
 
+def _origins(expanded: Any) -> np.ndarray:
+    return np.asarray(expanded.non_tensor_batch[ORIGIN_KEY], dtype=np.int64)
+
+
+def _last_rows(origin: np.ndarray) -> dict[int, int]:
+    """Each original's last row in an expanded batch (its last state: its whole response);
+    padding rows (origin -1) are none's."""
+    last: dict[int, int] = {}
+    for j, i in enumerate(origin.tolist()):
+        if i >= 0:
+            last[i] = j  # a sample's states are consecutive, its last state last
+    return last
+
+
 def advantages_by_origin(data: Any, compute: Any, **kwargs: Any) -> Any:
     """Run verl's advantage estimator over an expanded batch's original samples, once each,
     and give every row its original's advantages and returns; return ``data``.
@@ -522,11 +536,8 @@ def advantages_by_origin(data: Any, compute: Any, **kwargs: Any) -> Any:
     whole response) with its original ``response_mask``, so group statistics (GRPO's by
     ``uid``, RLOO's baseline) and rewards count each sample once, as without expansion.
     """
-    origin = np.asarray(data.non_tensor_batch[ORIGIN_KEY], dtype=np.int64)
-    last: dict[int, int] = {}
-    for j, i in enumerate(origin.tolist()):
-        if i >= 0:
-            last[i] = j  # a sample's states are consecutive, its last state last
+    origin = _origins(data)
+    last = _last_rows(origin)
     order = sorted(last)
     originals = data.select_idxs(np.asarray([last[i] for i in order], dtype=np.int64))
     originals.batch["response_mask"] = originals.batch[FULL_MASK_KEY].clone()
@@ -578,10 +589,6 @@ def advantages_by_origin(data: Any, compute: Any, **kwargs: Any) -> Any:
 _STEP_EXACT = ("token-mean", "token-sum")
 
 
-def _origins(expanded: Any) -> np.ndarray:
-    return np.asarray(expanded.non_tensor_batch[ORIGIN_KEY], dtype=np.int64)
-
-
 def gather_by_state(values: Any, expanded: Any, num_samples: int) -> Any:
     """A ``DataProto`` of per-response-token values computed on an expanded batch
     (``old_log_probs``, ``entropys``, ``ref_log_prob``: ``[rows, response_len]``) brought
@@ -594,10 +601,7 @@ def gather_by_state(values: Any, expanded: Any, num_samples: int) -> Any:
 
     origin = _origins(expanded)
     rows = int(origin.shape[0])
-    last: dict[int, int] = {}
-    for j, i in enumerate(origin.tolist()):
-        if i >= 0:
-            last[i] = j
+    last = _last_rows(origin)
     if sorted(last) != list(range(num_samples)):
         raise ShapeError(f"the expanded batch covers samples {sorted(last)}, not {num_samples}")
     mask = expanded.batch["response_mask"].bool()
@@ -689,10 +693,9 @@ class ExactReplayTrainer:
         ids = tuple(str(x) for x in batch.non_tensor_batch[ROLLOUT_ID_KEY])
         if self._r3_stats is None or self._r3_stats[0] != ids:
             many = getattr(self.r3_source, "stat_many", None)
-            got = list(many(list(ids))) if many is not None else None
-            if got is None:
+            if many is None:
                 raise InvalidRequestError("r3_source answers no batched stat (stat_many)")
-            self._r3_stats = (ids, StatsInHand(dict(zip(ids, got, strict=True))))
+            self._r3_stats = (ids, StatsInHand(dict(zip(ids, many(list(ids)), strict=True))))
         return self._r3_stats[1]
 
     def _r3_expand(self, batch: Any, divisor: int = 1) -> Any:
