@@ -131,6 +131,12 @@ class ServiceSettings(BaseSettings):
     )
     redis_max_connections: int = Field(default=64, ge=1)
     dedupe: bool = True
+    store_layout: Literal["chunked", "whole"] = Field(
+        default="chunked",
+        description="how v3 segment frames are written: chunked (head and one field per "
+        "chunk, so reads fetch only the chunks they need) or whole (one field, what "
+        "services before issue 44 read); both are always read (docs/store.md)",
+    )
     durability: Literal["ack", "replicas", "fsync"] = "ack"
     durability_replicas: int | None = Field(
         default=None, ge=0, description="replicas to wait for; unset = 1 (replicas), 0 (fsync)"
@@ -245,6 +251,7 @@ class ServiceSettings(BaseSettings):
             max_segments=self.max_segments,
             max_connections=self.redis_max_connections,
             dedupe=self.dedupe,
+            layout=self.store_layout,
             durability=self.durability,
             durability_replicas=(
                 self.durability_replicas

@@ -1,6 +1,7 @@
 -- Store a shareable segment frame once (GRPO prompt dedupe).
 -- KEYS[1]  blob hash  (<prefix>[:<namespace>]:blob:{<share key>})
--- ARGV     frame, content digest, ttl_ms (0 = no expiry; later TTL changes: keep_blob.lua)
+-- ARGV     frame (or its head), content digest, ttl_ms (0 = no expiry; later TTL changes:
+--          keep_blob.lua), then the chunk fields' name, bytes pairs of a frame stored chunked
 -- Returns  "new" (stored now) | "same" (already there with this content) | "differs"
 local key = KEYS[1]
 local cur = redis.call('HGET', key, 'd')
@@ -11,6 +12,7 @@ if cur == ARGV[2] then
 end
 if cur then return 'differs' end
 redis.call('HSET', key, 'f', ARGV[1], 'd', ARGV[2])
+for i = 4, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
 local ttl = tonumber(ARGV[3])
 if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
 return 'new'

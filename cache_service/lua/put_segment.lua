@@ -1,14 +1,17 @@
 -- Atomically add one segment to a rollout hash.
 -- KEYS[1]  rollout hash  (<prefix>[:<namespace>]:{<rollout_id>})
 -- ARGV     meta, start, end, value, digest, info, ttl_ms, max_segments, nbytes, ref,
---          ctx_field, ctx, base_field, max_gap, max_gap_total
+--          ctx_field, ctx, base_field, max_gap, max_gap_total, chunk fields...
 --          value is the frame, or "@<blob key>" when the frame is shared (ref = blob key, else "")
 --          ctx_field/ctx: "c:<digest>" and the context bytes a self-contained frame carries
 --          ("" for a continuation frame); base_field: "c:<digest>" a continuation frame
 --          needs (else ""); max_gap: rows a segment may start past the stored end;
---          max_gap_total: rows of the rollout no segment covers, in all, after this put
+--          max_gap_total: rows of the rollout no segment covers, in all, after this put;
+--          chunk fields: name, bytes pairs of a frame stored chunked (value is then the
+--          frame's head; r3_client/_stored.py names them k:<a>:<b>:...)
 -- Fields:  m = rollout meta (E, K, layers; must match across segments)
---          s:<a>:<b> = frame or "@<blob key>", d:<a>:<b> = content digest,
+--          s:<a>:<b> = frame, its head (chunks in k:<a>:<b>:... fields) or "@<blob key>",
+--          d:<a>:<b> = content digest,
 --          h:<a>:<b> = segment info, r:<a>:<b> = blob key of a shared segment
 --          b = total frame bytes, sb = bytes of shared segments, n = segment count
 --          c:<digest> = a rollout context (format v2) that continuation frames name
@@ -73,6 +76,7 @@ local n = tonumber(redis.call('HGET', key, 'n') or '0')
 if n >= max_segments then return {'full', n} end
 local r = s .. ':' .. e
 redis.call('HSET', key, 'm', meta, 's:' .. r, value, 'd:' .. r, dig, 'h:' .. r, info)
+for i = 16, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
 if ctx_field ~= '' then redis.call('HSET', key, ctx_field, ctx) end
 redis.call('HINCRBY', key, 'b', nbytes)
 if ref ~= '' then

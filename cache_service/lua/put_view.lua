@@ -1,11 +1,12 @@
 -- Atomically store one view (rows an engine call recomputed) and register it in its rollout.
 -- KEYS[1]  rollout hash, KEYS[2] the view's hash (<rollout hash>:v:<serves>, same slot)
 -- ARGV     meta, serves, start, end, frame, digest, info, ttl_ms, nbytes, ctx_field, ctx,
---          registration, max_views, max_gap
+--          registration, max_views, max_gap, chunk fields...
 --          info = the view segment's info (as put_segment.lua's h: fields); registration =
 --          msgpack [start, end, weight_version, nbytes] (the rollout's v:<serves> field);
 --          max_gap: rows `serves` may lie past the rollout's stored end (the segment it
---          serves obeys the same bound when it is put)
+--          serves obeys the same bound when it is put); chunk fields: name, bytes pairs
+--          of a frame stored chunked (frame is then its head), as in put_segment.lua
 -- The view's geometry must be the rollout's; a view of a rollout not stored yet (its first
 -- call was retracted and re-prefilled) sets the rollout's meta, so every later segment must
 -- have the view's geometry.  A view hash holds exactly one segment.  Once a segment starts
@@ -77,6 +78,7 @@ end
 if nviews >= max_views then return {'views', nviews} end
 redis.call('HSET', vkey, 'm', meta, 's:' .. r, value, 'd:' .. r, dig, 'h:' .. r, info,
            'b', nbytes, 'n', 1)
+for i = 15, #ARGV, 2 do redis.call('HSET', vkey, ARGV[i], ARGV[i + 1]) end
 if ctx_field ~= '' then redis.call('HSET', vkey, ctx_field, ctx) end
 redis.call('HSET', key, 'm', meta, vfield, reg)
 return refresh('stored')

@@ -16,6 +16,13 @@ for _, f in ipairs(redis.call('HKEYS', key)) do
     if a >= rows then drop[#drop + 1] = a .. ':' .. b end
   end
 end
+local gone = {}
+for _, r in ipairs(drop) do gone[r] = true end
+for _, f in ipairs(redis.call('HKEYS', key)) do
+  -- a chunked segment's chunk fields, k:<a>:<b>:... (r3_client/_stored.py)
+  local a, b = string.match(f, '^k:(%d+):(%d+):')
+  if a and gone[a .. ':' .. b] then redis.call('HDEL', key, f) end
+end
 for _, r in ipairs(drop) do
   -- h:<r> is msgpack [segment, codec, frame bytes, shared] (store/segment_store.py, put_segment).
   local info = cmsgpack.unpack(redis.call('HGET', key, 'h:' .. r))

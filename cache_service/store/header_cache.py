@@ -48,7 +48,11 @@ class HeaderCache:
         self._lock = threading.Lock()
 
     def header(
-        self, frame: bytes | bytearray | memoryview, context: Context | None = None
+        self,
+        frame: bytes | bytearray | memoryview,
+        context: Context | None = None,
+        *,
+        head: bool = False,
     ) -> FrameHeader:
         """``frame``'s parsed header (resolved against ``context``), parsed and its
         trailing CRC checked at most once while it stays cached; errors (a
@@ -61,13 +65,14 @@ class HeaderCache:
         h.update(len(view).to_bytes(8, "little"))
         h.update(bytes(view[-_TRAILER:]))  # the CRC checked on the miss that cached it
         h.update(context.digest.encode() if context is not None else b"-")
+        h.update(b"h" if head else b"f")
         key = h.digest()
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None:
                 self._entries.move_to_end(key)
                 return hit[0]
-        hdr = read_header(view, verify=True, context=context)
+        hdr = read_header(view, verify=True, context=context, head=head)
         with self._lock:
             self.parses += 1
             if span <= self.max_bytes and key not in self._entries:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -27,12 +28,29 @@ from r3_client.wire import (
     RolloutInfo,
     SegmentInfo,
     ViewInfo,
+    chunk_wanted,
     decode_rollout,
     encode_context,
     is_context_frame,
+    is_frame_head,
     layer_positions,
+    parse_chunk_field,
     slice_frame,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Chunked:
+    """A segment stored chunked: its frame's head and the chunks read, by index."""
+
+    head: bytes
+    pieces: dict[int, bytes]
+
+
+#: A segment as read: its frame, or its head and chunks (the chunked layout).
+Stored = bytes | Chunked
+#: A rollout's meta: E, K, MoE layer ids.
+Meta = tuple[int, int, tuple[int, ...]]
 
 #: Parsed headers of stored frames, shared by every namespace (keyed by content).
 _HEADERS = HeaderCache()
@@ -51,18 +69,28 @@ class StoreReads(StoreBase):
 
     # ---- reads -------------------------------------------------------------------------
     async def _fetch(
-        self, rollout_id: str, start: int, end: int | None, view: int | None = None
+        self,
+        rollout_id: str,
+        start: int,
+        end: int | None,
+        view: int | None = None,
+        *,
+        spans: Sequence[tuple[int, int]] | None = None,
+        layers: Sequence[int] | None = None,
     ) -> tuple[
-        tuple[int, int, tuple[int, ...]], int, list[tuple[int, int, bytes]], dict[str, bytes]
+        tuple[int, int, tuple[int, ...]], int, list[tuple[int, int, Stored]], dict[str, bytes]
     ]:
-        """Meta, stored end, ``(start, end, frame)`` of segments overlapping ``[start, end)``,
+        """Meta, stored end, ``(start, end, stored)`` of segments overlapping ``[start, end)``,
         and the rollout's contexts.
 
         Sorted by start; shared segments resolved to their frames; contexts by digest.
-        A whole-rollout read is one ``HGETALL``; a range asks a script for the
-        overlapping field names (and the context names) and then ``HMGET``s them
-        (segments are never rewritten in place, so the two steps cannot mix
-        versions; a rollout deleted in between reads as not found).
+        ``stored`` is a frame, or a :class:`Chunked` frame's head and the chunks a read of
+        ``spans`` (default ``[start, end)``) and ``layers`` needs (the chunked layout:
+        only those leave Redis).  A whole-rollout read is one ``HGETALL``; a range asks a
+        script for the field names it needs (segments' heads or frames, their wanted chunk
+        fields, the context names) and then ``HMGET``s them (segments are never rewritten
+        in place, so the two steps cannot mix versions; a rollout deleted in between reads
+        as not found).
         """
         key = self.key(rollout_id) if view is None else self.view_key(rollout_id, view)
         if start < 0 or (end is not None and end <= start):
@@ -72,20 +100,25 @@ class StoreReads(StoreBase):
             if view is None
             else f"rollout {rollout_id} has no view serving row {view} (its stat lists views)"
         )
+        want = list(spans) if spans is not None else [(start, end)]
         async with self._guarded():
             # A view is read only while its rollout registers it (a view hash left behind by
             # an older service, or planted, is not the rollout's).
             if view is not None and not await self._r.hexists(self.key(rollout_id), f"v:{view}"):
                 raise missing
-            if start == 0 and end is None:
+            if start == 0 and end is None and layers is None and spans is None:
                 fields: dict[Any, Any] = await self._r.hgetall(key)
                 meta = fields.get(b"m")
-                named = [(f, v) for f, v in fields.items() if f[:2] in (b"s:", b"c:")]
+                named = [(f, v) for f, v in fields.items() if f[:2] in (b"s:", b"c:", b"k:")]
                 stored_end = max(
                     (int(f.split(b":")[2]) for f, _ in named if f[:2] == b"s:"), default=0
                 )
             else:
-                res = await self._fields(keys=[key], args=[start, -1 if end is None else end])
+                lids = [-1, -1] if not layers else [min(layers), max(layers)]
+                flat = [x for a, b in want for x in (a, -1 if b is None else b)]
+                res = await self._fields(
+                    keys=[key], args=[start, -1 if end is None else end, *lids, *flat]
+                )
                 meta = res[0] if res else None
                 stored_end = int(res[1]) if res else 0
                 names = res[2:]
@@ -96,22 +129,54 @@ class StoreReads(StoreBase):
             if meta is None:
                 raise missing
             contexts = {f[2:].decode(): v for f, v in named if f[:2] == b"c:"}
-            segments = sorted(
-                (int(a), int(b), v)
-                for f, v in named
-                if f[:2] == b"s:"
-                for _, a, b in (f.split(b":"),)
-            )
-            for i, (seg_start, seg_end, value) in enumerate(segments):
-                if value[:1] == b"@":  # shared segment: one HGET in the blob's own slot
-                    blob = await self._r.hget(value[1:].decode(), "f")
-                    if not isinstance(blob, bytes):
-                        raise StoreError(
-                            f"rollout {rollout_id}: a shared segment's data has expired"
-                        )
-                    segments[i] = (seg_start, seg_end, blob)
+            pieces: dict[tuple[int, int], dict[int, bytes]] = {}
+            for f, v in named:
+                got = parse_chunk_field(f) if f[:2] == b"k:" else None
+                if got is not None:
+                    pieces.setdefault((got.seg_start, got.seg_end), {})[got.index] = v
+            segments: list[tuple[int, int, Stored]] = []
+            for f, v in sorted(
+                ((f, v) for f, v in named if f[:2] == b"s:"),
+                key=lambda fv: int(fv[0].split(b":")[1]),
+            ):
+                _, a, b = f.split(b":")
+                seg_start, seg_end = int(a), int(b)
+                value: Stored = v
+                if v[:1] == b"@":  # shared segment: read in the blob's own slot
+                    value = await self._blob(rollout_id, v[1:].decode(), want, layers)
+                elif is_frame_head(v):
+                    value = Chunked(v, pieces.get((seg_start, seg_end), {}))
+                segments.append((seg_start, seg_end, value))
         e, k, layer_ids = msgpack.unpackb(meta)
         return (e, k, tuple(layer_ids)), stored_end, segments, contexts
+
+    async def _blob(
+        self,
+        rollout_id: str,
+        blob: str,
+        spans: Sequence[tuple[int, int | None]],
+        layers: Sequence[int] | None,
+    ) -> Stored:
+        """A shared segment's frame (or its head and the chunks ``spans`` and ``layers``
+        need), read from its blob: the frame field and the field names in one round trip,
+        the wanted chunks in a second."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hget(blob, "f")
+        pipe.hkeys(blob)
+        value, names = await pipe.execute()
+        if not isinstance(value, bytes):
+            raise StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
+        if not is_frame_head(value):
+            return value
+        wanted = [
+            (f, got.index)
+            for f in names
+            if (got := parse_chunk_field(f)) is not None and chunk_wanted(got, spans, layers)
+        ]
+        got_values: list[Any] = await self._r.hmget(blob, [f for f, _ in wanted]) if wanted else []
+        if any(v is None for v in got_values):
+            raise StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
+        return Chunked(value, {i: v for (_, i), v in zip(wanted, got_values, strict=True)})
 
     async def get_frame(
         self,
@@ -136,7 +201,7 @@ class StoreReads(StoreBase):
         range outside ``[0, num_rows)`` or an unknown layer id.
         """
         (_, _, layer_ids), stored_end, segments, contexts = await self._fetch(
-            rollout_id, start, end, view
+            rollout_id, start, end, view, layers=layers
         )
         return await self._answer(
             rollout_id, layer_ids, stored_end, segments, contexts, start, end, layers
@@ -152,7 +217,7 @@ class StoreReads(StoreBase):
         lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
         try:
             (_, _, layer_ids), stored_end, segments, contexts = await self._fetch(
-                rollout_id, lo, hi
+                rollout_id, lo, hi, spans=spans, layers=layers
             )
         except R3Error as exc:
             return [exc] * len(spans)
@@ -174,7 +239,7 @@ class StoreReads(StoreBase):
         rollout_id: str,
         layer_ids: tuple[int, ...],
         stored_end: int,
-        segments: list[tuple[int, int, bytes]],
+        segments: list[tuple[int, int, Stored]],
         contexts: dict[str, bytes],
         start: int,
         end: int | None,
@@ -198,9 +263,11 @@ class StoreReads(StoreBase):
             except ShapeError as exc:
                 raise InvalidRequestError(str(exc)) from None
         for a, b, frame in segments:
-            if is_context_frame(frame):  # decoded, it would be a gap of -1 rows
+            raw = frame.head if isinstance(frame, Chunked) else frame
+            if is_context_frame(raw):  # decoded, it would be a gap of -1 rows
                 raise StoreError(_damaged(rollout_id, a, b, "it holds a context frame, no rows"))
-        if start == 0 and end is None and layers is None and len(segments) == 1:
+        whole = start == 0 and end is None and layers is None and len(segments) == 1
+        if whole and isinstance(segments[0][2], bytes):
             return segments[0][2]  # a single self-contained segment: the stored bytes
         return await asyncio.to_thread(
             self._cut, rollout_id, segments, contexts, start, end, layers
@@ -209,7 +276,7 @@ class StoreReads(StoreBase):
     @staticmethod
     def _cut(
         rollout_id: str,
-        segments: list[tuple[int, int, bytes]],
+        segments: list[tuple[int, int, Stored]],
         contexts: dict[str, bytes],
         start: int,
         end: int | None,
@@ -222,15 +289,21 @@ class StoreReads(StoreBase):
         whose CRCs match (``slice_frame(verify=True)``), since the slice's new trailer
         would vouch for whatever it copied.  A check that fails is a :class:`StoreError`
         naming the rollout and segment: a row is either right or refused.  Uncut frames
-        go out as stored (their bodies are the reader's to verify).
+        go out as stored (their bodies are the reader's to verify).  A chunked segment's
+        head is verified the same way (its trailer covers its header) and its chunks, cut
+        or whole, go out only with their CRCs checked (``verify=True``): the frame the
+        reader gets is put together here.
         """
         parts: list[bytes] = []
         bases: dict[str, Context] = {}
         carried: set[str] = set()  # contexts a returned frame carries itself
-        for a, b, frame in segments:
+        for a, b, stored in segments:
             cut = (start > a or (end is not None and end < b)) or layers is not None
+            head = isinstance(stored, Chunked)
+            frame = stored.head if isinstance(stored, Chunked) else stored
+            pieces = stored.pieces if isinstance(stored, Chunked) else None
             try:
-                hdr = _HEADERS.header(frame)
+                hdr = _HEADERS.header(frame, head=head)
                 ctx = None
                 if hdr.context is not None and not hdr.base:
                     carried.add(hdr.context.digest)
@@ -245,9 +318,23 @@ class StoreReads(StoreBase):
                         )
                     ctx = bases.get(hdr.base) or Context.parse(raw, tables=False)
                     bases[hdr.base] = ctx
-                    hdr = _HEADERS.header(frame, ctx)
+                    hdr = _HEADERS.header(frame, ctx, head=head)
                 if (hdr.start, hdr.end) != (a, b):
                     raise FrameError(f"the frame holds rows [{hdr.start}, {hdr.end})")
+                if pieces is not None:  # chunked: the frame is put together (and cut) here
+                    parts.append(
+                        slice_frame(
+                            frame,
+                            start=start if cut else None,
+                            end=end if cut else None,
+                            layers=layers,
+                            context=ctx,
+                            parsed=hdr,
+                            verify=True,
+                            pieces=pieces,
+                        )
+                    )
+                    continue
                 # verify: the slice's new trailer vouches only for the chunks checked here
                 parts.append(
                     slice_frame(

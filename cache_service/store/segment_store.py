@@ -32,7 +32,17 @@ from r3_client import (
     index_dtype,
     read_header,
 )
-from r3_client.wire import BLOCK_ROWS, Context, FrameHeader, PutResult, check_chunks, quote_items
+from r3_client.wire import (
+    BLOCK_ROWS,
+    Context,
+    FrameHeader,
+    PutResult,
+    check_chunks,
+    chunk_field,
+    chunk_spans,
+    frame_head,
+    quote_items,
+)
 
 __all__ = ["SegmentStore"]
 
@@ -43,6 +53,7 @@ _READER_COMMANDS = (
     "hgetall",
     "hget",
     "hmget",
+    "hkeys",
     "ping",
     "hello",
     "cluster|slots",
@@ -203,7 +214,7 @@ class SegmentStore(DurableWrites, StoreReads):
         """Create (idempotently) this namespace's read-only Redis user; its credentials.
 
         ``ACL SETUSER r3-read-<ns>`` on every node (ACLs are per node, also on a
-        cluster): key pattern ``<prefix>:<ns>:*`` only, commands ``HGETALL``/``HGET``/
+        cluster): key pattern ``<prefix>:<ns>:*`` only, commands ``HGETALL``/``HGET``/``HKEYS``/
         ``HMGET`` and what a client needs to connect (``PING``, ``HELLO``,
         ``CLUSTER SLOTS``/``SHARDS``/``NODES``, ``READONLY``, ``COMMAND``; redis-py
         ignores a refused ``CLIENT SETINFO``, which Redis 7.0 does not know).
@@ -281,21 +292,26 @@ class SegmentStore(DurableWrites, StoreReads):
         assert hdr.segment is not None
         segment = hdr.segment
         meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
-        value, ref, dedupe_hit = frame, "", False
+        value, chunks = self._stored_form(frame, hdr)
+        ref, dedupe_hit = "", False
         async with self._guarded():
             if share and segment.tokens_digest and self.settings.dedupe:
                 blob = self._blob_key(meta, segment)
                 shared = await self._write(
-                    blob, self._put_blob, [frame, hdr.digest, ttl * 1000], _BLOB_ACKED.__contains__
+                    blob,
+                    self._put_blob,
+                    [value, hdr.digest, ttl * 1000, *chunks],
+                    _BLOB_ACKED.__contains__,
                 )
                 if shared in (b"new", b"same"):
                     value, ref, dedupe_hit = b"@" + blob.encode(), blob, shared == b"same"
+                    chunks = []  # they live in the blob
             info = msgpack.packb(
                 [segment.to_dict(), hdr.codec, len(frame), bool(ref)], use_bin_type=True
             )
             args = [meta, segment.start, segment.end, value, hdr.digest, info, ttl * 1000]
             args += [self.settings.max_segments, len(frame), ref, *context]
-            args += [max_gap, self.settings.max_rollout_gap_rows]
+            args += [max_gap, self.settings.max_rollout_gap_rows, *chunks]
             res = await self._write(key, self._put, args, lambda r: r[0] in _PUT_ACKED)
             if res[0] in (b"stored", b"duplicate"):
                 await self._keep_blobs(res[1:], ttl * 1000)
@@ -347,9 +363,10 @@ class SegmentStore(DurableWrites, StoreReads):
         meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
         info = msgpack.packb([seg.to_dict(), hdr.codec, len(frame), False], use_bin_type=True)
         reg = msgpack.packb([seg.start, seg.end, seg.weight_version, len(frame)])
-        args = [meta, serves, seg.start, seg.end, frame, hdr.digest, info, ttl * 1000]
+        value, chunks = self._stored_form(frame, hdr)
+        args = [meta, serves, seg.start, seg.end, value, hdr.digest, info, ttl * 1000]
         args += [len(frame), ctx_field, ctx, reg, self.settings.max_views]
-        args += [self.settings.max_gap_rows]
+        args += [self.settings.max_gap_rows, *chunks]
         async with self._guarded():
             res = await self._write(
                 key, self._view_put, args, lambda r: r[0] in _PUT_ACKED, keys=[vkey]
@@ -390,6 +407,20 @@ class SegmentStore(DurableWrites, StoreReads):
                 )
             )
         raise self._put_refusal(status, res, rollout_id, hdr, "view")
+
+    def _stored_form(self, frame: bytes, hdr: FrameHeader) -> tuple[bytes, list[Any]]:
+        """What a checked segment frame is stored as: the frame itself (layout ``whole``,
+        a version 2 frame, or one chunk), or its head and the ``name, bytes`` pairs of its
+        chunk fields (layout ``chunked``: ``r3_client._stored``)."""
+        if self.settings.layout != "chunked" or hdr.version < 3 or len(hdr.chunks) < 2:
+            return frame, []
+        assert hdr.segment is not None
+        a, b = hdr.segment.start, hdr.segment.end
+        view = memoryview(frame)
+        chunks: list[Any] = []
+        for span in chunk_spans(hdr):
+            chunks += [chunk_field(a, b, span), view[span.offset : span.offset + span.length]]
+        return frame_head(frame, hdr), chunks
 
     async def _checked_header(
         self, rollout_id: str, key: str, frame: bytes

@@ -11,6 +11,7 @@ from r3_client import InvalidRequestError
 __all__ = ["DURABILITY_MODES", "StoreSettings", "check_namespace"]
 
 DURABILITY_MODES = ("ack", "replicas", "fsync")
+STORE_LAYOUTS = ("chunked", "whole")
 _NAMESPACE = re.compile(r"[a-z0-9_-]{1,64}")
 
 
@@ -33,6 +34,11 @@ class StoreSettings:
     Redis >= 7.2) and ``durability_replicas`` replicas have it (``WAIT``).  A wait that
     does not complete within ``durability_timeout_ms`` fails the write with
     :class:`StoreUnavailableError`.
+
+    ``layout`` says how a format-v3 segment frame is written: ``chunked`` keeps its head
+    in the segment's field and each chunk in a field of its own (a ranged read fetches
+    only the chunks it needs), ``whole`` keeps the frame in one field (what services
+    before issue 44 read).  Reads take both (docs/store.md, "Layout").
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -53,8 +59,11 @@ class StoreSettings:
     max_rollout_gap_rows: int = 1 << 17
     max_rollout_bytes: int = 1 << 31
     max_views: int = 256
+    layout: str = "chunked"
 
     def __post_init__(self) -> None:
+        if self.layout not in STORE_LAYOUTS:
+            raise ValueError(f"layout must be one of {STORE_LAYOUTS}, not {self.layout!r}")
         if self.durability not in DURABILITY_MODES:
             raise ValueError(
                 f"durability must be one of {DURABILITY_MODES}, not {self.durability!r}"

@@ -2,12 +2,13 @@
 
 The service authenticates the trainer and hands it a *read plan* (``POST
 /v1/read-plan``): a Redis URL and a Redis ACL user that can run only ``HGETALL``/
-``HGET``/``HMGET`` on the namespace's keys.  The service stays the only writer
+``HGET``/``HMGET``/``HKEYS`` on the namespace's keys.  The service stays the only writer
 and auth still decides who reads what; the bytes do not pass through a
 Python relay.  What comes back is exactly what the service's GET returns for a
 whole rollout (context frames and stored segment frames), decoded here with
-:func:`~r3_client.decode_rollout`.  Range and layer requests read whole
-segments and are trimmed here (the relay can cut them on the server instead).
+:func:`~r3_client.decode_rollout`.  Ranged reads (:meth:`DirectReader.get_ranges`)
+fetch only the chunks their rows and layers need of a segment stored chunked (the
+store's layout since issue 44: docs/store.md), whole frames of one stored before.
 
 Reads take the view policies of :class:`~r3_client.RoutingClient` (docs/store.md,
 "Views"): a rollout hash lists its views (``v:<serves>`` fields, read by the same
@@ -34,6 +35,7 @@ from r3_client._answers import ViewInfo
 from r3_client._config import Timeout
 from r3_client._exceptions import (
     AuthError,
+    FormatError,
     FrameError,
     InvalidRequestError,
     ProtocolError,
@@ -44,6 +46,7 @@ from r3_client._exceptions import (
     StoreUnavailableError,
 )
 from r3_client._routing import Routing, check_rollout_id
+from r3_client._stored import chunk_wanted, parse_chunk_field
 from r3_client._views import (
     RangeRead,
     ServedRouting,
@@ -60,8 +63,16 @@ from r3_client._views import (
     served,
     serving_views,
 )
-from r3_client.codec import MAX_DECODED_BYTES, Context, decode_rollout, encode_context, read_header
-from r3_client.codec.frame import is_context_frame
+from r3_client.codec import (
+    MAX_DECODED_BYTES,
+    Context,
+    decode_rollout,
+    encode_context,
+    join_frame,
+    read_header,
+    slice_frame,
+)
+from r3_client.codec.frame import is_context_frame, is_frame_head
 
 __all__ = ["DirectReader"]
 
@@ -73,9 +84,23 @@ class _Read:
     """One rollout as read: its frames, its stored end and the views that serve a stored
     segment (when the policy reads views; their hashes are read when applied)."""
 
-    frames: list[bytes]
+    frames: list[bytes | Chunked]
     stored_end: int = 0  # one past the last stored row
     views: tuple[ViewInfo, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Chunked:
+    """A segment stored chunked (docs/store.md, "Layout") as a ranged read fetched it: its
+    frame's head and the chunks the read's rows and layers need, by index; cut into a
+    frame of those rows (:func:`~r3_client.codec.slice_frame`) when a read decodes it."""
+
+    head: bytes
+    pieces: dict[int, bytes]
+
+
+#: What a ranged read fetches of one rollout: the rows of its reads and the layers read.
+_Want = tuple[list[tuple[int, int]], Sequence[int] | None]
 
 
 #: Which views a read needs: ``(start, end)`` rows of the base read, or None (no views).
@@ -177,35 +202,93 @@ class DirectReader:
         mostly wait for it); at most ``concurrency`` chunks wait for the consumer.
         """
         for rid, got in self._reads(rollout_ids, None, chunk_size, concurrency):
-            yield rid, got if isinstance(got, R3Error) else got.frames
+            yield rid, got if isinstance(got, R3Error) else [_whole(f) for f in got.frames]
 
     def _reads(
-        self, rollout_ids: Sequence[str], span: _Span, chunk_size: int, concurrency: int
+        self,
+        rollout_ids: Sequence[str],
+        span: _Span,
+        chunk_size: int,
+        concurrency: int,
+        wants: dict[str, _Want] | None = None,
     ) -> Iterator[tuple[str, _Read | R3Error]]:
         """:meth:`fetch_many`'s chunks in flight, each rollout with the views ``span``
-        needs (:meth:`_fetch_chunk`)."""
+        needs (:meth:`_fetch_chunk`); ``wants``: only the fields a ranged read of each
+        rollout needs (:meth:`_read_wanted`), instead of whole hashes."""
         ids = [check_rollout_id(r) for r in rollout_ids]
         chunks = [ids[i : i + chunk_size] for i in range(0, len(ids), max(1, chunk_size))]
         width = max(1, concurrency)
         with ThreadPoolExecutor(width, thread_name_prefix="r3-fetch") as pool:
             pending: deque[Future[list[tuple[str, _Read | R3Error]]]] = deque()
             for chunk in chunks:
-                pending.append(pool.submit(self._fetch_chunk, chunk, span))
+                pending.append(pool.submit(self._fetch_chunk, chunk, span, wants))
                 if len(pending) >= width:
                     yield from pending.popleft().result()
             while pending:
                 yield from pending.popleft().result()
 
-    def _fetch_chunk(self, chunk: list[str], span: _Span) -> list[tuple[str, _Read | R3Error]]:
+    def _fetch_chunk(
+        self, chunk: list[str], span: _Span, wants: dict[str, _Want] | None = None
+    ) -> list[tuple[str, _Read | R3Error]]:
         """The chunk's rollout hashes (with, when ``span`` asks for views, the views that
         serve a stored segment; their hashes are read one at a time as they are applied,
-        :meth:`_view_rows`)."""
+        :meth:`_view_rows`); with ``wants``, only the fields each rollout's ranged reads
+        need."""
+        keys = [self.key(r) for r in chunk]
+        names: list[list[bytes] | None] = [None] * len(chunk)
         with _redis_errors():
-            hashes = self._read([self.key(r) for r in chunk])
+            if wants is None:
+                hashes = self._read(keys)
+            else:
+                hashes, got_names = self._read_wanted(keys, [wants[r] for r in chunk])
+                names = list(got_names)
         reads = [
-            self._assembled(rid, fields, span) for rid, fields in zip(chunk, hashes, strict=True)
+            self._assembled(rid, fields, span, n)
+            for rid, fields, n in zip(chunk, hashes, names, strict=True)
         ]
         return list(zip(chunk, reads, strict=True))
+
+    def _read_wanted(
+        self, keys: list[str], wants: list[_Want]
+    ) -> tuple[list[dict[bytes, Any]], list[list[bytes]]]:
+        """The fields of the hashes at ``keys`` that ranged reads of ``wants`` need, and
+        every hash's field names: ``HKEYS`` of the chunk, then an ``HMGET`` per hash of its
+        segments overlapping a read (a chunked one's head and the chunks the reads' rows
+        and layers need: ``r3_client._stored``), its contexts and view registrations;
+        shared segments the same way in their blobs (two more round trips, only when a
+        hash references one).  Pipelined, so a cluster routes each command to its node."""
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.hkeys(key)
+        all_names: list[list[bytes]] = pipe.execute()
+        picked = [
+            _wanted_fields(n, spans, layers)
+            for n, (spans, layers) in zip(all_names, wants, strict=True)
+        ]
+        pipe = self._r.pipeline(transaction=False)
+        for key, fields in zip(keys, picked, strict=True):
+            pipe.hmget(key, fields) if fields else pipe.ping()
+        hashes: list[dict[bytes, Any]] = []
+        for fields, values in zip(picked, pipe.execute(), strict=True):
+            got = dict(zip(fields, values, strict=True)) if fields else {}
+            # a field gone between the two reads: the rollout was deleted or rewound
+            hashes.append({} if any(v is None for v in got.values()) else got)
+        refs = [(n, f, blob) for n, h in enumerate(hashes) for f, blob in _shared_refs(h)]
+        if refs:
+            pipe = self._r.pipeline(transaction=False)
+            for _, _, blob in refs:
+                pipe.hkeys(blob)
+            blob_names: list[list[bytes]] = pipe.execute()
+            pipe = self._r.pipeline(transaction=False)
+            blob_fields = []
+            for (n, _, blob), bn in zip(refs, blob_names, strict=True):
+                spans, layers = wants[n]
+                fields = [b"f", *(f for f in bn if _chunk_wanted(f, spans, layers))]
+                blob_fields.append(fields)
+                pipe.hmget(blob, fields)
+            for (n, f, _), fields, values in zip(refs, blob_fields, pipe.execute(), strict=True):
+                hashes[n][f] = _blob_value(dict(zip(fields, values, strict=True)), whole=False)
+        return hashes, all_names
 
     def _read(self, keys: list[str]) -> list[dict[bytes, Any]]:
         """The hashes at ``keys`` (rollouts' or views'), shared segments resolved."""
@@ -240,16 +323,16 @@ class DirectReader:
             hashes.append(fields)
             mine = _shared_refs(fields)
             if mine:
-                conn.send_packed_command(conn.pack_commands([("HGET", b, "f") for _, b in mine]))
+                conn.send_packed_command(conn.pack_commands([("HGETALL", b) for _, b in mine]))
                 refs.extend((n, f) for f, _ in mine)
         for n, f in refs:
-            hashes[n][f] = parse(conn, "HGET")
+            hashes[n][f] = _blob_value(parse(conn, "HGETALL"))
         return hashes
 
     def _read_pipelined(self, keys: list[str]) -> list[dict[bytes, Any]]:
         """Redis Cluster: the blobs live in other slots, so two pipelined round trips
         (the cluster pipeline routes each command to its node): ``HGETALL`` of the
-        chunk, then ``HGET`` of the shared segments it references."""
+        chunk, then ``HGETALL`` of the shared segments' blobs it references."""
         pipe = self._r.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(key)
@@ -258,19 +341,27 @@ class DirectReader:
         if refs:
             pipe = self._r.pipeline(transaction=False)
             for _, _, blob in refs:
-                pipe.hget(blob, "f")
-            for (n, f, _), frame in zip(refs, pipe.execute(), strict=True):
-                hashes[n][f] = frame
+                pipe.hgetall(blob)
+            for (n, f, _), blob_fields in zip(refs, pipe.execute(), strict=True):
+                hashes[n][f] = _blob_value(blob_fields)
         return hashes
 
     @classmethod
-    def _assembled(cls, rollout_id: str, fields: dict[bytes, Any], span: _Span) -> _Read | R3Error:
+    def _assembled(
+        cls,
+        rollout_id: str,
+        fields: dict[bytes, Any],
+        span: _Span,
+        names: Sequence[bytes] | None = None,
+    ) -> _Read | R3Error:
         """A rollout hash as a :class:`_Read`: its frames and, when ``span`` asks for
-        views, its registered views that serve a stored segment."""
+        views, its registered views that serve a stored segment.  ``names``: every field
+        name of the hash, when ``fields`` holds only some (a ranged read)."""
         frames = cls._assemble(rollout_id, fields)
         if isinstance(frames, R3Error):
             return frames
-        ends = [int(f.split(b":")[2]) for f in fields if f[:2] == b"s:"]
+        names = list(fields) if names is None else names
+        ends = [int(f.split(b":")[2]) for f in names if f[:2] == b"s:"]
         read = _Read(frames, max(ends, default=0))
         if span is None:
             return read
@@ -278,7 +369,7 @@ class DirectReader:
             views = [_view_info(f, v) for f, v in fields.items() if f[:2] == b"v:"]
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             return StoreError(f"rollout {rollout_id}: a view registration is unreadable ({exc})")
-        starts = {int(f.split(b":")[1]) for f in fields if f[:2] == b"s:"}
+        starts = {int(f.split(b":")[1]) for f in names if f[:2] == b"s:"}
         read.views = serving_views(views, starts)
         return read
 
@@ -302,20 +393,24 @@ class DirectReader:
         return self._decode(frames, rollout_id, a, b, layers)
 
     @staticmethod
-    def _assemble(rollout_id: str, fields: dict[bytes, Any]) -> list[bytes] | R3Error:
+    def _assemble(rollout_id: str, fields: dict[bytes, Any]) -> list[bytes | Chunked] | R3Error:
+        """A hash's segments as frames, by start (a chunked one whose chunks all came
+        joined back into its frame, else its head and the chunks read), with the contexts
+        their continuation frames need first."""
         if not fields:
             return RolloutNotFoundError(f"rollout {rollout_id} not found")
-        segments = sorted((int(f.split(b":")[1]), v) for f, v in fields.items() if f[:2] == b"s:")
-        if any(not isinstance(v, bytes) for _, v in segments):
+        raw = sorted((int(f.split(b":")[1]), f, v) for f, v in fields.items() if f[:2] == b"s:")
+        if any(not isinstance(v, bytes | Chunked) for _, _, v in raw):
             return StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
+        segments = [(a, _segment_value(f, v, fields)) for a, f, v in raw]
         planted = _context_in_segment(fields)
         if planted is not None:  # decoded, it would read as a gap of -1 rows
             return StoreError(
                 f"rollout {rollout_id}: the stored bytes of segment {planted} are damaged "
                 "(it holds a context frame, no rows)"
             )
-        frames: list[bytes] = [v for _, v in segments]
-        stored = {f[2:].decode(): raw for f, raw in fields.items() if f[:2] == b"c:"}
+        frames: list[bytes | Chunked] = [v for _, v in segments]
+        stored = {f[2:].decode(): ctx for f, ctx in fields.items() if f[:2] == b"c:"}
         if not stored:
             return frames
         # Contexts travel only for continuation frames (a self-contained frame carries
@@ -326,16 +421,20 @@ class DirectReader:
         bases: set[str] = set()
         try:
             for v in frames:
-                h = read_header(v, verify=False)
+                h = (
+                    read_header(v.head, verify=False, head=True)
+                    if isinstance(v, Chunked)
+                    else read_header(v, verify=False)
+                )
                 if h.base:
                     bases.add(h.base)
                 elif h.context is not None:
                     carried.add(h.context.digest)
                     if carried >= stored.keys():
                         return frames
-            parts = [
-                encode_context(Context.parse(raw, tables=False))
-                for d, raw in stored.items()
+            parts: list[bytes | Chunked] = [
+                encode_context(Context.parse(ctx, tables=False))
+                for d, ctx in stored.items()
                 if d in bases - carried
             ]
         except FrameError:  # damaged: the decode of the whole names the segment
@@ -344,14 +443,28 @@ class DirectReader:
 
     def _decode(
         self,
-        frames: list[bytes],
+        frames: list[bytes | Chunked],
         rid: str,
         start: int,
         end: int | None,
         layers: Sequence[int] | None,
     ) -> Routing:
+        """``frames`` decoded to rows ``[start, end)`` and ``layers``: a chunked segment is
+        first cut from the chunks read (its head's trailer and every chunk's CRC checked,
+        as the service checks what it cuts; a chunk missing is a :class:`StoreError`)."""
+        if not any(isinstance(f, Chunked) for f in frames):
+            return decode_rollout(
+                frames,  # type: ignore[arg-type]
+                start=start, end=end, layers=layers, rollout_id=rid, max_bytes=self.max_bytes,
+            )  # fmt: skip
+        try:
+            cut = _cut_chunked(frames, start, end, layers)
+        except FormatError as exc:
+            raise StoreError(
+                f"rollout {rid}: the stored bytes of a segment are damaged ({exc})"
+            ) from None
         return decode_rollout(
-            frames, start=start, end=end, layers=layers, rollout_id=rid, max_bytes=self.max_bytes
+            cut, start=start, end=end, layers=layers, rollout_id=rid, max_bytes=self.max_bytes
         )
 
     def get_many(
@@ -426,9 +539,11 @@ class DirectReader:
         order, as :meth:`RoutingClient.get_ranges` answers it under the same ``view``
         (``exact`` by default: each read in its state, none past it).
 
-        Each rollout is read whole (an ``HGETALL``: Redis cannot read part of a hash
-        field, so a rank fetches its rollouts' whole segments) once, and only the reads'
-        rows and ``layers`` are decoded; the hash lists the rollout's views, and the
+        Each rollout's hash is read once: its field names (``HKEYS``), then the fields its
+        reads need (an ``HMGET``): of a segment stored chunked (docs/store.md, "Layout")
+        only the chunks holding the reads' rows and ``layers``, of one stored whole (before
+        issue 44) the whole frame; only the reads' rows and layers are decoded.  The hash
+        lists the rollout's views, and the
         hash of each view that holds some row of a read's answer (one with rows in its
         range that later views do not all overwrite) is read when that read applies it
         (one view's rows held at a time).  What waits is bounded whatever the number of
@@ -471,7 +586,11 @@ class DirectReader:
             except R3Error as exc:
                 return exc
 
-        fetched = self._reads(order, span, chunk_size, concurrency)
+        # each rollout's fields as its reads need them: the chunks of their rows and layers
+        wants: dict[str, _Want] = {}
+        for rid, a, b, _, _ in items:
+            wants.setdefault(rid, ([], layers))[0].append((a, b))
+        fetched = self._reads(order, span, chunk_size, concurrency, wants)
         try:
             with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
                 held: dict[str, _Read | R3Error] = {}  # rollouts with reads still to submit
@@ -562,11 +681,123 @@ class DirectReader:
         return rid, res
 
 
+def _cut_chunked(
+    frames: list[bytes | Chunked], start: int, end: int | None, layers: Sequence[int] | None
+) -> list[bytes]:
+    """``frames`` with each chunked segment overlapping ``[start, end)`` cut from its chunks
+    (the others left out), and the contexts the cut continuation frames need that no frame
+    left in carries, first (what the service's ranged GET answers)."""
+    contexts: dict[str, Context] = {}
+    for f in frames:
+        h = (
+            read_header(f.head, verify=False, head=True)
+            if isinstance(f, Chunked)
+            else read_header(f, verify=False)
+        )
+        if h.context is not None and not h.base:
+            contexts[h.context.digest] = h.context
+    out: list[bytes] = []
+    carried: set[str] = set()
+    needed: set[str] = set()
+    for f in frames:
+        if not isinstance(f, Chunked):
+            out.append(f)
+            h = read_header(f, verify=False)
+            if h.context is not None and not h.base:
+                carried.add(h.context.digest)
+            continue
+        h = read_header(f.head, verify=False, head=True)
+        if h.end <= start or (end is not None and h.start >= end):
+            continue  # another read's rows
+        ctx = contexts.get(h.base) if h.base else None
+        if h.base and ctx is None:
+            raise FrameError(f"the context {h.base[:12]}… a segment continues is not stored")
+        hdr = read_header(f.head, verify=True, head=True, context=ctx)
+        out.append(
+            slice_frame(
+                f.head, start=start, end=end, layers=layers, context=ctx, parsed=hdr,
+                pieces=f.pieces, verify=True,
+            )
+        )  # fmt: skip
+        if h.base:
+            needed.add(h.base)
+        elif hdr.context is not None:
+            carried.add(hdr.context.digest)
+    extra = [encode_context(contexts[d]) for d in sorted(needed - carried)]
+    return [*extra, *out]
+
+
+def _whole(f: bytes | Chunked) -> bytes:
+    """A segment read whole as its frame (a chunked one's chunks joined to its head)."""
+    if isinstance(f, bytes):
+        return f
+    return join_frame(f.head, [f.pieces[i] for i in sorted(f.pieces)])
+
+
+def _segment_value(
+    field: bytes, value: bytes | Chunked, fields: dict[bytes, Any]
+) -> bytes | Chunked:
+    """Segment ``field``'s frame from a hash's ``fields``: the value itself, a chunked
+    segment's head with the chunk fields read (``k:<a>:<b>:…``), or a shared blob's value
+    as resolved (:func:`_blob_value`).  A whole read (every chunk there) joins them."""
+    if isinstance(value, Chunked) or not is_frame_head(value):
+        return value
+    a, b = (int(x) for x in field.split(b":")[1:3])
+    pieces = {
+        got.index: v
+        for f, v in fields.items()
+        if (got := parse_chunk_field(f)) is not None and (got.seg_start, got.seg_end) == (a, b)
+    }
+    return Chunked(value, pieces)
+
+
+def _blob_value(fields: dict[bytes, Any], *, whole: bool = True) -> bytes | Chunked | None:
+    """A shared blob's segment from the blob hash's ``fields`` (``f`` the frame or its head,
+    chunk fields beside it): its frame (``whole``: the chunks joined to the head), else
+    its head and the chunks read; None when the blob has expired."""
+    value = fields.get(b"f")
+    if not isinstance(value, bytes):
+        return None
+    if not is_frame_head(value):
+        return value
+    pieces = {got.index: v for f, v in fields.items() if (got := parse_chunk_field(f)) is not None}
+    got_chunks = Chunked(value, pieces)
+    return _whole(got_chunks) if whole else got_chunks
+
+
+def _chunk_wanted(
+    name: bytes, spans: Sequence[tuple[int, int]], layers: Sequence[int] | None
+) -> bool:
+    """Whether chunk field ``name`` holds rows of ``spans`` in ``layers``."""
+    got = parse_chunk_field(name)
+    return got is not None and chunk_wanted(got, spans, layers)
+
+
+def _wanted_fields(
+    names: Sequence[bytes], spans: Sequence[tuple[int, int]], layers: Sequence[int] | None
+) -> list[bytes]:
+    """The fields of a rollout hash a ranged read of ``spans`` and ``layers`` needs: the
+    segments overlapping a span (each a frame, a chunked one's head or a blob reference),
+    their wanted chunks, the contexts and the view registrations."""
+    out: list[bytes] = []
+    for f in names:
+        kind = f[:2]
+        if kind in (b"c:", b"v:"):
+            out.append(f)
+        elif kind == b"s:":
+            a, b = (int(x) for x in f.split(b":")[1:3])
+            if any(a < e and s < b for s, e in spans):
+                out.append(f)
+        elif kind == b"k:" and _chunk_wanted(f, spans, layers):
+            out.append(f)
+    return out
+
+
 def _context_in_segment(fields: dict[bytes, Any]) -> str | None:
     """The rows (``"[a, b)"``) of the first segment field of a rollout hash that holds a
     context frame (docs/format.md 6.3: read from the prefix), or None."""
     for f, v in fields.items():
-        if f[:2] == b"s:" and is_context_frame(v):
+        if f[:2] == b"s:" and is_context_frame(v.head if isinstance(v, Chunked) else v):
             _, a, b = f.decode().split(":")
             return f"[{a}, {b})"
     return None

@@ -13,6 +13,10 @@ gRPC messages and the transports (grpc, protobuf, httpx) load on first access.
 Frames
     ``Context``, ``FrameHeader``, ``read_header``, ``encode_context``,
     ``decode_rollout``, ``slice_frame`` — as in ``r3_client``.
+    ``frame_head``, ``join_frame``, ``chunk_spans``, ``needed_chunks``, ``ChunkSpan`` —
+    a v3 frame as head and chunks, what the chunked store layout keeps (docs/store.md);
+    ``chunk_field``, ``parse_chunk_field``, ``chunk_wanted``, ``ChunkField`` — the names
+    of its chunk fields, which the service and a direct reader share.
     ``FRAME_PREFIX`` — the fixed prefix's ``struct`` (magic, version, codec id,
     reserved, header length, body length); ``FRAME_PREFIX.size`` plus the header
     length is the span that identifies a frame's header.
@@ -47,15 +51,21 @@ from r3_client._answers import PROTO_MESSAGES, PutResult, RolloutInfo, SegmentIn
 from r3_client._exceptions import quote_items
 from r3_client._lazy import lazy_attributes
 from r3_client._routing import MAX_LAYER_ID, layer_positions
+from r3_client._stored import ChunkField, chunk_field, chunk_wanted, parse_chunk_field
 from r3_client.codec import (
+    ChunkSpan,
     Context,
     FrameHeader,
+    chunk_spans,
     decode_rollout,
     encode_context,
+    frame_head,
+    join_frame,
+    needed_chunks,
     read_header,
     slice_frame,
 )
-from r3_client.codec.frame import BLOCK_ROWS, is_context_frame
+from r3_client.codec.frame import BLOCK_ROWS, is_context_frame, is_frame_head
 from r3_client.codec.frame import PREFIX as FRAME_PREFIX
 from r3_client.codec.stream import (
     FRAME_MEDIA_TYPE,
@@ -92,6 +102,8 @@ __all__ = [
     "MAX_LAYER_ID",
     "PROTO_MESSAGES",
     "STREAM_MEDIA_TYPE",
+    "ChunkField",
+    "ChunkSpan",
     "Context",
     "FrameHeader",
     "GrpcTransport",
@@ -102,13 +114,21 @@ __all__ = [
     "StreamDecoder",
     "ViewInfo",
     "check_chunks",
+    "chunk_field",
+    "chunk_spans",
+    "chunk_wanted",
     "decode_rollout",
     "encode_context",
     "encode_error_item",
     "encode_frame_item",
     "encode_trailer",
+    "frame_head",
     "is_context_frame",
+    "is_frame_head",
+    "join_frame",
     "layer_positions",
+    "needed_chunks",
+    "parse_chunk_field",
     "proto_messages",
     "quote_items",
     "r3_cache_pb2",

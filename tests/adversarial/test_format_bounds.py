@@ -35,6 +35,7 @@ from r3_client.codec.frame import assemble_frame, chunk_crc
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import LAYERS, TRAJ, E, frame_for, frame_parts, rid
 from tests.support.service_process import KEY_A, Service, grpc_md, start_service
+from tests.support.stored import read_stored, write_stored
 
 ROW = synthetic_routing(1, len(LAYERS), E, 4, seed=3)
 GAP_LIMIT = 1 << 17  # the service default, R3_CACHE_MAX_GAP_ROWS
@@ -152,13 +153,13 @@ def _corrupt_stored_segment(svc: Service, r: str, seg: tuple[int, int]) -> None:
     conn = redis.Redis.from_url(svc.redis_url)
     key = f"r3:tenant-a:{{{r}}}"
     field = f"s:{seg[0]}:{seg[1]}"
-    frame = conn.hget(key, field)
-    assert isinstance(frame, bytes) and frame[:1] != b"@"
+    frame, where = read_stored(conn, key, field)
+    assert frame[:1] != b"@"
     hdr = read_header(frame)
     at = hdr.frame_length - 4 - hdr.body_length
     body = bytearray(frame[at : at + hdr.chunks[0][0]])
     body[len(body) // 2] ^= 0x5A
-    conn.hset(key, field, _rebuild(frame, 0, bytes(body)))
+    write_stored(conn, key, field, _rebuild(frame, 0, bytes(body)), where)
 
 
 def test_a_corrupted_stored_body_is_a_clear_per_rollout_error(service_single: Service) -> None:

@@ -38,6 +38,7 @@ from r3_client.codec.frame import PREFIX
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import rid, same_sets
 from tests.support.service_process import KEY_A, Service, url_of
+from tests.support.stored import read_stored, write_stored
 
 E, K, LAYERS = 64, 4, (1, 3, 5, 7)
 N, M = 5000, 5600  # [0, N): three blocks of rows by four layer groups; [N, M) continues it
@@ -93,15 +94,19 @@ def _plant(
     conn = _redis(svc)
     try:
         key, at = f"r3:tenant-a:{{{r}}}", field
-        stored = conn.hget(key, field)
-        assert isinstance(stored, bytes)
-        if stored[:1] == b"@":  # a shared segment (a prompt's rows): its blob holds the frame
-            blob = stored[1:].decode()
-            stored = conn.hget(blob, "f")
-            assert isinstance(stored, bytes)
+        ref = conn.hget(key, field)
+        assert isinstance(ref, bytes)
+        if ref[:1] == b"@":  # a shared segment (a prompt's rows): its blob holds the frame
+            blob = ref[1:].decode()
+            stored, where = read_stored(conn, blob, "f")
             if not in_field:
                 key, at = blob, "f"
-        conn.hset(key, at, damage(stored))
+        else:
+            stored, where = read_stored(conn, key, field)
+        if in_field:  # a whole value planted in the segment's field itself
+            conn.hset(key, at, damage(stored))
+        else:  # damaged where the bytes lie, in the layout they were stored in
+            write_stored(conn, key, at, damage(stored), where)
     finally:
         conn.close()
 

@@ -73,7 +73,16 @@ from r3_client.codec._native import use as use_backend
 from r3_client.codec.entry import decode_frame, encode_frame, read_header
 from r3_client.codec.frame import CODECS, FORMAT_VERSION, MAGIC, MAX_DECODED_BYTES, CodecName
 from r3_client.codec.header import Context, Frame, FrameHeader, content_digest
-from r3_client.codec.rollout import decode_rollout, slice_frame, split_frames
+from r3_client.codec.rollout import (
+    ChunkSpan,
+    chunk_spans,
+    decode_rollout,
+    frame_head,
+    join_frame,
+    needed_chunks,
+    slice_frame,
+    split_frames,
+)
 from r3_client.codec.v2_write import encode_context
 
 __all__ = [
@@ -81,16 +90,21 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "MAX_DECODED_BYTES",
+    "ChunkSpan",
     "CodecName",
     "Context",
     "Frame",
     "FrameHeader",
     "backend",
+    "chunk_spans",
     "content_digest",
     "decode_frame",
     "decode_rollout",
     "encode_context",
     "encode_frame",
+    "frame_head",
+    "join_frame",
+    "needed_chunks",
     "read_header",
     "slice_frame",
     "split_frames",

@@ -161,9 +161,17 @@ def _unpack_routing(
 
 
 def read_header(
-    data: bytes | bytearray | memoryview, *, verify: bool = True, context: Context | None = None
+    data: bytes | bytearray | memoryview,
+    *,
+    verify: bool = True,
+    context: Context | None = None,
+    head: bool = False,
 ) -> FrameHeader:
     """Parse and check a frame's prefix, header and (if ``verify``) CRC; body untouched.
+
+    ``head``: ``data`` is a v3 frame's *head* only (prefix, header and trailer: what a
+    chunked store keeps in place of the frame, see :func:`frame_head`); the header
+    describes the whole frame (its ``frame_length`` is the frame's, not ``len(data)``).
 
     A v2 continuation frame is fully checked only against its ``context`` (the
     rollout's, named by ``header.base``); without it the header comes back
@@ -190,11 +198,18 @@ def read_header(
     if hlen > MAX_HEADER:
         raise FrameError(f"header length {hlen} exceeds {MAX_HEADER}")
     total = PREFIX.size + hlen + blen + CRC.size
-    if len(view) != total:
-        kind = TruncatedFrameError if len(view) < total else FrameError
-        raise kind(f"frame is {len(view)} bytes but declares {total}")
+    span = PREFIX.size + hlen + CRC.size if head else total
+    if head and version < 3:
+        raise UnsupportedFrameError(
+            f"only a version 3 frame's head stands alone (its trailer covers the header "
+            f"only); this is version {version}"
+        )
+    if len(view) != span:
+        kind = TruncatedFrameError if len(view) < span else FrameError
+        what = "frame head" if head else "frame"
+        raise kind(f"{what} is {len(view)} bytes but declares {span}")
     if verify:
-        (want,) = CRC.unpack_from(view, total - CRC.size)
+        (want,) = CRC.unpack_from(view, span - CRC.size)
         if frame_crc(version, view, hlen, total) != want:
             what = "frame header" if version >= 3 else "frame"
             raise ChecksumError(f"{what} checksum mismatch: the bytes were corrupted")

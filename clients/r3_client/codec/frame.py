@@ -115,6 +115,16 @@ def is_context_frame(data: bytes) -> bool:
     return len(data) >= PREFIX.size and data[:4] == MAGIC and data[5] == CONTEXT_CODEC
 
 
+def is_frame_head(data: bytes) -> bool:
+    """Whether ``data`` has the shape of a v3 frame's head (prefix, header and trailer of a
+    frame whose body is kept elsewhere: ``codec.rollout.frame_head``), read from the prefix
+    alone; nothing is checked."""
+    if len(data) < PREFIX.size + 4 or data[:4] != MAGIC or data[4] < 3:
+        return False
+    _, _, _, _, hlen, blen = PREFIX.unpack_from(data)
+    return bool(blen > 0 and len(data) == PREFIX.size + hlen + 4)
+
+
 #: The trailing CRC-32 of every preceding byte.
 CRC: Final = struct.Struct("<I")
 

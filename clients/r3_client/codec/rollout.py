@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,38 +35,84 @@ from r3_client.codec.frame import (
 )
 from r3_client.codec.header import Context, Frame, FrameHeader
 
-__all__ = ["decode_rollout", "slice_frame", "split_frames"]
+__all__ = [
+    "ChunkSpan",
+    "chunk_spans",
+    "decode_rollout",
+    "frame_head",
+    "join_frame",
+    "needed_chunks",
+    "slice_frame",
+    "split_frames",
+]
 
 
-def slice_frame(
-    data: bytes | bytearray | memoryview,
-    *,
-    start: int | None = None,
-    end: int | None = None,
-    layers: Sequence[int] | None = None,
-    context: Context | None = None,
-    parsed: FrameHeader | None = None,
-    verify: bool = False,
-) -> bytes:
-    """Cut a v2 or v3 frame down to the blocks and layer groups that cover a range: no
-    decoding.
+@dataclass(frozen=True, slots=True)
+class ChunkSpan:
+    """Where one chunk of a chunked frame sits: its index (block-major), the token rows
+    ``[start, end)`` and the absolute layer ids ``first_layer`` … ``last_layer`` (inclusive)
+    it holds, and its bytes ``[offset, offset + length)`` within the frame."""
 
-    The result is a frame of the same version whose rows are the blocks overlapping ``[start, end)``
-    and whose layers are the groups holding any of ``layers`` (absolute ids); the
-    reader trims to the exact range.  Chunk bytes are copied unchanged (their
-    CRCs travel in the header); the segment becomes provenance.  A continuation
-    frame without a ``layers`` field needs ``context`` to slice by layer.  ``parsed``
-    is ``read_header(data, verify=False, context=context)`` when the caller holds it
-    already (the service keeps parsed headers of stored frames).
+    index: int
+    start: int
+    end: int
+    first_layer: int
+    last_layer: int
+    offset: int
+    length: int
 
-    ``verify``: check the input before anything is cut from it, since a slice's trailer is
-    computed anew and would vouch for whatever it copied: the frame's trailing CRC (unless
-    ``parsed`` is given: then the caller checked it, as ``read_header(verify=True)``) and
-    the CRC of every chunk returned (raises :class:`ChecksumError`).
-    """
-    hdr = read_header(data, verify=verify, context=context) if parsed is None else parsed
+
+def chunk_spans(hdr: FrameHeader) -> list[ChunkSpan]:
+    """Every chunk of a resolved v2/v3 routing frame, in body order (block-major)."""
     if hdr.version not in CHUNKED_VERSIONS or hdr.codec == "context":
-        raise UnsupportedFrameError("only v2 and v3 routing frames can be sliced")
+        raise UnsupportedFrameError("only v2 and v3 routing frames have chunks")
+    if not hdr.layer_ids:
+        raise FrameError("a continuation frame's chunks need its context (its layer ids)")
+    bstarts = list(itertools.accumulate(hdr.blocks, initial=hdr.start))
+    gbounds = list(itertools.accumulate(hdr.groups, initial=0))
+    at = hdr.frame_length - CRC.size - hdr.body_length
+    offsets = list(itertools.accumulate((c[0] for c in hdr.chunks), initial=at))
+    ng = len(hdr.groups)
+    return [
+        ChunkSpan(
+            index=b * ng + g,
+            start=bstarts[b],
+            end=bstarts[b + 1],
+            first_layer=hdr.layer_ids[gbounds[g]],
+            last_layer=hdr.layer_ids[gbounds[g + 1] - 1],
+            offset=offsets[b * ng + g],
+            length=hdr.chunks[b * ng + g][0],
+        )
+        for b in range(len(hdr.blocks))
+        for g in range(ng)
+    ]
+
+
+def frame_head(data: bytes | bytearray | memoryview, hdr: FrameHeader) -> bytes:
+    """A v3 frame's *head*: its prefix, header and trailer, without the body.
+
+    A v3 trailer covers the prefix and header only, so the head is checkable on its own
+    (``read_header(head, head=True)``) and, with the chunks' bytes, gives back the frame
+    byte for byte (:func:`join_frame`).  What a chunked store keeps in a segment's place.
+    """
+    if hdr.version < 3 or hdr.codec == "context":
+        raise UnsupportedFrameError("only a version 3 routing frame splits into head and chunks")
+    view = memoryview(data).cast("B")
+    cut = hdr.frame_length - CRC.size - hdr.body_length
+    return bytes(view[:cut]) + bytes(view[-CRC.size :])
+
+
+def join_frame(head: bytes | bytearray | memoryview, chunks: Sequence[bytes | memoryview]) -> bytes:
+    """The frame a :func:`frame_head` and every one of its chunks (in body order) came from."""
+    h = memoryview(head).cast("B")
+    return b"".join([h[: -CRC.size], *chunks, h[-CRC.size :]])
+
+
+def _kept(
+    hdr: FrameHeader, start: int | None, end: int | None, layers: Sequence[int] | None
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The blocks and groups a slice of ``hdr`` keeps, with the blocks' first rows and the
+    groups' first positions (each list one longer than ``hdr``'s blocks / groups)."""
     lo = hdr.start if start is None else max(start, hdr.start)
     hi = hdr.end if end is None else min(end, hdr.end)
     if lo >= hi:
@@ -81,18 +128,83 @@ def slice_frame(
     else:
         pos = set(layer_positions(layer_ids, layers))
         keep_g = [g for g in range(len(hdr.groups)) if pos & set(range(gbounds[g], gbounds[g + 1]))]
+    return keep_b, keep_g, bstarts, gbounds
+
+
+def needed_chunks(
+    hdr: FrameHeader,
+    *,
+    start: int | None = None,
+    end: int | None = None,
+    layers: Sequence[int] | None = None,
+) -> list[int]:
+    """The indices of the chunks :func:`slice_frame` copies for this range and layers."""
+    keep_b, keep_g, _, _ = _kept(hdr, start, end, layers)
+    ng = len(hdr.groups)
+    return [b * ng + g for b in keep_b for g in keep_g]
+
+
+def slice_frame(
+    data: bytes | bytearray | memoryview,
+    *,
+    start: int | None = None,
+    end: int | None = None,
+    layers: Sequence[int] | None = None,
+    context: Context | None = None,
+    parsed: FrameHeader | None = None,
+    verify: bool = False,
+    pieces: Mapping[int, bytes | memoryview] | None = None,
+) -> bytes:
+    """Cut a v2 or v3 frame down to the blocks and layer groups that cover a range: no
+    decoding.
+
+    The result is a frame of the same version whose rows are the blocks overlapping ``[start, end)``
+    and whose layers are the groups holding any of ``layers`` (absolute ids); the
+    reader trims to the exact range.  Chunk bytes are copied unchanged (their
+    CRCs travel in the header); the segment becomes provenance.  A continuation
+    frame without a ``layers`` field needs ``context`` to slice by layer.  ``parsed``
+    is ``read_header(data, verify=False, context=context)`` when the caller holds it
+    already (the service keeps parsed headers of stored frames).
+
+    ``pieces``: ``data`` is the frame's head (:func:`frame_head`) and the chunks' bytes
+    are these, by chunk index; every chunk :func:`needed_chunks` names must be there
+    (:class:`TruncatedFrameError` otherwise).  What a store that keeps a frame as head
+    and chunks cuts from.
+
+    ``verify``: check the input before anything is cut from it, since a slice's trailer is
+    computed anew and would vouch for whatever it copied: the frame's trailing CRC (unless
+    ``parsed`` is given: then the caller checked it, as ``read_header(verify=True)``) and
+    the CRC of every chunk returned (raises :class:`ChecksumError`).
+    """
+    head = pieces is not None
+    hdr = read_header(data, verify=verify, context=context, head=head) if parsed is None else parsed
+    if hdr.version not in CHUNKED_VERSIONS or hdr.codec == "context":
+        raise UnsupportedFrameError("only v2 and v3 routing frames can be sliced")
+    keep_b, keep_g, bstarts, gbounds = _kept(hdr, start, end, layers)
+    layer_ids = hdr.layer_ids
     view = memoryview(data).cast("B")
     at = hdr.frame_length - CRC.size - hdr.body_length
     offsets = list(itertools.accumulate((c[0] for c in hdr.chunks), initial=at))
     ng = len(hdr.groups)
     idx = [b * ng + g for b in keep_b for g in keep_g]
-    if verify:
-        for i in idx:
-            if chunk_crc(hdr.version, view[offsets[i] : offsets[i + 1]]) != hdr.chunks[i][1]:
-                raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
-    if len(keep_b) == len(hdr.blocks) and len(keep_g) == len(hdr.groups):
-        return bytes(data)
-    body = [bytes(view[offsets[i] : offsets[i] + hdr.chunks[i][0]]) for i in idx]
+    whole = len(keep_b) == len(hdr.blocks) and len(keep_g) == len(hdr.groups)
+    if pieces is not None:
+        missing = [i for i in idx if i not in pieces]
+        if missing:
+            raise TruncatedFrameError(f"chunks {missing[:8]} of the frame are missing")
+        chunk_bytes = {i: memoryview(pieces[i]).cast("B") for i in idx}
+    else:
+        chunk_bytes = {i: view[offsets[i] : offsets[i + 1]] for i in idx}
+    for i in idx:
+        if len(chunk_bytes[i]) != hdr.chunks[i][0]:
+            raise TruncatedFrameError(
+                f"chunk {i} is {len(chunk_bytes[i])} bytes; the header says {hdr.chunks[i][0]}"
+            )
+        if verify and chunk_crc(hdr.version, chunk_bytes[i]) != hdr.chunks[i][1]:
+            raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
+    if whole:
+        return join_frame(view, [chunk_bytes[i] for i in idx]) if head else bytes(data)
+    body = [bytes(chunk_bytes[i]) for i in idx]
     header: dict[str, Any] = {
         "start": bstarts[keep_b[0]],
         "end": bstarts[keep_b[-1] + 1],

@@ -1,0 +1,74 @@
+"""The chunked store layout's field names, which the service and a direct reader share.
+
+A stored format-v3 segment frame is kept as its *head* (prefix, header, trailer:
+:func:`~r3_client.codec.frame_head`) in the segment's field and each chunk in a field of
+its own, named by what it holds, so that a reader asks Redis for exactly the chunks a
+token range and a set of layers need (docs/store.md, "Layout").  A chunk's field is
+
+    k:<a>:<b>:<index>:<first row>:<end row>:<first layer id>:<last layer id>
+
+(``[a, b)`` the segment's rows, ``index`` the chunk's place in the body, rows
+``[first, end)`` and absolute layer ids ``first`` … ``last`` inclusive), in the hash that
+holds the segment's head: the rollout's, a view's, or a shared blob's.  The store's Lua
+script ``segment_fields.lua`` applies the same rule as :func:`chunk_wanted`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from r3_client.codec import ChunkSpan
+
+__all__ = ["ChunkField", "chunk_field", "chunk_wanted", "parse_chunk_field", "segment_of"]
+
+#: The first two bytes of every chunk field.
+CHUNK_PREFIX = b"k:"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkField:
+    """A chunk field's name, parsed."""
+
+    seg_start: int
+    seg_end: int
+    index: int
+    start: int
+    end: int
+    first_layer: int
+    last_layer: int
+
+
+def chunk_field(seg_start: int, seg_end: int, span: ChunkSpan) -> str:
+    """The field name of ``span``, a chunk of the segment ``[seg_start, seg_end)``."""
+    return (
+        f"k:{seg_start}:{seg_end}:{span.index}:{span.start}:{span.end}:"
+        f"{span.first_layer}:{span.last_layer}"
+    )
+
+
+def parse_chunk_field(name: bytes) -> ChunkField | None:
+    """``name`` parsed, or None when it is not a well-formed chunk field."""
+    if name[:2] != CHUNK_PREFIX:
+        return None
+    parts = name[2:].split(b":")
+    if len(parts) != 7 or not all(p.isdigit() for p in parts):
+        return None
+    return ChunkField(*(int(p) for p in parts))
+
+
+def segment_of(name: bytes) -> tuple[int, int] | None:
+    """The segment ``(a, b)`` a chunk field belongs to, or None for another field."""
+    got = parse_chunk_field(name)
+    return None if got is None else (got.seg_start, got.seg_end)
+
+
+def chunk_wanted(
+    field: ChunkField, spans: Iterable[tuple[int, int | None]], layers: Sequence[int] | None
+) -> bool:
+    """Whether a read of rows ``spans`` and ``layers`` (absolute ids; None: all) needs the
+    chunk: its rows overlap a span and its layer ids overlap ``[min(layers), max(layers)]``
+    (a superset of the groups :func:`~r3_client.codec.needed_chunks` keeps)."""
+    if layers and (field.last_layer < min(layers) or field.first_layer > max(layers)):
+        return False
+    return any(a < field.end and (b is None or field.start < b) for a, b in spans)
