@@ -15,7 +15,11 @@ Redis and on a cluster.  Fields:
 
 * ``m`` — rollout meta, msgpack ``[E, K, MoE layer ids]``; every segment must agree;
 * ``s:<a>:<b>`` — the frame of segment ``[a, b)``, exactly as validated on put, or
-  ``@<blob key>`` for a shared segment;
+  ``@<blob key>`` for a shared segment, or (layout ``chunked``, a v3 frame of several
+  chunks) the frame's head: prefix, header and trailer;
+* ``k:<a>:<b>:<i>:<r0>:<r1>:<l0>:<l1>`` — chunked layout: chunk ``i`` of that frame
+  (rows ``[r0, r1)``, layer ids ``l0`` … ``l1``), so a ranged read fetches only the chunks
+  it needs (``r3_client/_stored.py``; docs/store.md "Layout");
 * ``d:<a>:<b>`` — the writer's digest of the segment's *content* (canonical rows +
   meta), so a re-put of the same data in another codec is still recognised as a
   duplicate;
@@ -28,8 +32,8 @@ Redis and on a cluster.  Fields:
 
 GRPO prompt dedupe: a segment with a token digest is stored once per
 (namespace, E, K, layers, range, model id, weight version, token digest) in a
-blob hash ``<prefix>[:<namespace>]:blob:{<sha>}`` (fields ``f``, the frame, and
-``d``, its content digest) and referenced from every rollout that puts it, so the
+blob hash ``<prefix>[:<namespace>]:blob:{<sha>}`` (fields ``f``, the frame or its head,
+``d``, its content digest, and the chunk fields of a chunked frame) and referenced from every rollout that puts it, so the
 n samples of one prompt keep one copy of the prompt's rows.  If two writers send
 different rows under the same share key (non-deterministic numerics), the second
 keeps its own copy: sharing never changes what a rollout reads.  A blob's TTL is kept

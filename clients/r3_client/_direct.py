@@ -267,10 +267,12 @@ class DirectReader:
         ]
         pipe = self._r.pipeline(transaction=False)
         for key, fields in zip(keys, picked, strict=True):
-            pipe.hmget(key, fields) if fields else pipe.ping()
+            if fields:  # (a rollout that is not there has no fields: nothing to ask)
+                pipe.hmget(key, fields)
+        replies = iter(pipe.execute())
         hashes: list[dict[bytes, Any]] = []
-        for fields, values in zip(picked, pipe.execute(), strict=True):
-            got = dict(zip(fields, values, strict=True)) if fields else {}
+        for fields in picked:
+            got = dict(zip(fields, next(replies), strict=True)) if fields else {}
             # a field gone between the two reads: the rollout was deleted or rewound
             hashes.append({} if any(v is None for v in got.values()) else got)
         refs = [(n, f, blob) for n, h in enumerate(hashes) for f, blob in _shared_refs(h)]
@@ -589,7 +591,7 @@ class DirectReader:
         # each rollout's fields as its reads need them: the chunks of their rows and layers
         wants: dict[str, _Want] = {}
         for rid, a, b, _, _ in items:
-            wants.setdefault(rid, ([], layers))[0].append((a, b))
+            _add_span(wants.setdefault(rid, ([], layers))[0], a, b)
         fetched = self._reads(order, span, chunk_size, concurrency, wants)
         try:
             with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
@@ -725,6 +727,24 @@ def _cut_chunked(
             carried.add(hdr.context.digest)
     extra = [encode_context(contexts[d]) for d in sorted(needed - carried)]
     return [*extra, *out]
+
+
+#: The most row spans kept per rollout for choosing its chunks: past it, their hull.
+_MAX_SPANS = 64
+
+
+def _add_span(spans: list[tuple[int, int]], a: int, b: int) -> None:
+    """Add rows ``[a, b)`` to the spans a ranged read fetches chunks for: merged into one it
+    overlaps or touches, else appended; more than :data:`_MAX_SPANS` collapse into their
+    hull (a superset: a few more chunks read, never one missing), so what a call holds per
+    rollout stays bounded however many reads it names."""
+    for i, (x, y) in enumerate(spans):
+        if a <= y and x <= b:
+            spans[i] = (min(x, a), max(y, b))
+            return
+    spans.append((a, b))
+    if len(spans) > _MAX_SPANS:
+        spans[:] = [(min(x for x, _ in spans), max(y for _, y in spans))]
 
 
 def _whole(f: bytes | Chunked) -> bytes:

@@ -150,15 +150,21 @@ def test_answers_are_exact_in_order_with_errors_per_read(
 
 
 def _counting(reader: DirectReader, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The rollout keys ``reader`` reads from Redis, in order."""
+    """The rollout keys ``reader`` reads from Redis, in order (whole hashes, ``_read``, or
+    the fields ranged reads need, ``_read_wanted``)."""
     keys: list[str] = []
-    real = reader._read
+    real, real_wanted = reader._read, reader._read_wanted
 
     def read(batch: list[str]) -> list[dict[bytes, Any]]:
         keys.extend(batch)
         return real(batch)
 
+    def read_wanted(batch: list[str], wants: Any) -> Any:
+        keys.extend(batch)
+        return real_wanted(batch, wants)
+
     monkeypatch.setattr(reader, "_read", read)
+    monkeypatch.setattr(reader, "_read_wanted", read_wanted)
     return keys
 
 
