@@ -33,12 +33,12 @@ Redis and on a cluster.  Fields:
 GRPO prompt dedupe: a segment with a token digest is stored once per
 (namespace, E, K, layers, range, model id, weight version, token digest) in a
 blob hash ``<prefix>[:<namespace>]:blob:{<sha>}`` (fields ``f``, the frame or its head,
-``d``, its content digest, and the chunk fields of a chunked frame) and referenced from every rollout that puts it, so the
-n samples of one prompt keep one copy of the prompt's rows.  If two writers send
-different rows under the same share key (non-deterministic numerics), the second
-keeps its own copy: sharing never changes what a rollout reads.  A blob's TTL is kept
-at least as long as that of every rollout referencing it (refreshed on each put and
-touch); deleting a rollout leaves shared blobs to expire.
+``d``, its content digest, and the chunk fields of a chunked frame) and referenced from
+every rollout that puts it, so the n samples of one prompt keep one copy of the prompt's
+rows.  If two writers send different rows under the same share key (non-deterministic
+numerics), the second keeps its own copy: sharing never changes what a rollout reads.  A
+blob's TTL is kept at least as long as that of every rollout referencing it (refreshed on
+each put and touch); deleting a rollout leaves shared blobs to expire.
 
 Durability (``StoreSettings.durability``): ``ack`` answers once Redis has applied a
 write (what survives a crash is then up to that Redis's AOF policy); ``replicas``
