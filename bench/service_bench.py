@@ -745,6 +745,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "R3_CACHE_MAX_BATCH": str(max(1024, args.rollouts)),
         "R3_CACHE_MAX_BODY_BYTES": str(256 << 20),
         "R3_CACHE_MAX_TOKENS_PER_SEGMENT": str(1 << 20),
+        # The whole layout (one field per segment): the raw-HGET baselines read exactly the
+        # bytes the service answers from one field.  The chunked layout (issue 44, the
+        # default) serves whole-rollout reads by joining head and chunks: measured by
+        # bench/chunked_reads_bench.py, not here.
+        "R3_CACHE_STORE_LAYOUT": "whole",
     }
     if args.batch_concurrency:
         env["R3_CACHE_BATCH_CONCURRENCY"] = str(args.batch_concurrency)
