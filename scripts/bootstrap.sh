@@ -44,8 +44,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 # The stamp names pyproject.toml, setup.py and the compiled codec's source: a change to any
-# reinstalls (the editable install builds r3_client.codec._r3codec in place).
-stamp=".venv/.installed-$(cat pyproject.toml setup.py clients/r3_client/codec/_r3codec.c | sha256sum | cut -c1-16)-${EXTRAS//,/_}-${TORCH}"
+# reinstalls (the editable install builds r3_client._kernels._r3codec in place).
+stamp=".venv/.installed-$(cat pyproject.toml setup.py clients/r3_client/_kernels/_r3codec.c | sha256sum | cut -c1-16)-${EXTRAS//,/_}-${TORCH}"
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing sglang-r3[$EXTRAS] into .venv" >&2
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null

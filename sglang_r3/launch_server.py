@@ -28,7 +28,7 @@ Takes every ``python -m sglang.launch_server`` argument plus::
 re-executes itself so the dynamic loader sees it.
 
 ``--tokenizer-worker-num N > 1`` points SGLang's HTTP workers at
-:mod:`sglang_r3.http_server.worker_app` (through ``SGLANG_HTTP_SERVER_APP_PATH``), which loads
+:mod:`sglang_r3.worker_app` (through ``SGLANG_HTTP_SERVER_APP_PATH``), which loads
 the extension in each of them, and gives them one ``PROMETHEUS_MULTIPROC_DIR``
 (unless set) so that ``/r3/metrics`` sums them.
 
@@ -352,7 +352,7 @@ def _run(rest: list[str]) -> int:
 
 
 def _use_worker_app(server_args: Any, enabled: bool) -> str | None:
-    """Point SGLang's HTTP workers at :mod:`sglang_r3.http_server.worker_app`; a refusal, or None.
+    """Point SGLang's HTTP workers at :mod:`sglang_r3.worker_app`; a refusal, or None.
 
     Under ``--tokenizer-worker-num > 1`` SGLang's HTTP workers import the app named
     by ``SGLANG_HTTP_SERVER_APP_PATH`` (read when the server starts, so setting it

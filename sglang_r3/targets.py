@@ -97,7 +97,7 @@ UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
         "model_path",
     ),
     # --tokenizer-worker-num > 1: the app SGLang's HTTP workers import
-    # (sglang_r3.http_server.worker_app).
+    # (sglang_r3.worker_app).
     "sglang.srt.environ.Envs": ("SGLANG_HTTP_SERVER_APP_PATH",),
 }
 

@@ -33,6 +33,8 @@ from r3_client._exceptions import (
     ShapeError,
     quote_items,
 )
+from r3_client._kernels import native as _native
+from r3_client._kernels.sortnet import sort_rows
 
 __all__ = [
     "MAX_EXPERTS",
@@ -223,11 +225,6 @@ def canonical_rows(indices: npt.ArrayLike, num_experts: int) -> npt.NDArray[np.i
         raise ShapeError(f"routing must have a non-empty last (top-k) axis, got {arr.shape}")
     if arr.size == 0:
         return arr.astype(index_dtype(num_experts))
-    # The kernels live in the codec package, which imports this module: imported at call
-    # time, once both are loaded (a module-level import would be a circle).
-    from r3_client.codec import _native
-    from r3_client.codec._sortnet import sort_rows
-
     native = _native.canonical(arr, num_experts, index_dtype(num_experts))
     if native is not None:
         return native
@@ -349,16 +346,12 @@ class Routing:
 
     def sorted(self) -> Routing:
         """A copy with every row in ascending order (the canonical set form)."""
-        from r3_client.codec._sortnet import sort_rows  # the codec imports this module
-
         srt = sort_rows(self.indices)
         srt.flags.writeable = False
         return Routing(srt, self.num_experts, self.layer_ids, self.start, self.segments)
 
     def same_sets(self, other: Routing) -> bool:
         """True when both hold the same expert *sets* for the same positions and layers."""
-        from r3_client.codec._sortnet import sort_rows  # the codec imports this module
-
         return (
             self.num_experts == other.num_experts
             and self.layer_ids == other.layer_ids

@@ -28,8 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from r3_client._exceptions import ShapeError
+from r3_client._kernels.sortnet import sort_rows
 from r3_client._routing import Routing
-from r3_client.codec._sortnet import sort_rows
 
 __all__ = [
     "extreme_frac",

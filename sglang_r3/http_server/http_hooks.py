@@ -15,13 +15,13 @@ from sglang_r3.config import engine_config
 from sglang_r3.errors import R3RequestError
 from sglang_r3.http_server.request_state import hold_refs, remembered_error
 from sglang_r3.http_server.tagging import (
-    carries_tag,
     header_rollout,
     misplaced_tag,
     sampling_params_tagged,
     tag_generate_from_header,
     tag_with_header,
 )
+from sglang_r3.tags import carries_tag
 
 log = logging.getLogger("sglang_r3")
 

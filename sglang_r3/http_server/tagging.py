@@ -27,6 +27,7 @@ from typing import Any
 from r3_client import FormatError, InvalidRequestError, check_rollout_id, check_text
 from sglang_r3.config import engine_config
 from sglang_r3.errors import bad_request
+from sglang_r3.tags import carries_tag
 
 _TAG_KEYS = {
     "rollout_id",
@@ -50,12 +51,6 @@ class OutputTag:
     share_prompt: bool
     on_cache_error: str | None = None  # overrides the server's policy for this output
     on_retraction: str | None = None
-
-
-def carries_tag(custom_params: Any) -> bool:
-    """Whether a request's ``custom_params`` carries an r3 tag: the one answer to "is this
-    request tagged?", cheap enough for every request (the tag is checked later)."""
-    return isinstance(custom_params, Mapping) and "r3" in custom_params
 
 
 def sampling_params_tagged(sampling_params: Any) -> bool:

@@ -26,9 +26,9 @@ from sglang_r3.targets import (
 log = logging.getLogger("sglang_r3")
 
 #: What SGLang's HTTP workers import as the app under ``--tokenizer-worker-num > 1``
-#: (:mod:`sglang_r3.http_server.worker_app`), named by the variable SGLang reads it from
+#: (:mod:`sglang_r3.worker_app`), named by the variable SGLang reads it from
 #: (``environ.py:343``, ``http_server.py:2790, 3052``).
-APP_PATH = "sglang_r3.http_server.worker_app:app"
+APP_PATH = "sglang_r3.worker_app:app"
 APP_PATH_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
 
 # ---------------------------------------------------------------- checks
@@ -251,7 +251,7 @@ def add_routes(*, aggregate_metrics: bool = False) -> None:
 
     ``aggregate_metrics``: answer ``/r3/metrics`` summed over every process writing
     to ``PROMETHEUS_MULTIPROC_DIR`` (the tokenizer workers,
-    :mod:`sglang_r3.http_server.worker_app`);
+    :mod:`sglang_r3.worker_app`);
     else this process's own counters.
     """
     from fastapi import Response

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_r3.config import engine_config
-from sglang_r3.http_server.tagging import carries_tag
 from sglang_r3.scheduler.hicache import after_in_flight
 from sglang_r3.scheduler.row_transport import TaggedRows, compact_rows
+from sglang_r3.tags import carries_tag
 
 log = logging.getLogger("sglang_r3")
 

@@ -1,4 +1,4 @@
-"""The compiled codec (``r3_client.codec._r3codec``) against the numpy reference, in one process:
+"""The compiled codec (``r3_client._kernels._r3codec``) against the numpy reference, in one process:
 the same frame bytes, the same decoded arrays, the same errors; hostile bodies refused by
 both, never a crash.  tests/client/test_codec_sanitized.py runs this module again with the
 extension built under AddressSanitizer + UBSan, with more examples (``R3_FUZZ_EXAMPLES``).
@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from r3_client._exceptions import CodecError
+from r3_client._kernels import native as _native
 from r3_client._routing import Segment
 from r3_client.codec import (
     Context,
-    _native,
     decode_frame,
     decode_rollout,
     encode_frame,
@@ -56,7 +56,7 @@ def test_the_compiled_codec_is_built_and_in_use() -> None:
 
 
 def test_the_library_named_by_the_environment_is_the_one_loaded() -> None:
-    import r3_client.codec._r3codec as loaded
+    import r3_client._kernels._r3codec as loaded
 
     path = os.environ.get(_native.LIBRARY_ENV)
     if path:  # the sanitizer run: prove it is not testing the normal build

@@ -1,6 +1,6 @@
 """The compiled codec under AddressSanitizer + UBSan, and the numpy codec on its own.
 
-1. The extension is rebuilt from ``clients/r3_client/codec/_r3codec.c`` with
+1. The extension is rebuilt from ``clients/r3_client/_kernels/_r3codec.c`` with
    ``-fsanitize=address,undefined -fno-sanitize-recover=all`` and the codec suites
    (differential, hostile bodies with more fuzz examples, format v2, the API, the
    vectors) run against it in a child process: any out-of-bounds access, overflow,
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE = ROOT / "clients" / "r3_client" / "codec" / "_r3codec.c"
+SOURCE = ROOT / "clients" / "r3_client" / "_kernels" / "_r3codec.c"
 SUITES = [
     "tests/client/test_codec_native.py",
     "tests/client/test_codec_v2.py",

@@ -17,7 +17,7 @@ from r3_client import (
     token_digest,
     validate_indices,
 )
-from r3_client.codec._sortnet import sort_rows
+from r3_client._kernels.sortnet import sort_rows
 from r3_client.synthetic import synthetic_routing
 
 

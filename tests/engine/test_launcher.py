@@ -225,7 +225,7 @@ def test_refuses_tokenizer_workers_with_a_foreign_app(
     tiny_models: dict[str, Path], engine_cache: Service
 ) -> None:
     """Under --tokenizer-worker-num > 1 SGLang's HTTP workers import the app named by
-    SGLANG_HTTP_SERVER_APP_PATH; the launcher sets it to sglang_r3.http_server.worker_app, and
+    SGLANG_HTTP_SERVER_APP_PATH; the launcher sets it to sglang_r3.worker_app, and
     refuses a value of the user's that would run the workers without the plugin."""
     proc = launch(
         tiny_models["qwen3_moe"],
@@ -235,5 +235,5 @@ def test_refuses_tokenizer_workers_with_a_foreign_app(
         env={"SGLANG_HTTP_SERVER_APP_PATH": "sglang.srt.entrypoints.http_server:app"},
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "SGLANG_HTTP_SERVER_APP_PATH=sglang_r3.http_server.worker_app:app" in proc.stderr
+    assert "SGLANG_HTTP_SERVER_APP_PATH=sglang_r3.worker_app:app" in proc.stderr
     assert "'sglang.srt.entrypoints.http_server:app'" in proc.stderr

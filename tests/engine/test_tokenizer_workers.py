@@ -1,6 +1,6 @@
 """``--tokenizer-worker-num 2``: SGLang serves HTTP from two worker processes.
 
-The launcher points ``SGLANG_HTTP_SERVER_APP_PATH`` at :mod:`sglang_r3.http_server.worker_app`,
+The launcher points ``SGLANG_HTTP_SERVER_APP_PATH`` at :mod:`sglang_r3.worker_app`,
 which loads the plugin in each worker.  One real engine with two tokenizer workers
 and ``--routing-lookup seen`` (each worker remembers only the rollouts it saw), next
 to the session's reference engine (``qwen_engine``: one HTTP process).
@@ -266,7 +266,7 @@ def test_a_worker_without_its_hooks_stops_the_server() -> None:
         "SGLANG_PLUGINS": "smg-zmq",
     }
     proc = subprocess.run(
-        [sys.executable, "-c", "import sglang_r3.http_server.worker_app"],
+        [sys.executable, "-c", "import sglang_r3.worker_app"],
         capture_output=True,
         text=True,
         timeout=180,

@@ -1,16 +1,16 @@
 """The routing codec: the only code that knows the bytes (spec: docs/format.md).
 
 This package ``__init__`` is the codec's public surface.  The compiled backend plugs in
-below the entry points: :mod:`r3_client.codec._native` picks it or numpy per kernel call.
+below the entry points: :mod:`r3_client._kernels.native` picks it or numpy per kernel call.
 Everything above the codec (the clients, :mod:`r3_client`, :mod:`r3_client.wire`) imports the
 entry points from here, never from the modules below.
 
 Modules, from the bottom up (each imports only those before it):
 
-* :mod:`~r3_client.codec._sortnet`, :mod:`~r3_client.codec._native` and the compiled
-  ``_r3codec.c`` — the backend: the sorting network, and which implementation (compiled or
-  numpy) runs each hot loop.  They sit here, with the bytes they compute;
-  :mod:`r3_client._routing` imports them at call time (this package imports it).
+* below this package: :mod:`~r3_client._kernels.sortnet`, :mod:`~r3_client._kernels.native`
+  and the compiled ``_r3codec.c`` — the backend: the sorting network, and which
+  implementation (compiled or numpy) runs each hot loop; :mod:`r3_client._routing` and this
+  package both import them, downward.
 * :mod:`~r3_client.codec.frame` — constants, limits, the prefix, strict header fields,
   :func:`~r3_client.codec.frame.assemble_frame` (every frame's prefix, header, body, CRC).
 * :mod:`~r3_client.codec.inflate` — bounded zstd inflation (hostile bodies and tables).
@@ -56,7 +56,7 @@ Version 2 cuts the body into chunks (token blocks x layer groups), each with its
 and CRC in the header, and names the rollout's context (E, K, layers, the relabel table)
 by digest; a rollout's first frame, or a context frame, carries it.
 
-The hot loops run in the compiled ``r3_client.codec._r3codec`` when it is built, else in numpy
+The hot loops run in the compiled ``r3_client._kernels._r3codec`` when it is built, else in numpy
 (the reference; :func:`backend` says which, :func:`use_backend` switches for a block, and
 ``R3_CODEC_BACKEND=numpy`` switches it off for a process): the same bytes either way
 (docs/notes/native-codec.md).
@@ -68,8 +68,8 @@ it is smaller than ``set``, else ``set``; it falls back to ``raw`` when
 
 from __future__ import annotations
 
-from r3_client.codec._native import backend
-from r3_client.codec._native import use as use_backend
+from r3_client._kernels.native import backend
+from r3_client._kernels.native import use as use_backend
 from r3_client.codec.entry import decode_frame, encode_frame, read_header
 from r3_client.codec.frame import CODECS, FORMAT_VERSION, MAGIC, MAX_DECODED_BYTES, CodecName
 from r3_client.codec.header import Context, Frame, FrameHeader, content_digest

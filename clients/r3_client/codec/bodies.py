@@ -14,9 +14,9 @@ import numpy as np
 import numpy.typing as npt
 
 from r3_client._exceptions import CodecError, FormatError
+from r3_client._kernels import native as _native
+from r3_client._kernels.sortnet import sort_rows
 from r3_client._routing import canonical_rows, index_dtype
-from r3_client.codec import _native
-from r3_client.codec._sortnet import sort_rows
 from r3_client.codec.frame import TRIAL_ROWS, check_decoded_size, raw_dtype, zstd_compressor
 from r3_client.codec.inflate import inflate_exact
 from r3_client.codec.setrank import pack_bits, ranker, unpack_bits

@@ -20,6 +20,7 @@ import numpy.typing as npt
 import zstandard
 
 from r3_client._exceptions import CodecError, FormatError, FrameError, ShapeError
+from r3_client._kernels.sortnet import sort_rows
 from r3_client._routing import (
     Routing,
     Segment,
@@ -27,7 +28,6 @@ from r3_client._routing import (
     check_params,
     index_dtype,
 )
-from r3_client.codec._sortnet import sort_rows
 from r3_client.codec.frame import (
     FORMAT_VERSION,
     MAX_HEADER,

@@ -1,12 +1,12 @@
 """Which implementation runs the codec's hot loops: the compiled ``_r3codec`` or numpy.
 
 The numpy code in :mod:`r3_client.codec` is the reference and the fallback; the compiled
-module (``clients/r3_client/codec/_r3codec.c``, built by ``pip install`` / ``make bootstrap`` with
-the system compiler) computes the same bytes and arrays with the GIL released.  Each wrapper
-here returns ``None`` (or False) when the compiled module cannot take the call (not built,
-switched off, an input it does not handle, or input it refuses): the caller then runs the
-numpy reference, which also raises the exact exception for bad input, so both backends fail
-with the same error.
+module (``clients/r3_client/_kernels/_r3codec.c``, built by ``pip install`` / ``make
+bootstrap`` with the system compiler) computes the same bytes and arrays with the GIL
+released. Each wrapper here returns ``None`` (or False) when the compiled module cannot take
+the call (not built, switched off, an input it does not handle, or input it refuses): the
+caller then runs the numpy reference, which also raises the exact exception for bad input,
+so both backends fail with the same error.
 
 Chosen once at import:
 
@@ -71,14 +71,14 @@ def _load() -> tuple[ModuleType | None, str]:
     path = os.environ.get(LIBRARY_ENV)
     try:
         if path:
-            name = "r3_client.codec._r3codec"
+            name = "r3_client._kernels._r3codec"
             loader = importlib.machinery.ExtensionFileLoader(name, path)
             spec = importlib.util.spec_from_file_location(name, path, loader=loader)
             assert spec is not None
             mod = importlib.util.module_from_spec(spec)
             loader.exec_module(mod)
         else:
-            mod = importlib.import_module("r3_client.codec._r3codec")
+            mod = importlib.import_module("r3_client._kernels._r3codec")
     except (ImportError, OSError) as exc:
         reason = f"the compiled codec did not load ({exc})"
         _log.warning("r3_client: %s; using the numpy codec (slower)", reason)

@@ -38,6 +38,9 @@ Per-worker state (each worker is its own process):
   worker: a worker that did not write a rollout's first segment codes its rows with
   their own context (a little larger, same rows).
 - ``/r3/loop`` measures the event loop of the worker that answers it.
+
+At the package root, with the other entry points (``plugin``, ``launch_server``): it puts the
+hooks and start-up together, so a process package (``http_server``) may not hold it.
 """
 
 from __future__ import annotations
