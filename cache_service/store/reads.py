@@ -36,6 +36,7 @@ from r3_client.wire import (
     layer_positions,
     parse_chunk_field,
     slice_frame,
+    uncarried_contexts,
 )
 
 
@@ -51,6 +52,7 @@ class Chunked:
 Stored = bytes | Chunked
 #: A rollout's meta: E, K, MoE layer ids.
 Meta = tuple[int, int, tuple[int, ...]]
+
 
 #: Parsed headers of stored frames, shared by every namespace (keyed by content).
 _HEADERS = HeaderCache()
@@ -106,6 +108,7 @@ class StoreReads(StoreBase):
             # an older service, or planted, is not the rollout's).
             if view is not None and not await self._r.hexists(self.key(rollout_id), f"v:{view}"):
                 raise missing
+            ctx_names: list[bytes] = []  # contexts a ranged read asks for after the frames
             if start == 0 and end is None and layers is None and spans is None:
                 fields: dict[Any, Any] = await self._r.hgetall(key)
                 meta = fields.get(b"m")
@@ -121,7 +124,11 @@ class StoreReads(StoreBase):
                 )
                 meta = res[0] if res else None
                 stored_end = int(res[1]) if res else 0
-                names = res[2:]
+                # contexts later, and only those a continuation frame read needs and no
+                # frame read carries (a first frame's head carries its own: ~6 KB at the
+                # Qwen3 shape, sent twice per read before)
+                ctx_names = [n for n in res[2:] if n[:2] == b"c:"]
+                names = [n for n in res[2:] if n[:2] != b"c:"]
                 values: list[Any] = await self._r.hmget(key, names) if names else []
                 if any(v is None for v in values):
                     raise missing
@@ -147,6 +154,19 @@ class StoreReads(StoreBase):
                 elif is_frame_head(v):
                     value = Chunked(v, pieces.get((seg_start, seg_end), {}))
                 segments.append((seg_start, seg_end, value))
+            if ctx_names:
+                need: set[str] = set()
+                for lo, hi in want:  # each range is answered from its own segments
+                    need |= uncarried_contexts(
+                        (v.head, True) if isinstance(v, Chunked) else (v, False)
+                        for a, b, v in segments
+                        if b > lo and (hi is None or a < hi)
+                    )
+                wanted = [n for n in ctx_names if n[2:].decode() in need]
+                got_ctx = await self._r.hmget(key, wanted) if wanted else []
+                if any(v is None for v in got_ctx):
+                    raise missing
+                contexts.update((n[2:].decode(), v) for n, v in zip(wanted, got_ctx, strict=True))
         e, k, layer_ids = msgpack.unpackb(meta)
         return (e, k, tuple(layer_ids)), stored_end, segments, contexts
 
@@ -307,16 +327,22 @@ class StoreReads(StoreBase):
                 ctx = None
                 if hdr.context is not None and not hdr.base:
                     carried.add(hdr.context.digest)
+                    # a later continuation frame of this read resolves against it (a ranged
+                    # read fetches the stored context only when no frame read carries it)
+                    bases.setdefault(hdr.context.digest, hdr.context)
                 if hdr.version == 1:  # stored before format v2: whole, the reader trims
                     parts.append(frame)
                     continue
                 if hdr.base:
-                    raw = contexts.get(hdr.base)
-                    if raw is None:
-                        raise StoreError(
-                            f"rollout {rollout_id}: the context of segment [{a}, {b}) is missing"
-                        )
-                    ctx = bases.get(hdr.base) or Context.parse(raw, tables=False)
+                    ctx = bases.get(hdr.base)
+                    if ctx is None:
+                        raw = contexts.get(hdr.base)
+                        if raw is None:
+                            raise StoreError(
+                                f"rollout {rollout_id}: the context of segment [{a}, {b}) "
+                                "is missing"
+                            )
+                        ctx = Context.parse(raw, tables=False)
                     bases[hdr.base] = ctx
                     hdr = _HEADERS.header(frame, ctx, head=head)
                 if (hdr.start, hdr.end) != (a, b):

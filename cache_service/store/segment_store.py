@@ -34,6 +34,7 @@ from r3_client import (
 )
 from r3_client.wire import (
     BLOCK_ROWS,
+    STORED_BLOCK_ROWS,
     Context,
     FrameHeader,
     PutResult,
@@ -94,20 +95,28 @@ def _admits_anyone(acl_user: Any) -> bool:
 
 
 def _check_blocks(hdr: FrameHeader) -> None:
-    """A stored frame's blocks are ``BLOCK_ROWS`` rows each, the last maybe shorter.
+    """A stored frame's blocks are ``B`` rows each, the last maybe shorter, for one ``B`` of
+    ``STORED_BLOCK_ROWS`` (the writer's default, 512, and 2,048, what writers before issue 44
+    wrote).
 
-    The format lets a writer pick any block size; the store takes the default
-    only, so a header grows with its rows (a frame of one-row blocks has a header
-    as big as its body, parsed on every ranged read) and a ranged read never
-    returns more than one block's rows past what it asked for.
+    The format lets a writer pick any block size; the store takes these only, so a header
+    grows with its rows at a known rate (a frame of one-row blocks has a header as big as
+    its body, parsed on every ranged read) and a ranged read never returns more than one
+    block's rows past what it asked for at each end.
     """
     *full, last = hdr.blocks
-    if any(b != BLOCK_ROWS for b in full) or last > BLOCK_ROWS:
+    size = full[0] if full else None
+    if (
+        (size is not None and size not in STORED_BLOCK_ROWS)
+        or any(b != size for b in full)
+        or (last > (size or max(STORED_BLOCK_ROWS)))
+    ):
         shown = list(hdr.blocks[:4]) + (["…"] if len(hdr.blocks) > 4 else [])
+        sizes = " or ".join(str(b) for b in STORED_BLOCK_ROWS)
         raise FrameError(
-            f"a stored frame's blocks are {BLOCK_ROWS} rows each (the last may be shorter); "
-            f"this one has {len(hdr.blocks)} blocks {shown} for {hdr.num_rows} rows: "
-            "encode it with the default block_rows"
+            f"a stored frame's blocks are {sizes} rows each (the last may be shorter); this "
+            f"one has {len(hdr.blocks)} blocks {shown} for {hdr.num_rows} rows: encode it "
+            f"with the default block_rows ({BLOCK_ROWS})"
         )
 
 

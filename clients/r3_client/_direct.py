@@ -46,7 +46,7 @@ from r3_client._exceptions import (
     StoreUnavailableError,
 )
 from r3_client._routing import Routing, check_rollout_id
-from r3_client._stored import chunk_wanted, parse_chunk_field
+from r3_client._stored import chunk_wanted, parse_chunk_field, uncarried_contexts
 from r3_client._views import (
     RangeRead,
     ServedRouting,
@@ -254,9 +254,10 @@ class DirectReader:
         """The fields of the hashes at ``keys`` that ranged reads of ``wants`` need, and
         every hash's field names: ``HKEYS`` of the chunk, then an ``HMGET`` per hash of its
         segments overlapping a read (a chunked one's head and the chunks the reads' rows
-        and layers need: ``r3_client._stored``), its contexts and view registrations;
-        shared segments the same way in their blobs (two more round trips, only when a
-        hash references one).  Pipelined, so a cluster routes each command to its node."""
+        and layers need: ``r3_client._stored``) and view registrations; shared segments the
+        same way in their blobs (two more round trips, only when a hash references one);
+        then the contexts no frame read carries (:meth:`_read_contexts`).  Pipelined, so a
+        cluster routes each command to its node."""
         pipe = self._r.pipeline(transaction=False)
         for key in keys:
             pipe.hkeys(key)
@@ -290,7 +291,36 @@ class DirectReader:
                 pipe.hmget(blob, fields)
             for (n, f, _), fields, values in zip(refs, blob_fields, pipe.execute(), strict=True):
                 hashes[n][f] = _blob_value(dict(zip(fields, values, strict=True)), whole=False)
+        self._read_contexts(keys, hashes, all_names)
         return hashes, all_names
+
+    def _read_contexts(
+        self, keys: list[str], hashes: list[dict[bytes, Any]], names: list[list[bytes]]
+    ) -> None:
+        """Add to each ranged read's hash the stored contexts its continuation frames need
+        and no frame it read carries (one pipelined round trip, only when some hash needs
+        one: a read that touches a rollout's first segment has its context in its head)."""
+        asks: list[tuple[int, list[bytes]]] = []
+        for n, fields in enumerate(hashes):
+            frames = [
+                (v.head, True) if isinstance(v, Chunked) else (v, is_frame_head(v))
+                for f, v in fields.items()
+                if f[:2] == b"s:" and isinstance(v, bytes | Chunked)
+            ]
+            need = uncarried_contexts(frames) if frames else set()
+            wanted = [c for c in names[n] if c[:2] == b"c:" and c[2:].decode() in need]
+            if wanted:
+                asks.append((n, wanted))
+        if not asks:
+            return
+        pipe = self._r.pipeline(transaction=False)
+        for n, wanted in asks:
+            pipe.hmget(keys[n], wanted)
+        for (n, wanted), values in zip(asks, pipe.execute(), strict=True):
+            if any(v is None for v in values):
+                hashes[n] = {}  # deleted or rewound between the reads: not found
+            else:
+                hashes[n].update(zip(wanted, values, strict=True))
 
     def _read(self, keys: list[str]) -> list[dict[bytes, Any]]:
         """The hashes at ``keys`` (rollouts' or views'), shared segments resolved."""
@@ -461,7 +491,7 @@ class DirectReader:
             )  # fmt: skip
         try:
             cut = _cut_chunked(frames, start, end, layers)
-        except FormatError as exc:
+        except (FormatError, FrameError) as exc:
             raise StoreError(
                 f"rollout {rid}: the stored bytes of a segment are damaged ({exc})"
             ) from None
@@ -798,11 +828,11 @@ def _wanted_fields(
 ) -> list[bytes]:
     """The fields of a rollout hash a ranged read of ``spans`` and ``layers`` needs: the
     segments overlapping a span (each a frame, a chunked one's head or a blob reference),
-    their wanted chunks, the contexts and the view registrations."""
+    their wanted chunks and the view registrations."""
     out: list[bytes] = []
     for f in names:
         kind = f[:2]
-        if kind in (b"c:", b"v:"):
+        if kind == b"v:":  # contexts: after the frames, only those needed (_read_contexts)
             out.append(f)
         elif kind == b"s:":
             a, b = (int(x) for x in f.split(b":")[1:3])

@@ -18,9 +18,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from r3_client.codec import ChunkSpan
+from r3_client._exceptions import FormatError, FrameError
+from r3_client.codec import ChunkSpan, read_header
 
-__all__ = ["ChunkField", "chunk_field", "chunk_wanted", "parse_chunk_field", "segment_of"]
+__all__ = [
+    "ChunkField",
+    "chunk_field",
+    "chunk_wanted",
+    "parse_chunk_field",
+    "segment_of",
+    "uncarried_contexts",
+]
 
 #: The first two bytes of every chunk field.
 CHUNK_PREFIX = b"k:"
@@ -72,3 +80,24 @@ def chunk_wanted(
     if layers and (field.last_layer < min(layers) or field.first_layer > max(layers)):
         return False
     return any(a < field.end and (b is None or field.start < b) for a, b in spans)
+
+
+def uncarried_contexts(frames: Iterable[tuple[bytes, bool]]) -> set[str]:
+    """Digests of the contexts that the continuation frames among ``frames`` (each a frame,
+    or a head when its flag is set) name and that none of them carries: the ``c:<digest>``
+    fields a ranged read must fetch too (a first frame's head carries its own context, ~6
+    KB at the Qwen3 shape: fetching the field as well sent it twice).  Read from the headers
+    unchecked (the reader checks what it decodes); a header that does not parse names none
+    here and is refused where it is decoded."""
+    needed: set[str] = set()
+    carried: set[str] = set()
+    for raw, head in frames:
+        try:
+            hdr = read_header(raw, verify=False, head=head)
+        except (FormatError, FrameError):
+            continue
+        if hdr.base:
+            needed.add(hdr.base)
+        elif hdr.context is not None:
+            carried.add(hdr.context.digest)
+    return needed - carried

@@ -16,12 +16,13 @@ Frames
     ``frame_head``, ``join_frame``, ``chunk_spans``, ``needed_chunks``, ``ChunkSpan`` —
     a v3 frame as head and chunks, what the chunked store layout keeps (docs/store.md);
     ``chunk_field``, ``parse_chunk_field``, ``chunk_wanted``, ``ChunkField`` — the names
-    of its chunk fields, which the service and a direct reader share.
+    of its chunk fields, which the service and a direct reader share;
+    ``uncarried_contexts`` — the stored contexts a ranged read's frames need.
     ``FRAME_PREFIX`` — the fixed prefix's ``struct`` (magic, version, codec id,
     reserved, header length, body length); ``FRAME_PREFIX.size`` plus the header
     length is the span that identifies a frame's header.
-    ``BLOCK_ROWS`` — token rows per v2 block, the writer's default and the store's
-    cut unit.
+    ``BLOCK_ROWS`` — token rows per v2 block, the writer's default;
+    ``STORED_BLOCK_ROWS`` — the block sizes the store takes.
     ``check_chunks`` — verify a v2 frame's chunk CRCs without decoding it.
     ``layer_positions`` — where requested layer ids sit in a routing's layer list.
     ``MAX_LAYER_ID`` — the largest layer id a frame may name.
@@ -51,7 +52,13 @@ from r3_client._answers import PROTO_MESSAGES, PutResult, RolloutInfo, SegmentIn
 from r3_client._exceptions import quote_items
 from r3_client._lazy import lazy_attributes
 from r3_client._routing import MAX_LAYER_ID, layer_positions
-from r3_client._stored import ChunkField, chunk_field, chunk_wanted, parse_chunk_field
+from r3_client._stored import (
+    ChunkField,
+    chunk_field,
+    chunk_wanted,
+    parse_chunk_field,
+    uncarried_contexts,
+)
 from r3_client.codec import (
     ChunkSpan,
     Context,
@@ -65,7 +72,7 @@ from r3_client.codec import (
     read_header,
     slice_frame,
 )
-from r3_client.codec.frame import BLOCK_ROWS, is_context_frame, is_frame_head
+from r3_client.codec.frame import BLOCK_ROWS, STORED_BLOCK_ROWS, is_context_frame, is_frame_head
 from r3_client.codec.frame import PREFIX as FRAME_PREFIX
 from r3_client.codec.stream import (
     FRAME_MEDIA_TYPE,
@@ -101,6 +108,7 @@ __all__ = [
     "FRAME_PREFIX",
     "MAX_LAYER_ID",
     "PROTO_MESSAGES",
+    "STORED_BLOCK_ROWS",
     "STREAM_MEDIA_TYPE",
     "ChunkField",
     "ChunkSpan",
@@ -138,4 +146,5 @@ __all__ = [
     "stream_header",
     "to_message",
     "to_plain",
+    "uncarried_contexts",
 ]

@@ -53,7 +53,9 @@ def _segment(lo: int, hi: int, weights: str) -> Segment:
 def _frames(version: int, weights: str = "w1") -> tuple[bytes, bytes]:
     """The rollout's two segments: rows ``[0, N)`` with its context, ``[N, M)`` continuing it
     (``weights``: their weight version, which decides which rollouts share a blob)."""
-    kw = {"num_experts": E, "layer_ids": LAYERS, "version": version}
+    # 2,048-row blocks (a size the store takes; the writer's default is 512 since issue 44):
+    # the damage below is placed by that grid
+    kw = {"num_experts": E, "layer_ids": LAYERS, "version": version, "block_rows": 2048}
     first = encode_frame(ROWS[:N], segment=_segment(0, N, weights), **kw)  # type: ignore[arg-type]
     own = read_header(first).context
     assert own is not None

@@ -33,7 +33,7 @@ from tests.support.service_process import KEY_A, Service, start_service, url_of
 
 E, K = 64, 4
 LAYERS = tuple(range(1, 17))  # 16 MoE layers: 8 groups of 2
-N = 6000  # rows: blocks [0, 2048), [2048, 4096), [4096, 6000)
+N = 6000  # rows: 12 blocks of the default 512 rows (the last 368)
 ROWS = synthetic_routing(N + 3000, len(LAYERS), E, K, skew=1.0, rho=0.7, seed=11)
 
 
@@ -77,12 +77,12 @@ def test_a_v3_segment_is_stored_as_head_and_chunks(svc: Service) -> None:
     head = fields[f"s:0:{N}".encode()]
     assert is_frame_head(head)
     hdr = read_header(head, head=True)
-    assert len(hdr.blocks) == 3 and len(hdr.groups) == 8
+    assert len(hdr.blocks) == 12 and len(hdr.groups) == 8
     chunks = [p for f in fields if (p := parse_chunk_field(f)) is not None]
     mine = sorted((c for c in chunks if (c.seg_start, c.seg_end) == (0, N)), key=lambda c: c.index)
-    assert [c.index for c in mine] == list(range(24))
+    assert [c.index for c in mine] == list(range(96))
     assert (mine[9].start, mine[9].end, mine[9].first_layer, mine[9].last_layer) == (
-        2048, 4096, 3, 4,
+        512, 1024, 3, 4,
     )  # fmt: skip
     # the head and the chunks are the frame, byte for byte
     frame = head[:-4] + b"".join(fields[_name(fields, c)] for c in mine) + head[-4:]
@@ -176,7 +176,7 @@ def test_shared_prompts_and_views_read_from_chunks(svc: Service) -> None:
             blob = conn.hget(f"r3:tenant-a:{{{a}}}", "s:0:4200")
             assert isinstance(blob, bytes) and blob[:1] == b"@"
             blob_fields = conn.hkeys(blob[1:].decode())
-            assert sum(parse_chunk_field(f) is not None for f in blob_fields) == 24
+            assert sum(parse_chunk_field(f) is not None for f in blob_fields) == 9 * 8
             assert is_frame_head(conn.hget(blob[1:].decode(), "f"))
         finally:
             conn.close()
@@ -219,9 +219,9 @@ def test_redis_sends_a_rank_only_its_chunks(
     with RoutingClient(svc.http_url, api_key=KEY_A) as client:
         client.put(r, frame)
         stored = client.stat(r).stored_bytes
-        # rows [0, 2048) and layers 1-4: 1 block of 3, 2 groups of 8 (1/12 of the chunks)
+        # rows [0, 2048) and layers 1-4: 4 blocks of 12, 2 groups of 8 (1/12 of the chunks)
         share = sum(
-            c[0] for i, c in enumerate(read_header(frame).chunks) if i // 8 == 0 and i % 8 < 2
+            c[0] for i, c in enumerate(read_header(frame).chunks) if i // 8 < 4 and i % 8 < 2
         )
         before = _redis_sent(redis_single.url)
         got = client.get(r, start=0, end=2048, layers=[1, 2, 3, 4])
@@ -234,8 +234,14 @@ def test_redis_sends_a_rank_only_its_chunks(
         assert same_sets(direct.indices, ROWS[:2048, :4])  # type: ignore[union-attr]
     hdr = read_header(frame)
     head = hdr.frame_length - hdr.body_length  # prefix, header, trailer
-    for sent in (relay_sent, direct_sent):
-        assert sent < share + head + 4096, (sent, share, stored)  # names, replies' framing
+    conn = redis.Redis.from_url(redis_single.url)
+    try:  # what HKEYS sends a direct reader: every field name of the hash, RESP-framed
+        listing = sum(len(f) + 8 for f in conn.hkeys(f"r3:tenant-a:{{{r}}}"))
+    finally:
+        conn.close()
+    # the service names the chunks in a script; a direct reader lists every field name
+    for how, sent in (("relay", relay_sent), ("direct", direct_sent - listing)):
+        assert sent < share + head + 4096, (how, sent, share, head, listing)  # framing
         assert sent < stored / 8
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "MAX_TABLE_ENTRIES",
     "MIN_GROUPED",
     "PREFIX",
+    "STORED_BLOCK_ROWS",
     "TRIAL_ROWS",
     "CodecName",
     "assemble_frame",
@@ -85,8 +86,15 @@ MAX_DECLARED_ENTRIES: Final = 1 << 34
 MAX_TABLE_ENTRIES: Final = 1 << 22
 
 
-#: v2 encoder defaults: token rows per block, and at most this many layer groups.
-BLOCK_ROWS: Final = 2048
+#: v2 encoder defaults: token rows per block, and at most this many layer groups.  512 since
+#: issue 44 (2,048 before): a CP rank's zigzag range of a 16k-token sample then reads at most
+#: 1.1x its share from the chunked store, for +0.8% bytes on skewed routing
+#: (bench/block_size_bench.py, docs/benchmarks.md "Block size").
+BLOCK_ROWS: Final = 512
+
+#: The block sizes the reference store takes (every block but the last that many rows): the
+#: writer's default and 2,048, what writers before issue 44 wrote.
+STORED_BLOCK_ROWS: Final = (512, 2048)
 
 
 LAYER_GROUPS: Final = 8
