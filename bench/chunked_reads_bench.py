@@ -30,22 +30,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import redis  # noqa: E402
 
 from cache_service.redis_proc import RedisProcess, free_port  # noqa: E402
 from r3_client import DirectReader, RoutingClient, Segment, encode_frame  # noqa: E402
 from r3_client.synthetic import synthetic_routing  # noqa: E402
 from tests.support.service_process import DIRECT_READS, KEY_A, start_service  # noqa: E402
+from tests.support.stored import redis_sent  # noqa: E402
 
 LAYERS, E, K = 48, 128, 8
-
-
-def sent(url: str) -> int:
-    conn = redis.Redis.from_url(url)
-    try:
-        return int(conn.info("stats")["total_net_output_bytes"])
-    finally:
-        conn.close()
 
 
 def rank_reads(ids: list[str], rows: int, cp: int, c: int) -> list[tuple[str, int, int]]:
@@ -110,13 +102,13 @@ def main() -> None:
                                     layers = list(range(s * per, (s + 1) * per))
                                     for c in range(args.cp):
                                         reads = rank_reads(ids, rows, args.cp, c)
-                                        before = sent(redis_proc.url)
+                                        before = redis_sent(redis_proc.url)
                                         src: Any = reader if reader is not None else client
                                         for _ in src.get_ranges(
                                             reads, layers=layers, view="generated"
                                         ):
                                             pass
-                                        total += sent(redis_proc.url) - before
+                                        total += redis_sent(redis_proc.url) - before
                             finally:
                                 if reader is not None:
                                     reader.close()

@@ -81,6 +81,7 @@ from r3_client.synthetic import synthetic_routing  # noqa: E402
 from tests.support.counting import Counting  # noqa: E402
 from tests.support.memory import reset_peak, rss_mib  # noqa: E402
 from tests.support.service_process import KEY_A, start_service  # noqa: E402
+from tests.support.stored import redis_sent  # noqa: E402
 
 LAYERS, E, K = 48, 128, 8  # Qwen3-30B-A3B
 BASES = 8  # distinct synthetic rollouts per distribution; the others relabel their experts
@@ -302,17 +303,6 @@ def local_world(url: str, jobs: list[Job], args: argparse.Namespace) -> list[dic
     return results
 
 
-def redis_out_bytes(redis_url: str) -> int:
-    """Bytes Redis has sent to its clients so far (``INFO stats``)."""
-    import redis
-
-    r = redis.Redis.from_url(redis_url)
-    try:
-        return int(r.info("stats")["total_net_output_bytes"])
-    finally:
-        r.close()
-
-
 def one_distribution(
     url: str, redis_url: str, name: str, skew: float, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -322,15 +312,15 @@ def one_distribution(
     with RoutingClient(url, api_key=KEY_A) as client:
         stored = [client.stat(r).stored_bytes for r in ids]
     stored_total = sum(stored)
-    r0 = redis_out_bytes(redis_url)
+    r0 = redis_sent(redis_url)
     whole = run_proc(whole_step, url, ids, args.tokens)
-    r1 = redis_out_bytes(redis_url)
+    r1 = redis_sent(redis_url)
     whole["redis_out_over_stored"] = (r1 - r0) / stored_total
     print(f"[{name}] whole step: {whole}", flush=True)
     driver = run_proc(driver_local, url, ids, args.tokens)
     plain: list[Sample] = [(rid, PROMPT, args.tokens - PROMPT, None) for rid in ids]
     ranks = local_world(url, rank_jobs(plain, args), args)
-    redis_local = (redis_out_bytes(redis_url) - r1) / stored_total
+    redis_local = (redis_sent(redis_url) - r1) / stored_total
     rows_total = args.rollouts * (args.tokens - 1)
     per_row_layer = stored_total / rows_total / LAYERS
     for r in ranks:

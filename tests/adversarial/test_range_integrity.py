@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 import msgpack
 import numpy as np
 import pytest
-import redis
 
 from r3_client import (
     AsyncRoutingClient,
@@ -38,7 +37,7 @@ from r3_client.codec.frame import PREFIX
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import rid, same_sets
 from tests.support.service_process import KEY_A, Service, url_of
-from tests.support.stored import read_stored, write_stored
+from tests.support.stored import admin_redis, read_stored, write_stored
 
 E, K, LAYERS = 64, 4, (1, 3, 5, 7)
 N, M = 5000, 5600  # [0, N): three blocks of rows by four layer groups; [N, M) continues it
@@ -76,24 +75,12 @@ def _store(svc: Service, *, version: int = 3, whole: bool = True) -> str:
     return r
 
 
-def _redis(svc: Service) -> redis.Redis | redis.RedisCluster:
-    """An admin connection to the service's Redis (a bad disk or a tenant's write path)."""
-    probe = redis.Redis.from_url(svc.redis_url)
-    try:
-        clustered = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
-    finally:
-        probe.close()
-    if clustered:
-        return redis.RedisCluster.from_url(svc.redis_url)
-    return redis.Redis.from_url(svc.redis_url)
-
-
 def _plant(
     svc: Service, r: str, field: str, damage: Callable[[bytes], bytes], *, in_field: bool = False
 ) -> None:
     """Replace the stored bytes of ``field`` of rollout ``r`` with ``damage(stored)``: where
     they lie (a shared segment's blob), or written into the field itself (``in_field``)."""
-    conn = _redis(svc)
+    conn = admin_redis(svc.redis_url)
     try:
         key, at = f"r3:tenant-a:{{{r}}}", field
         ref = conn.hget(key, field)

@@ -30,6 +30,7 @@ from r3_client.synthetic import synthetic_routing
 from r3_client.wire import is_frame_head, parse_chunk_field
 from tests.support.frames import rid, same_sets
 from tests.support.service_process import KEY_A, Service, start_service, url_of
+from tests.support.stored import admin_redis, redis_sent
 
 E, K = 64, 4
 LAYERS = tuple(range(1, 17))  # 16 MoE layers: 8 groups of 2
@@ -48,15 +49,6 @@ def _cont(r: str, first: bytes, a: int, b: int) -> bytes:
     return encode_frame(ROWS[a:b], num_experts=E, layer_ids=LAYERS, segment=seg, base=ctx)
 
 
-def _admin(svc: Service) -> redis.Redis | redis.RedisCluster:
-    probe = redis.Redis.from_url(svc.redis_url)
-    try:
-        clustered = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
-    finally:
-        probe.close()
-    return (redis.RedisCluster if clustered else redis.Redis).from_url(svc.redis_url)
-
-
 def _agent(svc: Service) -> str:
     """A two-turn agent: a first frame [0, N) and a continuation [N, N + 2500)."""
     r = rid()
@@ -69,7 +61,7 @@ def _agent(svc: Service) -> str:
 
 def test_a_v3_segment_is_stored_as_head_and_chunks(svc: Service) -> None:
     r = _agent(svc)
-    conn = _admin(svc)
+    conn = admin_redis(svc.redis_url)
     try:
         fields = conn.hgetall(f"r3:tenant-a:{{{r}}}")
     finally:
@@ -171,7 +163,7 @@ def test_shared_prompts_and_views_read_from_chunks(svc: Service) -> None:
             assert same_sets(got_a.indices, ROWS[100:2200][:, cols])  # type: ignore[union-attr]
             assert same_sets(reader.get(a).indices, ROWS[:4200])
         # the blob holds the head and the chunks
-        conn = _admin(svc)
+        conn = admin_redis(svc.redis_url)
         try:
             blob = conn.hget(f"r3:tenant-a:{{{a}}}", "s:0:4200")
             assert isinstance(blob, bytes) and blob[:1] == b"@"
@@ -185,7 +177,7 @@ def test_shared_prompts_and_views_read_from_chunks(svc: Service) -> None:
 def test_rewind_and_delete_leave_no_chunk_behind(svc: Service) -> None:
     r = _agent(svc)
     key = f"r3:tenant-a:{{{r}}}"
-    conn = _admin(svc)
+    conn = admin_redis(svc.redis_url)
     with RoutingClient(svc.http_url, api_key=KEY_A) as client:
         try:
             client.rewind(r, rows=N)
@@ -196,14 +188,6 @@ def test_rewind_and_delete_leave_no_chunk_behind(svc: Service) -> None:
             assert conn.exists(key) == 0
         finally:
             conn.close()
-
-
-def _redis_sent(url: str) -> int:
-    conn = redis.Redis.from_url(url)
-    try:
-        return int(conn.info("stats")["total_net_output_bytes"])
-    finally:
-        conn.close()
 
 
 def test_redis_sends_a_rank_only_its_chunks(
@@ -223,14 +207,14 @@ def test_redis_sends_a_rank_only_its_chunks(
         share = sum(
             c[0] for i, c in enumerate(read_header(frame).chunks) if i // 8 < 4 and i % 8 < 2
         )
-        before = _redis_sent(redis_single.url)
+        before = redis_sent(redis_single.url)
         got = client.get(r, start=0, end=2048, layers=[1, 2, 3, 4])
-        relay_sent = _redis_sent(redis_single.url) - before
+        relay_sent = redis_sent(redis_single.url) - before
         assert same_sets(got.indices, ROWS[:2048, :4])
     with DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader:
-        before = _redis_sent(redis_single.url)
+        before = redis_sent(redis_single.url)
         direct = dict(reader.get_ranges([(r, 0, 2048)], layers=[1, 2, 3, 4]))[r]
-        direct_sent = _redis_sent(redis_single.url) - before
+        direct_sent = redis_sent(redis_single.url) - before
         assert same_sets(direct.indices, ROWS[:2048, :4])  # type: ignore[union-attr]
     hdr = read_header(frame)
     head = hdr.frame_length - hdr.body_length  # prefix, header, trailer

@@ -1,4 +1,5 @@
-"""Stored frames as a test reaches them in Redis: whole (one field) or chunked (the head in
+"""Redis as a test or benchmark reaches it (an admin connection, the bytes Redis sent), and
+stored frames as found there: whole (one field) or chunked (the head in
 the segment's field, a field per chunk: docs/store.md, "Layout"), read as one frame and
 written back in the layout they were found in (damage planted at rest)."""
 
@@ -6,8 +7,30 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
+
 from r3_client import read_header
 from r3_client.wire import is_frame_head, parse_chunk_field
+
+
+def admin_redis(url: str) -> redis.Redis | redis.RedisCluster:
+    """An admin connection to the Redis (or the Redis Cluster a node of which) is at ``url``:
+    what a bad disk or a tenant's write path would touch."""
+    probe = redis.Redis.from_url(url)
+    try:
+        clustered = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+    finally:
+        probe.close()
+    return (redis.RedisCluster if clustered else redis.Redis).from_url(url)
+
+
+def redis_sent(url: str) -> int:
+    """Bytes the Redis at ``url`` has sent its clients so far (``INFO stats``)."""
+    conn = redis.Redis.from_url(url)
+    try:
+        return int(conn.info("stats")["total_net_output_bytes"])
+    finally:
+        conn.close()
 
 
 def read_stored(conn: Any, key: str, field: str) -> tuple[bytes, list[tuple[bytes, int, int]]]:
