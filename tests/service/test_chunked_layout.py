@@ -21,8 +21,10 @@ from cache_service.redis_proc import RedisProcess
 from r3_client import (
     Context,
     DirectReader,
+    R3Error,
     RoutingClient,
     Segment,
+    StoreError,
     encode_frame,
     read_header,
 )
@@ -258,3 +260,48 @@ def test_rollouts_stored_whole_are_read_by_a_chunked_service(
             assert same_sets(got.indices, ROWS[5000:8000][:, [15]])  # type: ignore[union-attr]
     finally:
         old.stop()
+
+
+def test_a_missing_chunk_is_refused_by_every_reader(svc: Service) -> None:
+    """A chunk field gone at rest (a bad restore, an operator's HDEL): every read that needs
+    it is a StoreError naming the rollout, never rows; reads that do not need it still
+    answer."""
+    r = _agent(svc)
+    key = f"r3:tenant-a:{{{r}}}"
+    conn = admin_redis(svc.redis_url)
+    try:
+        gone = next(
+            f
+            for f in conn.hkeys(key)
+            if (c := parse_chunk_field(f)) is not None and c.seg_end == N and c.start == 1024
+        )
+        conn.hdel(key, gone)
+    finally:
+        conn.close()
+    with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+        for read in (
+            lambda: client.get(r),
+            lambda: client.get(r, start=1000, end=1100),
+            lambda: dict(client.get_ranges([(r, 1000, 1100)]))[r],
+        ):
+            got = _try(read)
+            assert isinstance(got, StoreError) and r in str(got), got
+        assert same_sets(client.get(r, start=3000, end=3100).indices, ROWS[3000:3100])
+    with DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader:
+        for read in (
+            lambda: reader.get(r),
+            lambda: dict(reader.get_ranges([(r, 1000, 1100)], return_errors=True))[r],
+        ):
+            got = _try(read)
+            assert isinstance(got, R3Error), got
+        assert same_sets(
+            dict(reader.get_ranges([(r, 3000, 3100)]))[r].indices,  # type: ignore[union-attr]
+            ROWS[3000:3100],
+        )
+
+
+def _try(read: object) -> object:
+    try:
+        return read()  # type: ignore[operator]
+    except R3Error as exc:
+        return exc
