@@ -56,8 +56,9 @@ def _frame() -> bytes:
     idx = synthetic_routing(ROWS, len(LAYERS), E, K, skew=1.0, seed=11)
     seg = Segment(0, ROWS, "bomb-chunk", "v1", token_digest(range(ROWS + 1)))
     frame = encode_frame(
-        idx, num_experts=E, layer_ids=LAYERS, segment=seg, codec="set-zstd", layer_groups=1
-    )
+        idx, num_experts=E, layer_ids=LAYERS, segment=seg, codec="set-zstd", layer_groups=1,
+        block_rows=2048,  # one chunk (a block size the store takes; the default is 512)
+    )  # fmt: skip
     hdr = read_header(frame)
     assert len(hdr.chunks) == 1
     return frame
