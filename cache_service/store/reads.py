@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -24,6 +23,7 @@ from r3_client import (
     StoreError,
 )
 from r3_client.wire import (
+    Chunked,
     Context,
     RolloutInfo,
     SegmentInfo,
@@ -38,15 +38,6 @@ from r3_client.wire import (
     slice_frame,
     uncarried_contexts,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Chunked:
-    """A segment stored chunked: its frame's head and the chunks read, by index."""
-
-    head: bytes
-    pieces: dict[int, bytes]
-
 
 #: A segment as read: its frame, or its head and chunks (the chunked layout).
 Stored = bytes | Chunked

@@ -46,7 +46,7 @@ from r3_client._exceptions import (
     StoreUnavailableError,
 )
 from r3_client._routing import Routing, check_rollout_id
-from r3_client._stored import chunk_wanted, parse_chunk_field, uncarried_contexts
+from r3_client._stored import Chunked, chunk_wanted, parse_chunk_field, uncarried_contexts
 from r3_client._views import (
     RangeRead,
     ServedRouting,
@@ -87,16 +87,6 @@ class _Read:
     frames: list[bytes | Chunked]
     stored_end: int = 0  # one past the last stored row
     views: tuple[ViewInfo, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Chunked:
-    """A segment stored chunked (docs/store.md, "Layout") as a ranged read fetched it: its
-    frame's head and the chunks the read's rows and layers need, by index; cut into a
-    frame of those rows (:func:`~r3_client.codec.slice_frame`) when a read decodes it."""
-
-    head: bytes
-    pieces: dict[int, bytes]
 
 
 #: What a ranged read fetches of one rollout: the rows of its reads and the layers read.

@@ -23,15 +23,25 @@ from r3_client.codec import ChunkSpan, read_header
 
 __all__ = [
     "ChunkField",
+    "Chunked",
     "chunk_field",
     "chunk_wanted",
     "parse_chunk_field",
-    "segment_of",
     "uncarried_contexts",
 ]
 
 #: The first two bytes of every chunk field.
 CHUNK_PREFIX = b"k:"
+
+
+@dataclass(frozen=True, slots=True)
+class Chunked:
+    """A segment stored chunked, as a read fetched it: its frame's head and the chunks read,
+    by index (all of them for a whole read); cut or joined into a frame where it is
+    answered (``slice_frame(pieces=…)``)."""
+
+    head: bytes
+    pieces: dict[int, bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +73,6 @@ def parse_chunk_field(name: bytes) -> ChunkField | None:
     if len(parts) != 7 or not all(p.isdigit() for p in parts):
         return None
     return ChunkField(*(int(p) for p in parts))
-
-
-def segment_of(name: bytes) -> tuple[int, int] | None:
-    """The segment ``(a, b)`` a chunk field belongs to, or None for another field."""
-    got = parse_chunk_field(name)
-    return None if got is None else (got.seg_start, got.seg_end)
 
 
 def chunk_wanted(

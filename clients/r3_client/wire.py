@@ -16,7 +16,8 @@ Frames
     ``frame_head``, ``join_frame``, ``chunk_spans``, ``needed_chunks``, ``ChunkSpan`` —
     a v3 frame as head and chunks, what the chunked store layout keeps (docs/store.md);
     ``chunk_field``, ``parse_chunk_field``, ``chunk_wanted``, ``ChunkField`` — the names
-    of its chunk fields, which the service and a direct reader share;
+    of its chunk fields, which the service and a direct reader share; ``Chunked`` — a
+    segment read as head and chunks;
     ``uncarried_contexts`` — the stored contexts a ranged read's frames need.
     ``FRAME_PREFIX`` — the fixed prefix's ``struct`` (magic, version, codec id,
     reserved, header length, body length); ``FRAME_PREFIX.size`` plus the header
@@ -53,6 +54,7 @@ from r3_client._exceptions import quote_items
 from r3_client._lazy import lazy_attributes
 from r3_client._routing import MAX_LAYER_ID, layer_positions
 from r3_client._stored import (
+    Chunked,
     ChunkField,
     chunk_field,
     chunk_wanted,
@@ -112,6 +114,7 @@ __all__ = [
     "STREAM_MEDIA_TYPE",
     "ChunkField",
     "ChunkSpan",
+    "Chunked",
     "Context",
     "FrameHeader",
     "GrpcTransport",
