@@ -88,13 +88,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.step_fetch_bench import LAYERS, make_step, redis_out_bytes  # noqa: E402
+from bench.step_fetch_bench import LAYERS, make_step  # noqa: E402
 from cache_service.redis_proc import RedisProcess, free_port  # noqa: E402
 from r3_client import DirectReader, RoutingClient  # noqa: E402
 from r3_client.layouts import MegatronReplayBatch  # noqa: E402
 from r3_client.rank_local import RangeSource, fetch_megatron_rank_batch, prefetched  # noqa: E402
 from tests.support.counting import Counting  # noqa: E402
 from tests.support.service_process import DIRECT_READS, KEY_A, start_service  # noqa: E402
+from tests.support.stored import redis_sent  # noqa: E402
 
 #: The rank: Megatron pp_rank 0 of pp2, cp_rank 0 of cp2, tp_rank 0 of tp2 with SP.
 PP, CP, TP = 2, 2, 2
@@ -173,7 +174,7 @@ def fetch_alone(
     for mb in micro[:1]:  # warm the connections
         fetch(mb)
     spans: list[float] = []
-    r0 = redis_out_bytes(redis_url)
+    r0 = redis_sent(redis_url)
     if name != "direct":
         counted.bytes = counted.view_bytes = 0
     n = 0
@@ -185,7 +186,7 @@ def fetch_alone(
             spans.append(time.perf_counter() - t0)
             held = sum(a.nbytes for a in got.per_layer)
             n += 1
-    redis_bytes = (redis_out_bytes(redis_url) - r0) / n
+    redis_bytes = (redis_sent(redis_url) - r0) / n
     return {
         "median_ms": statistics.median(spans) * 1e3,
         "min_ms": min(spans) * 1e3,

@@ -19,6 +19,7 @@ fields, never reorder or remove them (that would renumber the wire format).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -30,6 +31,7 @@ T = TypeVar("T")
 __all__ = ["from_message", "from_plain", "proto_messages", "to_message", "to_plain"]
 
 
+@functools.cache  # (type objects: a handful, read per field of every answer)
 def _optional(tp: Any) -> tuple[bool, Any]:
     """``(True, X)`` for ``X | None``, else ``(False, tp)``."""
     if get_origin(tp) in (Union, types.UnionType):
@@ -39,7 +41,11 @@ def _optional(tp: Any) -> tuple[bool, Any]:
     return False, tp
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    """``cls``'s resolved field types, once per class: resolving them evaluates the
+    annotations' strings (``compile``), which a stat of a thousand rollouts did per
+    record, holding the GIL a training loop needs."""
     return get_type_hints(cls)
 
 

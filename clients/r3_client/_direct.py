@@ -46,7 +46,12 @@ from r3_client._exceptions import (
     StoreUnavailableError,
 )
 from r3_client._routing import Routing, check_rollout_id
-from r3_client._stored import Chunked, chunk_wanted, parse_chunk_field, uncarried_contexts
+from r3_client._stored import (
+    Chunked,
+    parse_chunk_field,
+    uncarried_contexts,
+    wanted_chunks,
+)
 from r3_client._views import (
     RangeRead,
     ServedRouting,
@@ -276,7 +281,7 @@ class DirectReader:
             blob_fields = []
             for (n, _, blob), bn in zip(refs, blob_names, strict=True):
                 spans, layers = wants[n]
-                fields = [b"f", *(f for f in bn if _chunk_wanted(f, spans, layers))]
+                fields = [b"f", *wanted_chunks(bn, spans, layers)]
                 blob_fields.append(fields)
                 pipe.hmget(blob, fields)
             for (n, f, _), fields, values in zip(refs, blob_fields, pipe.execute(), strict=True):
@@ -805,20 +810,12 @@ def _blob_value(fields: dict[bytes, Any], *, whole: bool = True) -> bytes | Chun
     return _whole(got_chunks) if whole else got_chunks
 
 
-def _chunk_wanted(
-    name: bytes, spans: Sequence[tuple[int, int]], layers: Sequence[int] | None
-) -> bool:
-    """Whether chunk field ``name`` holds rows of ``spans`` in ``layers``."""
-    got = parse_chunk_field(name)
-    return got is not None and chunk_wanted(got, spans, layers)
-
-
 def _wanted_fields(
     names: Sequence[bytes], spans: Sequence[tuple[int, int]], layers: Sequence[int] | None
 ) -> list[bytes]:
     """The fields of a rollout hash a ranged read of ``spans`` and ``layers`` needs: the
     segments overlapping a span (each a frame, a chunked one's head or a blob reference),
-    their wanted chunks and the view registrations."""
+    the view registrations, then their wanted chunks (:func:`wanted_chunks`)."""
     out: list[bytes] = []
     for f in names:
         kind = f[:2]
@@ -828,9 +825,7 @@ def _wanted_fields(
             a, b = (int(x) for x in f.split(b":")[1:3])
             if any(a < e and s < b for s, e in spans):
                 out.append(f)
-        elif kind == b"k:" and _chunk_wanted(f, spans, layers):
-            out.append(f)
-    return out
+    return out + wanted_chunks(names, spans, layers)
 
 
 def _context_in_segment(fields: dict[bytes, Any]) -> str | None:

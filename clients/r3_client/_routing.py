@@ -15,7 +15,7 @@ project treats rows as sets.
 from __future__ import annotations
 
 import hashlib
-import itertools
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -183,13 +183,20 @@ class Segment:
 
 
 def check_layer_ids(layer_ids: Sequence[int]) -> tuple[int, ...]:
+    """``layer_ids`` as a tuple of ints, checked: non-empty, non-negative, strictly
+    increasing, at most :data:`MAX_LAYER_ID`.  Called for every header a reader parses,
+    so the common case (plain ints) is checked by C-level iteration (``map``), not a
+    Python loop per id."""
     ids = tuple(layer_ids)
     if not ids:
         raise ShapeError("layer_ids must name at least one MoE layer")
-    if not all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in ids):
+    if set(map(type, ids)) == {int}:
+        out = ids
+    elif all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in ids):
+        out = tuple(map(int, ids))
+    else:
         raise ShapeError("layer_ids must be integers")
-    out = tuple(int(i) for i in ids)
-    if out[0] < 0 or any(b <= a for a, b in itertools.pairwise(out)):
+    if out[0] < 0 or not all(map(operator.lt, out, out[1:])):
         raise ShapeError(
             f"layer_ids must be non-negative and strictly increasing, got {quote_items(out)}"
         )

@@ -15,8 +15,12 @@ script ``segment_fields.lua`` applies the same rule as :func:`chunk_wanted`.
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from r3_client._exceptions import FormatError, FrameError
 from r3_client.codec import ChunkSpan, read_header
@@ -28,6 +32,7 @@ __all__ = [
     "chunk_wanted",
     "parse_chunk_field",
     "uncarried_contexts",
+    "wanted_chunks",
 ]
 
 #: The first two bytes of every chunk field.
@@ -66,11 +71,12 @@ def chunk_field(seg_start: int, seg_end: int, span: ChunkSpan) -> str:
 
 
 def parse_chunk_field(name: bytes) -> ChunkField | None:
-    """``name`` parsed, or None when it is not a well-formed chunk field."""
+    """``name`` parsed, or None when it is not a well-formed chunk field (seven numbers of
+    at most 18 digits: no row or layer id comes near, and each fits an int64)."""
     if name[:2] != CHUNK_PREFIX:
         return None
     parts = name[2:].split(b":")
-    if len(parts) != 7 or not all(p.isdigit() for p in parts):
+    if len(parts) != 7 or not all(p.isdigit() and len(p) <= 18 for p in parts):
         return None
     return ChunkField(*(int(p) for p in parts))
 
@@ -84,6 +90,41 @@ def chunk_wanted(
     if layers and (field.last_layer < min(layers) or field.first_layer > max(layers)):
         return False
     return any(a < field.end and (b is None or field.start < b) for a, b in spans)
+
+
+#: Chunk field names without their ``k:``, each followed by a newline: seven numbers of
+#: at most 18 digits each (so every one fits an int64).
+_CHUNK_LINES = re.compile(rb"(?:\d{1,18}(?::\d{1,18}){6}\n)*")
+
+
+def wanted_chunks(
+    names: Sequence[bytes], spans: Sequence[tuple[int, int | None]], layers: Sequence[int] | None
+) -> list[bytes]:
+    """The chunk fields among ``names`` that :func:`chunk_wanted` keeps for ``spans`` and
+    ``layers``; other names are dropped.
+
+    What a direct reader filters a rollout hash's ``HKEYS`` with (a 16k-token segment has
+    ~250 chunk fields): the names checked by one regular expression and their numbers
+    parsed and compared by numpy, rather than a Python call per name, so the filter
+    holds the GIL a training loop needs for tens of microseconds."""
+    chunks = [n for n in names if n[:2] == CHUNK_PREFIX]
+    if not chunks:
+        return []
+    text = b"\n".join([n[2:] for n in chunks]) + b"\n"
+    if _CHUNK_LINES.fullmatch(text) is None:  # a malformed name among them: one at a time
+        return [n for n in chunks if (f := parse_chunk_field(n)) and chunk_wanted(f, spans, layers)]
+    # (numpy's text parser: a tenth of the time of a list of ints; the regex vouched for it)
+    nums = np.fromstring(text.replace(b"\n", b":")[:-1], dtype=np.int64, sep=":")
+    if nums.size != 7 * len(chunks):
+        raise AssertionError("chunk field names parsed to the wrong count")
+    nums = nums.reshape(-1, 7)
+    start, end, first, last = nums[:, 3], nums[:, 4], nums[:, 5], nums[:, 6]
+    keep = np.zeros(len(chunks), bool)
+    for a, b in spans:
+        keep |= (a < end) & (start < (np.iinfo(np.int64).max if b is None else b))
+    if layers:
+        keep &= (last >= min(layers)) & (first <= max(layers))
+    return list(itertools.compress(chunks, keep.tolist()))
 
 
 def uncarried_contexts(frames: Iterable[tuple[bytes, bool]]) -> set[str]:

@@ -305,3 +305,33 @@ def _try(read: object) -> object:
         return read()  # type: ignore[operator]
     except R3Error as exc:
         return exc
+
+
+def test_a_direct_readers_bulk_filter_keeps_exactly_the_chunks_one_at_a_time_would() -> None:
+    """``wanted_chunks`` (numpy over every name of a hash at once) against the per-name rule
+    the service's script applies, on well-formed names and on hostile ones (too many or
+    too few numbers, a letter, a number past int64, an embedded newline) mixed in."""
+    from r3_client._stored import chunk_wanted, wanted_chunks
+
+    rng = np.random.default_rng(5)
+    names = []
+    for i in range(400):
+        a, g = int(rng.integers(0, 16000)), int(rng.integers(0, 48))
+        names.append(f"k:0:16384:{i}:{a}:{a + 512}:{g}:{g + 5}".encode())
+    names += [b"s:0:16384", b"v:7", b"k:1:2", b"k:x:1:2:3:4:5:6", b"k:1:2:3:4:5:6:7:8"]
+    hostile = [
+        b"k:1:2:3:4:5:6:" + b"9" * 20,
+        b"k:1:2:3:4:5:6:7\n",
+        b"k:1:2:3:4:5:6:7\n1:2:3:4:5:6:7",
+    ]
+    for pool in (names, names + hostile):
+        order = rng.permutation(len(pool))
+        shuffled = [pool[int(j)] for j in order]
+        for spans in ([(0, 100)], [(100, 2000), (9000, None)], [(16000, 16384)], []):
+            for layers in (None, [0, 5, 23], [47], []):
+                one_by_one = [
+                    n
+                    for n in shuffled
+                    if (f := parse_chunk_field(n)) is not None and chunk_wanted(f, spans, layers)
+                ]
+                assert wanted_chunks(shuffled, spans, layers) == one_by_one

@@ -8,6 +8,7 @@ the two types live together and neither imports a codec module above this one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,10 +114,20 @@ class Context:
 
     @classmethod
     def parse(cls, raw: bytes, *, tables: bool = True) -> Context:
-        """Check ``ctx`` bytes; inflate the table only when ``tables`` (bounded by its size)."""
+        """Check ``ctx`` bytes; inflate the table only when ``tables`` (bounded by its size).
+
+        Parsed contexts are remembered by their bytes (:data:`CONTEXT_CACHE` of them):
+        every frame of a rollout carries or names the same one, and a reader parses a
+        header per read (hashing, inflating and checking a 48 x 128 table each time held
+        the GIL a training loop needs).  A :class:`Context` is immutable, its table
+        read-only, so one may be shared."""
         if len(raw) > MAX_HEADER:
             raise FrameError(f"context is {len(raw)} bytes; the limit is {MAX_HEADER}")
-        doc = unpack_map(bytes(raw), "context", allow_bin=True)
+        return _parse_context(bytes(raw), tables)
+
+    @classmethod
+    def _parse(cls, raw: bytes, tables: bool) -> Context:
+        doc = unpack_map(raw, "context", allow_bin=True)
         keys = set(doc)
         if not {"E", "K", "layers"} <= keys <= {"E", "K", "layers", "table"}:
             raise FrameError(f"context keys {sorted(map(str, keys))} are not E, K, layers[, table]")
@@ -142,14 +153,25 @@ class Context:
             payload = inflate_exact(blob, want, "context table", check_only=not tables)
             if payload is not None:
                 table = np.frombuffer(payload, dtype=raw_dtype(e)).reshape(len(layers), e)
+                table.flags.writeable = False  # shared through the cache
                 if not (np.sort(table, axis=1) == np.arange(e)).all():
                     raise CodecError("context relabel table is not a permutation")
-        return cls._from(bytes(raw), doc, table)
+        return cls._from(raw, doc, table)
 
     def to_rank(self, positions: Sequence[int]) -> npt.NDArray[Any]:
         """``[len(positions), E]`` inverse tables (expert -> rank) for these layer positions."""
         assert self.table is not None
         return inverse_order(self.table[list(positions)])
+
+
+#: Parsed contexts a process remembers (a context with its table is ~7 KB at 48 x 128).
+CONTEXT_CACHE = 512
+
+
+@functools.lru_cache(maxsize=CONTEXT_CACHE)
+def _parse_context(raw: bytes, tables: bool) -> Context:
+    """:meth:`Context.parse`, once per distinct ``(raw, tables)`` (errors are not kept)."""
+    return Context._parse(raw, tables)
 
 
 def content_digest(
