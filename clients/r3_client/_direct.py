@@ -715,25 +715,26 @@ def _cut_chunked(
     (the others left out), and the contexts the cut continuation frames need that no frame
     left in carries, first (what the service's ranged GET answers)."""
     contexts: dict[str, Context] = {}
-    for f in frames:
-        h = (
-            read_header(f.head, verify=False, head=True)
-            if isinstance(f, Chunked)
-            else read_header(f, verify=False)
-        )
+    # Each header parsed once unchecked here (the contexts first: a continuation may come
+    # before the frame carrying its context), then once checked where a head is cut.
+    headers = [
+        read_header(f.head, verify=False, head=True)
+        if isinstance(f, Chunked)
+        else read_header(f, verify=False)
+        for f in frames
+    ]
+    for h in headers:
         if h.context is not None and not h.base:
             contexts[h.context.digest] = h.context
     out: list[bytes] = []
     carried: set[str] = set()
     needed: set[str] = set()
-    for f in frames:
+    for f, h in zip(frames, headers, strict=True):
         if not isinstance(f, Chunked):
             out.append(f)
-            h = read_header(f, verify=False)
             if h.context is not None and not h.base:
                 carried.add(h.context.digest)
             continue
-        h = read_header(f.head, verify=False, head=True)
         if h.end <= start or (end is not None and h.start >= end):
             continue  # another read's rows
         ctx = contexts.get(h.base) if h.base else None
