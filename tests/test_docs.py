@@ -219,3 +219,20 @@ def test_step_fetch_benchmark_runs_small(tmp_path: Path) -> None:
     ranks = report["rank_local"]["ranks"]
     assert len(ranks) == 8 and all(r["bytes"] > 0 for r in ranks)
     assert report["rank_local"]["driver"]["rss_growth_mib"] < 64
+
+
+def test_overlap_benchmark_runs_small(tmp_path: Path) -> None:
+    """bench/overlap_bench.py end to end on a tiny run (its own Redis and service): every
+    transport's step ratio and its fetch alone are printed and written."""
+    out = _run_bench(
+        "overlap_bench.py", "--rollouts", "4", "--tokens", "1024", "--dist", "skewed",
+        "--ops", "200", "--steps", "2", "--warmup", "1", "--rounds", "1",
+        "--json", str(tmp_path / "ob.json"),
+    )  # fmt: skip
+    assert "fetch alone direct" in out and "ratio" in out
+    import json
+
+    report = json.loads((tmp_path / "ob.json").read_text())["skewed"]["summary"]
+    for transport in ("http", "grpc", "direct"):
+        assert report[transport]["fetch_alone"]["median_ms"] > 0
+        assert report[transport]["ratio_of_medians"] > 0
