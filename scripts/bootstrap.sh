@@ -15,6 +15,8 @@ pkgs=""
 command -v redis-server >/dev/null 2>&1 || pkgs="$pkgs redis-server"
 command -v redis-cli >/dev/null 2>&1 || pkgs="$pkgs redis-tools"
 command -v gcc >/dev/null 2>&1 || pkgs="$pkgs gcc libc6-dev"
+# libzstd's header: the compiled codec inflates set-zstd chunks itself with it (setup.py).
+[ -f /usr/include/zstd.h ] || pkgs="$pkgs libzstd-dev"
 # The pd test extra's Mooncake wheel links against these (RDMA verbs), even over TCP.
 case ",$EXTRAS," in
   *,all,* | *,pd,*)

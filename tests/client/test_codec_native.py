@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import zstandard
@@ -335,3 +336,110 @@ def test_a_body_shorter_than_its_rows_is_refused_before_allocating(
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20, f"peak {peak >> 20} MiB"
+
+
+# ---- a whole frame in one call (decode_chunks) -------------------------------------------------
+def test_the_kernels_inflate_set_zstd_where_libzstd_is_installed() -> None:
+    """setup.py links libzstd where its header is (bootstrap installs Debian's libzstd-dev):
+    a build here that lost it would decode set-zstd chunk by chunk again, silently."""
+    import r3_client._kernels._r3codec as loaded
+
+    if any(Path(d, "zstd.h").exists() for d in ("/usr/include", "/usr/local/include")):
+        assert loaded.HAVE_ZSTD == 1
+
+
+@pytest.mark.parametrize("codec", ["raw", "set", "set-zstd"])
+def test_a_frame_decodes_in_one_compiled_call(codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 40-chunk frame: one ``decode_chunks`` call, no per-chunk kernel and no Python
+    inflation, and the rows the chunk-by-chunk path decodes."""
+    calls: dict[str, int] = {}
+
+    def counted(name: str) -> Any:
+        real = getattr(_native, name)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        return run
+
+    for name in ("decode_chunks", "zset_decode", "set_decode", "raw_decode"):
+        monkeypatch.setattr(_native, name, counted(name))
+    idx = routing(300, 16, 128, 8, seed=4, skew=1.5, empty=0.05)
+    frame = encode_frame(
+        idx, num_experts=128, layer_ids=range(16), codec=codec, block_rows=64, layer_groups=8
+    )
+    assert len(read_header(frame).chunks) == 5 * 8
+    got = decode_frame(frame).routing.indices
+    assert calls == {"decode_chunks": 1}
+    with _native.use("numpy"):
+        want = decode_frame(frame).routing.indices
+    assert same(got, want)
+
+
+def _with_chunk(frame: bytes, i: int, body: bytes) -> bytes:
+    """``frame`` (v3) with chunk ``i``'s bytes replaced by ``body``, its length and CRC (and
+    the frame's) made to match: what a writer holding the key could store."""
+    from r3_client.codec.frame import CRC, PREFIX, chunk_crc
+
+    hdr = read_header(frame)
+    head = msgpack.unpackb(frame[PREFIX.size : hdr.frame_length - CRC.size - hdr.body_length])
+    at = hdr.frame_length - CRC.size - hdr.body_length
+    bodies = []
+    for length, _ in hdr.chunks:
+        bodies.append(frame[at : at + length])
+        at += length
+    bodies[i] = body
+    head["chunks"] = [[len(b), chunk_crc(3, b)] for b in bodies]
+    return assemble_frame(3, CODECS[hdr.codec], head, bodies)
+
+
+@FUZZ
+@given(
+    which=st.integers(0, 11),
+    how=st.sampled_from(["size", "unsized", "trailing", "truncated", "garbage", "gaps", "two"]),
+    seed=st.integers(0, 2**16),
+)
+def test_hostile_chunks_are_refused_alike_by_the_one_call(which: int, how: str, seed: int) -> None:
+    """One chunk of a many-chunk set-zstd frame replaced by hostile bytes (CRCs forged): a
+    zstd frame declaring another size or none, trailing bytes, cut short, not zstd, gaps no
+    routing has, two frames: the one compiled call and the numpy reference refuse it with the
+    same error, and neither reads outside its buffers (the sanitizer run of this module)."""
+    rng = np.random.default_rng(seed)
+    e, k = (128, 8) if which % 2 else (1024, 16)
+    idx = routing(120, 6, e, k, seed=seed, skew=1.5, empty=0.1)
+    frame = encode_frame(
+        idx, num_experts=e, layer_ids=range(6), codec="set-zstd", block_rows=32, layer_groups=3
+    )
+    hdr = read_header(frame)
+    i = which % len(hdr.chunks)
+    rows, nl = hdr.blocks[i // len(hdr.groups)], hdr.groups[i % len(hdr.groups)]
+    want = rows * nl * k * gap_dtype(e, k).itemsize
+    zc = zstandard.ZstdCompressor()
+    payload = rng.integers(0, 3, want, dtype=np.uint8).tobytes()
+    body = {
+        "size": zc.compress(payload + b"\0" * int(rng.integers(1, 64))),
+        "unsized": zstandard.ZstdCompressor(write_content_size=False).compress(payload),
+        "trailing": zc.compress(payload) + b"\0",
+        "truncated": zc.compress(payload)[: -int(rng.integers(1, 4))],
+        "garbage": rng.integers(0, 256, int(rng.integers(1, 200)), dtype=np.uint8).tobytes(),
+        "gaps": zc.compress(b"\xff" * want),
+        "two": zc.compress(payload[: want // 2]) + zc.compress(payload[want // 2 :]),
+    }[how]
+    hostile = _with_chunk(frame, i, body)
+    numpy_out, native_out = both(lambda: decode_frame(hostile).routing.indices)
+    assert same(numpy_out, native_out), (numpy_out, native_out)
+    assert isinstance(native_out, tuple), "a hostile chunk decoded"
+
+
+def test_a_slice_with_a_layer_subset_decodes_in_one_call_with_its_relabel_rows() -> None:
+    """A sliced frame holding layers 3..8 of 12 (its relabel rows are not its context's first):
+    the one call reads each chunk's own rows of the table."""
+    idx = routing(500, 12, 128, 8, seed=9, skew=1.5, empty=0.0)
+    frame = encode_frame(idx, num_experts=128, layer_ids=range(12), block_rows=64, layer_groups=4)
+    cut = slice_frame(frame, start=70, end=300, layers=[3, 4, 5, 6, 7, 8])
+    got = decode_frame(cut).routing
+    with _native.use("numpy"):
+        want = decode_frame(cut).routing
+    assert got.layer_ids == want.layer_ids == (3, 4, 5, 6, 7, 8)
+    assert same(got.indices, want.indices)

@@ -2,14 +2,16 @@
  *
  * The Python codec (r3_client.codec, numpy) is the reference; this module computes the
  * same bytes and the same arrays, faster, with the GIL released for every loop.  Python
- * keeps the frame logic (headers, CRCs through zlib, zstd through python-zstandard) and
- * calls these kernels per chunk; r3_client._native picks this module or the numpy code.
+ * keeps the frame logic (headers, CRCs); decode_chunks decodes a whole frame's chunks in
+ * one call (inflating set-zstd chunks with libzstd where the build has it), the other
+ * kernels take one body each; r3_client._kernels.native picks this module or numpy.
  *
  * Every kernel reads hostile input: each size is checked against the buffers it will
  * read and write before any loop runs, every table lookup is bounded by the table's
  * length, and a decoder that meets invalid data returns an error code (the caller then
  * asks the numpy reference for the exact exception).  Nothing here allocates more than
- * a fixed tile on the stack and the tables of set_tables().
+ * a fixed tile on the stack, the tables of set_tables() and decode_chunks' one inflated
+ * chunk (its size bounded by the output it fills).
  *
  * Array arguments are buffers (numpy arrays, possibly strided views): 3-D [rows, layers,
  * K] with the K axis contiguous.  Formats: b h i l q (signed), B H I (unsigned).
@@ -19,6 +21,12 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#ifdef R3_HAVE_ZSTD
+/* libzstd's one-shot decompression into a buffer of the declared size (setup.py defines
+ * R3_HAVE_ZSTD and links -lzstd where zstd.h is installed: Debian's libzstd-dev). */
+#include <zstd.h>
+#endif
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the routing format is little-endian; this backend assumes a little-endian host"
@@ -49,6 +57,8 @@ enum {
     R3_PADDING = 5,      /* non-zero padding bits */
     R3_RANK = 6,         /* set rank above C(E, K) or not decomposing */
     R3_GAP = 7,          /* malformed set-zstd gaps */
+    R3_ZSTD = 8,         /* a set-zstd chunk is not one zstd frame of exactly its payload */
+    R3_UNSUPPORTED = 9,  /* set-zstd in a build without libzstd: the caller decodes it */
 };
 
 /* ---- 3-D buffers ---------------------------------------------------------------------- */
@@ -1083,6 +1093,42 @@ static PyObject *py_raw_encode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A raw body (ids as u1/<u2 of `isz` bytes, the dtype's maximum for -1; exactly
+ * rows x layers x K of them) into o, every row checked (range, partial, duplicates). */
+static int raw_core(const uint8_t *body, Py_ssize_t isz, int64_t e, Arr3 *o) {
+    int code = R3_OK;
+    uint32_t sentinel = isz == 1 ? 0xFF : 0xFFFF;
+    int k = (int)o->k;
+    Py_ssize_t at = 0;
+    for (Py_ssize_t r = 0; r < o->rows && code == R3_OK; r++)
+        for (Py_ssize_t l = 0; l < o->layers && code == R3_OK; l++, at += k) {
+            int32_t row[KMAX];
+            char *q = (char *)row_at(o, r, l);
+            int neg = 0;
+            for (int j = 0; j < k; j++) {
+                uint16_t u16 = 0;
+                if (isz == 2) memcpy(&u16, body + 2 * (at + j), 2);
+                uint32_t u = isz == 1 ? body[at + j] : u16;
+                int32_t v = u == sentinel ? -1 : (int32_t)u;
+                if (v >= e) code = R3_BAD_ID;
+                neg += v < 0;
+                row[j] = v;
+                store(q, o->kind, j, v);
+            }
+            if (neg && neg != k) code = R3_PARTIAL;
+            if (neg || code != R3_OK) continue;
+            for (int j = 1; j < k; j++) { /* insertion sort of a copy for the duplicate check */
+                int32_t v = row[j];
+                int i = j - 1;
+                while (i >= 0 && row[i] > v) { row[i + 1] = row[i]; i--; }
+                row[i + 1] = v;
+            }
+            for (int j = 1; j < k; j++)
+                if (row[j] == row[j - 1]) code = R3_DUPLICATE;
+        }
+    return code;
+}
+
 /* raw_decode(body, e, out) -> code : checks every row (range, partial, duplicates). */
 static PyObject *py_raw_decode(PyObject *self, PyObject *args) {
     Py_buffer bb;
@@ -1102,36 +1148,8 @@ static PyObject *py_raw_decode(PyObject *self, PyObject *args) {
         return PyLong_FromLong(R3_LENGTH);
     }
     int code = R3_OK;
-    uint32_t sentinel = isz == 1 ? 0xFF : 0xFFFF;
     Py_BEGIN_ALLOW_THREADS
-    int k = (int)o.k;
-    Py_ssize_t at = 0;
-    for (Py_ssize_t r = 0; r < o.rows && code == R3_OK; r++)
-        for (Py_ssize_t l = 0; l < o.layers && code == R3_OK; l++, at += k) {
-            int32_t row[KMAX];
-            char *q = (char *)row_at(&o, r, l);
-            int neg = 0;
-            for (int j = 0; j < k; j++) {
-                uint16_t u16;
-                if (isz == 2) memcpy(&u16, (const char *)bb.buf + 2 * (at + j), 2);
-                uint32_t u = isz == 1 ? ((const uint8_t *)bb.buf)[at + j] : u16;
-                int32_t v = u == sentinel ? -1 : (int32_t)u;
-                if (v >= e) code = R3_BAD_ID;
-                neg += v < 0;
-                row[j] = v;
-                store(q, o.kind, j, v);
-            }
-            if (neg && neg != k) code = R3_PARTIAL;
-            if (neg || code != R3_OK) continue;
-            for (int j = 1; j < k; j++) { /* insertion sort of a copy for the duplicate check */
-                int32_t v = row[j];
-                int i = j - 1;
-                while (i >= 0 && row[i] > v) { row[i + 1] = row[i]; i--; }
-                row[i + 1] = v;
-            }
-            for (int j = 1; j < k; j++)
-                if (row[j] == row[j - 1]) code = R3_DUPLICATE;
-        }
+    code = raw_core((const uint8_t *)bb.buf, isz, e, &o);
     Py_END_ALLOW_THREADS
     rel3(&o); PyBuffer_Release(&bb);
     return PyLong_FromLong(code);
@@ -1712,6 +1730,25 @@ static int unrank128(Arr3 *o, const Tables *t, u128 sentinel, int bits, BitR *rl
     return R3_OK;
 }
 
+/* A set body of exactly packed_len(rows x layers, bits) bytes into o: ascending rows, -1
+ * for the sentinel; the padding bits after the last field must be zero. */
+static int set_core(const uint8_t *in, Py_ssize_t len, const Tables *t, int bits, Arr3 *o) {
+    int code = R3_OK;
+    Py_ssize_t n = o->rows * o->layers;
+    u128 sentinel = sentinel_of(t);
+    Py_ssize_t lo_len = bits > 64 ? n * 8 : len;
+    /* padding: the bits after the last field, in the last byte of each packed run */
+    Py_ssize_t used = bits > 64 ? n * (bits - 64) : n * bits;
+    if (used % 8 && (in[len - 1] >> (used % 8))) code = R3_PADDING;
+    BitR rlo = {in, lo_len, 0, 0, 0};
+    BitR rhi = {in + lo_len, len - lo_len, 0, 0, 0};
+    if (code == R3_OK) {
+        if (bits <= 64) code = unrank64_any(o, t, (uint64_t)sentinel, bits, &rlo);
+        else code = unrank128(o, t, sentinel, bits, &rlo, &rhi);
+    }
+    return code;
+}
+
 /* set_decode(body, e, tables, bits, out) -> code : ascending rows, -1 for the sentinel. */
 static PyObject *py_set_decode(PyObject *self, PyObject *args) {
     PyObject *oo;
@@ -1733,28 +1770,147 @@ static PyObject *py_set_decode(PyObject *self, PyObject *args) {
     }
     int code = R3_OK;
     Py_BEGIN_ALLOW_THREADS
-    u128 sentinel = sentinel_of(&t);
-    Py_ssize_t lo_len = bits > 64 ? n * 8 : bb.len;
-    /* padding: the bits after the last field, in the last byte of each packed run */
-    const uint8_t *in = (const uint8_t *)bb.buf;
-    if (bits > 64) {
-        Py_ssize_t used = n * (bits - 64);
-        if (used % 8 && (in[bb.len - 1] >> (used % 8))) code = R3_PADDING;
-    } else {
-        Py_ssize_t used = n * bits;
-        if (used % 8 && (in[bb.len - 1] >> (used % 8))) code = R3_PADDING;
-    }
-    BitR rlo = {in, lo_len, 0, 0, 0};
-    BitR rhi = {in + lo_len, bb.len - lo_len, 0, 0, 0};
-    if (code == R3_OK) {
-        if (bits <= 64) code = unrank64_any(&o, &t, (uint64_t)sentinel, bits, &rlo);
-        else code = unrank128(&o, &t, sentinel, bits, &rlo, &rhi);
-    }
+    code = set_core((const uint8_t *)bb.buf, bb.len, &t, bits, &o);
     Py_END_ALLOW_THREADS
     rel3(&o); PyBuffer_Release(&bb); PyBuffer_Release(&tb);
     return PyLong_FromLong(code);
 fail:
     rel3(&o); PyBuffer_Release(&bb); PyBuffer_Release(&tb);
+    return NULL;
+}
+
+/* ---- a whole frame's chunks in one call --------------------------------------------- */
+#define DESC_COLS 6 /* offset, length, rows, first row in out, first layer in out, layers */
+
+/* decode_chunks(body, desc, out, e, codec, order, tables, bits) -> (code, chunk)
+ * Every chunk `desc` lists (int64 [n, DESC_COLS]: where its bytes are in `body`, and the
+ * rows x layers of `out` it fills) decoded into `out` ([R, L, K] int16/int32, any strides)
+ * in one call, the GIL released from the first chunk to the last: the per-chunk Python of
+ * a v2/v3 frame (inflate, kernel, back into the interpreter) handed the GIL over twice per
+ * chunk.  codec: 0 raw, 1 set (`tables` from set_tables, `bits`), 2 set-zstd (inflated
+ * here: one complete zstd frame declaring exactly its payload, into a buffer of that size;
+ * `order`: None or the frame's [L, E] relabel rows, u1 / <u2, row l for out's layer l).
+ * code: R3_OK, or the first failing chunk's code and index (R3_ZSTD: the zstd frame;
+ * R3_UNSUPPORTED: set-zstd in a build without libzstd).  A desc outside the buffers is a
+ * caller's error (ValueError), checked before anything is read. */
+static PyObject *py_decode_chunks(PyObject *self, PyObject *args) {
+    Py_buffer bb, db, ob, tb;
+    PyObject *oo, *to, *tbo;
+    long long e;
+    int codec, bits;
+    Arr3 o;
+    Tables t;
+    memset(&ob, 0, sizeof(ob));
+    memset(&tb, 0, sizeof(tb));
+    memset(&o, 0, sizeof(o));
+    int have_order = 0, have_tables = 0;
+    uint8_t *scratch = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*OLiOOi", &bb, &db, &oo, &e, &codec, &to, &tbo, &bits))
+        return NULL;
+    if (get3(oo, 1, &o, "out") < 0 || !out_kind_ok(&o)) goto fail;
+    int k = (int)o.k;
+    if (e < k || e > EMAX || codec < 0 || codec > 2 || db.len % (DESC_COLS * 8)) {
+        PyErr_SetString(PyExc_ValueError, "decode_chunks: E, codec or desc size is wrong");
+        goto fail;
+    }
+    Py_ssize_t tsz = e <= 255 ? 1 : 2, isz = tsz;
+    Py_ssize_t gsz = e - k + 1 <= 255 ? 1 : 2;
+    if (to != Py_None) {
+        if (PyObject_GetBuffer(to, &ob, PyBUF_SIMPLE) < 0) goto fail;
+        have_order = 1;
+        if (codec != 2 || ob.len != o.layers * e * tsz) {
+            PyErr_SetString(PyExc_ValueError, "decode_chunks: order is not [L, E] of set-zstd");
+            goto fail;
+        }
+    }
+    if (codec == 1) {
+        if (PyObject_GetBuffer(tbo, &tb, PyBUF_SIMPLE) < 0) goto fail;
+        have_tables = 1;
+        if (tables_from(&tb, (int)e, k, &t) < 0) goto fail;
+        if (bits < 1 || bits > 128) {
+            PyErr_SetString(PyExc_ValueError, "decode_chunks: bits out of range");
+            goto fail;
+        }
+    }
+    Py_ssize_t n = db.len / (DESC_COLS * 8);
+    const int64_t *d = (const int64_t *)db.buf;
+    Py_ssize_t most = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t *c = d + i * DESC_COLS;
+        if (c[0] < 0 || c[1] < 0 || c[0] > bb.len || c[1] > bb.len - c[0] || c[2] < 1 ||
+            c[5] < 1 || c[3] < 0 || c[3] > o.rows - c[2] || c[4] < 0 || c[4] > o.layers - c[5]) {
+            PyErr_Format(PyExc_ValueError, "decode_chunks: chunk %zd lies outside body or out", i);
+            goto fail;
+        }
+        Py_ssize_t payload = (Py_ssize_t)(c[2] * c[5]) * k * gsz; /* within out: no overflow */
+        if (payload > most) most = payload;
+    }
+    if (codec == 2) {
+#ifdef R3_HAVE_ZSTD
+        scratch = (uint8_t *)PyMem_RawMalloc(most ? (size_t)most : 1);
+        if (scratch == NULL) { PyErr_NoMemory(); goto fail; }
+#else
+        rel3(&o); PyBuffer_Release(&bb); PyBuffer_Release(&db);
+        if (have_order) PyBuffer_Release(&ob);
+        return Py_BuildValue("(in)", R3_UNSUPPORTED, (Py_ssize_t)0);
+#endif
+    }
+    int code = R3_OK;
+    Py_ssize_t bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+#ifdef R3_HAVE_ZSTD
+    ZSTD_DCtx *dctx = codec == 2 ? ZSTD_createDCtx() : NULL;
+    if (codec == 2 && dctx == NULL) code = R3_ZSTD;
+#endif
+    for (Py_ssize_t i = 0; i < n && code == R3_OK; i++) {
+        const int64_t *c = d + i * DESC_COLS;
+        const uint8_t *src = (const uint8_t *)bb.buf + c[0];
+        Py_ssize_t len = (Py_ssize_t)c[1];
+        Arr3 sub = o;
+        sub.held = 0;
+        sub.buf = o.buf + c[3] * o.s0 + c[4] * o.s1;
+        sub.rows = (Py_ssize_t)c[2];
+        sub.layers = (Py_ssize_t)c[5];
+        Py_ssize_t ids = sub.rows * sub.layers * k;
+        if (codec == 0) {
+            code = len != ids * isz ? R3_LENGTH : raw_core(src, isz, e, &sub);
+        } else if (codec == 1) {
+            code = len != packed_len(sub.rows * sub.layers, bits) ? R3_LENGTH
+                                                                  : set_core(src, len, &t, bits, &sub);
+        } else {
+#ifdef R3_HAVE_ZSTD
+            size_t want = (size_t)(ids * gsz);
+            unsigned long long declared = ZSTD_getFrameContentSize(src, (size_t)len);
+            size_t whole = ZSTD_findFrameCompressedSize(src, (size_t)len);
+            if (declared != (unsigned long long)want || ZSTD_isError(whole) || whole != (size_t)len) {
+                code = R3_ZSTD;
+            } else {
+                size_t got = ZSTD_decompressDCtx(dctx, scratch, want, src, (size_t)len);
+                if (ZSTD_isError(got) || got != want) code = R3_ZSTD;
+            }
+            if (code == R3_OK) {
+                const uint8_t *rows8 = have_order ? (const uint8_t *)ob.buf + c[4] * e * tsz : NULL;
+                code = ids_any(&sub, e, scratch, tsz == 1 ? rows8 : NULL, tsz == 2 ? rows8 : NULL,
+                               (int)gsz);
+            }
+#endif
+        }
+        if (code != R3_OK) bad = i;
+    }
+#ifdef R3_HAVE_ZSTD
+    if (dctx != NULL) ZSTD_freeDCtx(dctx);
+#endif
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(scratch);
+    rel3(&o); PyBuffer_Release(&bb); PyBuffer_Release(&db);
+    if (have_order) PyBuffer_Release(&ob);
+    if (have_tables) PyBuffer_Release(&tb);
+    return Py_BuildValue("(in)", code, bad);
+fail:
+    PyMem_RawFree(scratch);
+    rel3(&o); PyBuffer_Release(&bb); PyBuffer_Release(&db);
+    if (have_order) PyBuffer_Release(&ob);
+    if (have_tables) PyBuffer_Release(&tb);
     return NULL;
 }
 
@@ -1772,6 +1928,8 @@ static PyMethodDef methods[] = {
     {"set_tables", py_set_tables, METH_VARARGS, "set_tables(e, k) -> bytes: rank tables."},
     {"set_encode", py_set_encode, METH_VARARGS, "set_encode(srt, e, tables, bits, out)."},
     {"set_decode", py_set_decode, METH_VARARGS, "set_decode(body, e, tables, bits, out) -> code."},
+    {"decode_chunks", py_decode_chunks, METH_VARARGS,
+     "decode_chunks(body, desc, out, e, codec, order, tables, bits) -> (code, chunk)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1784,7 +1942,13 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__r3codec(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddIntConstant(m, "KMAX", KMAX) < 0 || PyModule_AddIntConstant(m, "ABI", 1) < 0) {
+#ifdef R3_HAVE_ZSTD
+    const int have_zstd = 1;
+#else
+    const int have_zstd = 0;
+#endif
+    if (PyModule_AddIntConstant(m, "KMAX", KMAX) < 0 || PyModule_AddIntConstant(m, "ABI", 1) < 0 ||
+        PyModule_AddIntConstant(m, "HAVE_ZSTD", have_zstd) < 0) {
         Py_DECREF(m);
         return NULL;
     }

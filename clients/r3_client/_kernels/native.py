@@ -40,6 +40,7 @@ __all__ = [
     "LIBRARY_ENV",
     "backend",
     "canonical",
+    "decode_chunks",
     "disagreed",
     "gap_payload",
     "popularity",
@@ -244,3 +245,40 @@ def raw_decode(body: Any, e: int, out: npt.NDArray[Any]) -> bool:
     if lib is None:
         return False
     return lib.raw_decode(body, e, out) == 0  # type: ignore[no-any-return]
+
+
+#: What :func:`decode_chunks` answers for a frame it does not decode, so that the caller
+#: decodes it chunk by chunk (a build without libzstd meeting set-zstd).
+UNSUPPORTED = 9
+
+_CODEC_IDS = {"raw": 0, "set": 1, "set-zstd": 2}
+
+
+def decode_chunks(
+    body: Any,
+    desc: npt.NDArray[np.int64],
+    out: npt.NDArray[Any],
+    e: int,
+    codec: str,
+    order: npt.NDArray[Any] | None,
+    bits: int,
+) -> int | None:
+    """Every chunk of a v2/v3 frame's body decoded into ``out`` in one compiled call, the
+    GIL released throughout (``desc``: int64 ``[n, 6]``, per chunk its offset and length
+    in ``body`` and the rows x layers of ``out`` it fills; ``order``: set-zstd's
+    ``[L, E]`` relabel rows for ``out``'s layers, or None).  0 when every chunk decoded;
+    a non-zero code when one did not (the caller decodes the frame chunk by chunk, which
+    raises the exact error), or None where the compiled module cannot take the call
+    (not built, switched off, a set-zstd frame in a build without libzstd)."""
+    k = out.shape[-1]
+    lib = _taking(out, k)
+    if lib is None or (codec == "set-zstd" and not getattr(lib, "HAVE_ZSTD", 0)):
+        return None
+    if not hasattr(lib, "decode_chunks"):  # an older build (R3_NATIVE_LIBRARY)
+        return None
+    tables = _tables(e, k) if codec == "set" else None
+    table = None
+    if order is not None:
+        table = np.ascontiguousarray(order, dtype="u1" if e <= 255 else "<u2")
+    code, _ = lib.decode_chunks(body, desc, out, e, _CODEC_IDS[codec], table, tables, bits)
+    return None if code == UNSUPPORTED else int(code)

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from r3_client._exceptions import ChecksumError, FormatError, FrameError
+from r3_client._kernels import native as _native
 from r3_client._routing import Segment, check_layer_ids, index_dtype
 from r3_client.codec.bodies import (
     chunk_body_size,
@@ -40,6 +41,7 @@ from r3_client.codec.header import (
     read_provenance,
 )
 from r3_client.codec.inflate import inflate_exact
+from r3_client.codec.setrank import ranker
 
 __all__ = ["check_chunks", "decode_v2", "parse_v2"]
 
@@ -292,6 +294,9 @@ def decode_v2(
     out = np.empty((hdr.num_rows, nl, k), dtype=index_dtype(e))
     gbounds = list(itertools.accumulate(hdr.groups, initial=0))
     at = hdr.frame_length - CRC.size - hdr.body_length
+    at_once = _decoded_at_once(view, hdr, out, at, ctx_pos if relabel else None, verify_chunks)
+    if at_once:
+        return out
     r0, i = 0, 0
     for br in hdr.blocks:
         for g in range(len(hdr.groups)):
@@ -312,4 +317,45 @@ def decode_v2(
                 order = ctx.table[ctx_pos[lo:hi]] if relabel else None  # type: ignore[index]
                 zset_chunk_decode(chunk, shape, e, order, dest)
         r0 += br
+    if at_once is False:  # refused by the compiled call, yet every chunk decodes: its bug
+        _native.disagreed("a frame's chunks")
     return out
+
+
+def _decoded_at_once(
+    view: memoryview,
+    hdr: FrameHeader,
+    out: npt.NDArray[Any],
+    at: int,
+    ctx_pos: list[int] | None,
+    verify_chunks: bool,
+) -> bool | None:
+    """Every chunk of the frame decoded into ``out`` by one compiled call (the GIL released
+    from the first chunk to the last: per chunk, the Python path hands it over twice, and
+    a training loop beside a fetch loses it each time).  The chunk CRCs are checked first
+    (one C call each).  True when it did; False when the compiled call refused a chunk and
+    None when it cannot take the frame: either way the caller decodes chunk by chunk, which
+    raises the exact error."""
+    lengths = np.fromiter((c[0] for c in hdr.chunks), np.int64, len(hdr.chunks))
+    if verify_chunks:
+        offsets = itertools.accumulate(hdr.chunks, lambda a, c: a + c[0], initial=at)
+        for off, (length, crc) in zip(offsets, hdr.chunks, strict=False):
+            if chunk_crc(hdr.version, view[off : off + length]) != crc:
+                raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
+    nb, ng = len(hdr.blocks), len(hdr.groups)
+    desc = np.empty((nb * ng, 6), np.int64)
+    desc[:, 0] = at + np.cumsum(lengths) - lengths
+    desc[:, 1] = lengths
+    blocks = np.asarray(hdr.blocks, np.int64)
+    groups = np.asarray(hdr.groups, np.int64)
+    desc[:, 2] = np.repeat(blocks, ng)
+    desc[:, 3] = np.repeat(np.cumsum(blocks) - blocks, ng)
+    desc[:, 4] = np.tile(np.cumsum(groups) - groups, nb)
+    desc[:, 5] = np.tile(groups, nb)
+    order = None
+    if ctx_pos is not None:
+        assert hdr.context is not None and hdr.context.table is not None
+        order = hdr.context.table[ctx_pos]
+    bits = ranker(hdr.num_experts, hdr.topk).bits if hdr.codec == "set" else 0
+    code = _native.decode_chunks(view, desc, out, hdr.num_experts, hdr.codec, order, bits)
+    return None if code is None else code == 0
