@@ -19,7 +19,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3_client._exceptions import CodecError
+from r3_client._exceptions import ChecksumError, CodecError
 from r3_client._kernels import native as _native
 from r3_client._routing import Segment
 from r3_client.codec import (
@@ -443,3 +443,24 @@ def test_a_slice_with_a_layer_subset_decodes_in_one_call_with_its_relabel_rows()
         want = decode_frame(cut).routing
     assert got.layer_ids == want.layer_ids == (3, 4, 5, 6, 7, 8)
     assert same(got.indices, want.indices)
+
+
+@FUZZ
+@given(data=st.binary(min_size=0, max_size=300), cut=st.integers(0, 7))
+def test_the_kernels_crc32c_is_google_crc32c(data: bytes, cut: int) -> None:
+    """decode_chunks checks v3 chunk CRCs itself (the GIL released); its CRC-32C (the CPU's
+    instruction, or the table of a build without SIMD: the portable run of this module)
+    equals google-crc32c's on any bytes, at any alignment."""
+    import google_crc32c
+    import r3_client._kernels._r3codec as loaded
+
+    view = memoryview(data)[min(cut, len(data)) :]
+    assert loaded.crc32c(view) == google_crc32c.value(bytes(view))
+
+
+def test_a_damaged_chunk_is_a_checksum_error_from_the_one_call() -> None:
+    idx = routing(200, 6, 128, 8, seed=2, skew=1.5, empty=0.0)
+    frame = bytearray(encode_frame(idx, num_experts=128, layer_ids=range(6), block_rows=32))
+    frame[-10] ^= 0x40  # in the last chunk's bytes
+    with pytest.raises(ChecksumError, match="chunk checksum mismatch"):
+        decode_frame(bytes(frame))

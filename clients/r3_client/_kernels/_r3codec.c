@@ -59,6 +59,7 @@ enum {
     R3_GAP = 7,          /* malformed set-zstd gaps */
     R3_ZSTD = 8,         /* a set-zstd chunk is not one zstd frame of exactly its payload */
     R3_UNSUPPORTED = 9,  /* set-zstd in a build without libzstd: the caller decodes it */
+    R3_CRC = 10,         /* a chunk's CRC-32C differs from the one its header lists */
 };
 
 /* ---- 3-D buffers ---------------------------------------------------------------------- */
@@ -1779,18 +1780,81 @@ fail:
     return NULL;
 }
 
+/* ---- CRC-32C, the v3 chunk checksum ------------------------------------------------- */
+/* Computed here so that decode_chunks checks a frame's chunks without the GIL (Python's
+ * google-crc32c holds it, and its C library is neither exposed to extensions nor packaged
+ * by Debian 12).  The CPU's crc32 instruction (SSE4.2) where it has one, else a table;
+ * tests/client/test_codec_native.py holds both to google-crc32c. */
+static uint32_t crc32c_table[256];
+
+static void crc32c_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int j = 0; j < 8; j++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        crc32c_table[i] = c;
+    }
+}
+
+static uint32_t crc32c_sw(const uint8_t *p, Py_ssize_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    for (Py_ssize_t i = 0; i < n; i++) c = crc32c_table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
+    return ~c;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(R3_NO_SIMD)
+#include <nmmintrin.h>
+#define CRC_HW 1
+__attribute__((target("sse4.2"))) static uint32_t crc32c_hw(const uint8_t *p, Py_ssize_t n) {
+    uint64_t c = 0xFFFFFFFFu;
+    for (; n >= 8; p += 8, n -= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = _mm_crc32_u64(c, v);
+    }
+    uint32_t c32 = (uint32_t)c;
+    for (; n > 0; p++, n--) c32 = _mm_crc32_u8(c32, *p);
+    return ~c32;
+}
+#else
+#define CRC_HW 0
+#endif
+
+static int crc_hw; /* set at import: the CPU has SSE4.2 */
+
+static uint32_t crc32c_of(const uint8_t *p, Py_ssize_t n) {
+#if CRC_HW
+    if (crc_hw) return crc32c_hw(p, n);
+#endif
+    return crc32c_sw(p, n);
+}
+
+/* crc32c(data) -> int: what decode_chunks checks (for the differential tests). */
+static PyObject *py_crc32c(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b)) return NULL;
+    uint32_t c;
+    Py_BEGIN_ALLOW_THREADS
+    c = crc32c_of((const uint8_t *)b.buf, b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(c);
+}
+
 /* ---- a whole frame's chunks in one call --------------------------------------------- */
-#define DESC_COLS 6 /* offset, length, rows, first row in out, first layer in out, layers */
+#define DESC_COLS 7 /* offset, length, rows, first row in out, first layer in out, layers,
+                        * the chunk's CRC-32C (-1: not checked here) */
 
 /* decode_chunks(body, desc, out, e, codec, order, tables, bits) -> (code, chunk)
- * Every chunk `desc` lists (int64 [n, DESC_COLS]: where its bytes are in `body`, and the
- * rows x layers of `out` it fills) decoded into `out` ([R, L, K] int16/int32, any strides)
+ * Every chunk `desc` lists (int64 [n, DESC_COLS]: where its bytes are in `body`, the
+ * rows x layers of `out` it fills, its CRC-32C or -1) checked and decoded into `out`
+ * ([R, L, K] int16/int32, any strides)
  * in one call, the GIL released from the first chunk to the last: the per-chunk Python of
  * a v2/v3 frame (inflate, kernel, back into the interpreter) handed the GIL over twice per
  * chunk.  codec: 0 raw, 1 set (`tables` from set_tables, `bits`), 2 set-zstd (inflated
  * here: one complete zstd frame declaring exactly its payload, into a buffer of that size;
  * `order`: None or the frame's [L, E] relabel rows, u1 / <u2, row l for out's layer l).
- * code: R3_OK, or the first failing chunk's code and index (R3_ZSTD: the zstd frame;
+ * code: R3_OK, or the first failing chunk's code and index (R3_CRC: its checksum;
+ * R3_ZSTD: the zstd frame;
  * R3_UNSUPPORTED: set-zstd in a build without libzstd).  A desc outside the buffers is a
  * caller's error (ValueError), checked before anything is read. */
 static PyObject *py_decode_chunks(PyObject *self, PyObject *args) {
@@ -1837,7 +1901,8 @@ static PyObject *py_decode_chunks(PyObject *self, PyObject *args) {
     Py_ssize_t most = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const int64_t *c = d + i * DESC_COLS;
-        if (c[0] < 0 || c[1] < 0 || c[0] > bb.len || c[1] > bb.len - c[0] || c[2] < 1 ||
+        if (c[0] < 0 || c[1] < 0 || c[0] > bb.len || c[1] > bb.len - c[0] || c[2] < 1 || c[6] < -1 ||
+            c[6] > 0xFFFFFFFFLL ||
             c[5] < 1 || c[3] < 0 || c[3] > o.rows - c[2] || c[4] < 0 || c[4] > o.layers - c[5]) {
             PyErr_Format(PyExc_ValueError, "decode_chunks: chunk %zd lies outside body or out", i);
             goto fail;
@@ -1872,7 +1937,9 @@ static PyObject *py_decode_chunks(PyObject *self, PyObject *args) {
         sub.rows = (Py_ssize_t)c[2];
         sub.layers = (Py_ssize_t)c[5];
         Py_ssize_t ids = sub.rows * sub.layers * k;
-        if (codec == 0) {
+        if (c[6] >= 0 && crc32c_of(src, len) != (uint32_t)c[6]) {
+            code = R3_CRC;
+        } else if (codec == 0) {
             code = len != ids * isz ? R3_LENGTH : raw_core(src, isz, e, &sub);
         } else if (codec == 1) {
             code = len != packed_len(sub.rows * sub.layers, bits) ? R3_LENGTH
@@ -1928,6 +1995,7 @@ static PyMethodDef methods[] = {
     {"set_tables", py_set_tables, METH_VARARGS, "set_tables(e, k) -> bytes: rank tables."},
     {"set_encode", py_set_encode, METH_VARARGS, "set_encode(srt, e, tables, bits, out)."},
     {"set_decode", py_set_decode, METH_VARARGS, "set_decode(body, e, tables, bits, out) -> code."},
+    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data) -> int: CRC-32C (Castagnoli)."},
     {"decode_chunks", py_decode_chunks, METH_VARARGS,
      "decode_chunks(body, desc, out, e, codec, order, tables, bits) -> (code, chunk)."},
     {NULL, NULL, 0, NULL},
@@ -1942,6 +2010,11 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__r3codec(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    crc32c_init();
+#if CRC_HW
+    __builtin_cpu_init();
+    crc_hw = __builtin_cpu_supports("sse4.2");
+#endif
 #ifdef R3_HAVE_ZSTD
     const int have_zstd = 1;
 #else

@@ -263,13 +263,14 @@ def decode_chunks(
     order: npt.NDArray[Any] | None,
     bits: int,
 ) -> int | None:
-    """Every chunk of a v2/v3 frame's body decoded into ``out`` in one compiled call, the
-    GIL released throughout (``desc``: int64 ``[n, 6]``, per chunk its offset and length
-    in ``body`` and the rows x layers of ``out`` it fills; ``order``: set-zstd's
+    """Every chunk of a v2/v3 frame's body checked and decoded into ``out`` in one compiled
+    call, the GIL released throughout (``desc``: int64 ``[n, 7]``, per chunk its offset and
+    length in ``body``, the rows x layers of ``out`` it fills and its CRC-32C, or -1 for
+    none to check; ``order``: set-zstd's
     ``[L, E]`` relabel rows for ``out``'s layers, or None).  0 when every chunk decoded;
-    a non-zero code when one did not (the caller decodes the frame chunk by chunk, which
-    raises the exact error), or None where the compiled module cannot take the call
-    (not built, switched off, a set-zstd frame in a build without libzstd)."""
+    a non-zero code when one did not (a checksum, a zstd frame, routing: the caller decodes
+    the frame chunk by chunk, which raises the exact error), or None where the compiled
+    module cannot take the call (not built, switched off, set-zstd without libzstd)."""
     k = out.shape[-1]
     lib = _taking(out, k)
     if lib is None or (codec == "set-zstd" and not getattr(lib, "HAVE_ZSTD", 0)):

@@ -332,18 +332,21 @@ def _decoded_at_once(
 ) -> bool | None:
     """Every chunk of the frame decoded into ``out`` by one compiled call (the GIL released
     from the first chunk to the last: per chunk, the Python path hands it over twice, and
-    a training loop beside a fetch loses it each time).  The chunk CRCs are checked first
-    (one C call each).  True when it did; False when the compiled call refused a chunk and
+    a training loop beside a fetch loses it each time), v3's chunk CRCs checked in the same
+    call.  True when it did; False when the compiled call refused a chunk and
     None when it cannot take the frame: either way the caller decodes chunk by chunk, which
     raises the exact error."""
-    lengths = np.fromiter((c[0] for c in hdr.chunks), np.int64, len(hdr.chunks))
-    if verify_chunks:
+    chunks = np.array(hdr.chunks, np.int64).reshape(-1, 2)
+    lengths = chunks[:, 0]
+    if verify_chunks and hdr.version < 3:  # v2's CRC-32 (zlib releases the GIL over each)
         offsets = itertools.accumulate(hdr.chunks, lambda a, c: a + c[0], initial=at)
         for off, (length, crc) in zip(offsets, hdr.chunks, strict=False):
             if chunk_crc(hdr.version, view[off : off + length]) != crc:
                 raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
     nb, ng = len(hdr.blocks), len(hdr.groups)
-    desc = np.empty((nb * ng, 6), np.int64)
+    desc = np.empty((nb * ng, 7), np.int64)
+    # v3's CRC-32C: checked by the compiled call itself, with the rest (-1: not there)
+    desc[:, 6] = chunks[:, 1] if verify_chunks and hdr.version >= 3 else -1
     desc[:, 0] = at + np.cumsum(lengths) - lengths
     desc[:, 1] = lengths
     blocks = np.asarray(hdr.blocks, np.int64)
