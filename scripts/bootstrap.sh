@@ -15,8 +15,6 @@ pkgs=""
 command -v redis-server >/dev/null 2>&1 || pkgs="$pkgs redis-server"
 command -v redis-cli >/dev/null 2>&1 || pkgs="$pkgs redis-tools"
 command -v gcc >/dev/null 2>&1 || pkgs="$pkgs gcc libc6-dev"
-# libzstd's header: the compiled codec inflates set-zstd chunks itself with it (setup.py).
-[ -f /usr/include/zstd.h ] || pkgs="$pkgs libzstd-dev"
 # The pd test extra's Mooncake wheel links against these (RDMA verbs), even over TCP.
 case ",$EXTRAS," in
   *,all,* | *,pd,*)
@@ -34,6 +32,19 @@ if [ -n "$pkgs" ]; then
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $pkgs >/dev/null
 fi
 
+# libzstd's header: with it the compiled codec inflates set-zstd chunks itself (setup.py).
+# Optional: where it cannot be installed, the codec decodes them chunk by chunk (a warning).
+if [ ! -f /usr/include/zstd.h ]; then
+  echo "bootstrap: installing libzstd-dev from Debian" >&2
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  apt_get() { $SUDO env DEBIAN_FRONTEND=noninteractive apt-get "$@"; }
+  if ! { apt_get install -y -qq libzstd-dev >/dev/null 2>&1 ||
+         { apt_get update -qq && apt_get install -y -qq libzstd-dev >/dev/null; }; }; then
+    echo "bootstrap: warning: libzstd-dev not installed; set-zstd decodes chunk by chunk" >&2
+  fi
+fi
+
 # tests/deploy render the manifests with `kubectl kustomize`; neither Debian nor PyPI
 # ships kubectl, so it is a prerequisite of `make test` (not of `make demo`).
 if ! command -v kubectl >/dev/null 2>&1; then
@@ -45,9 +56,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 
-# The stamp names pyproject.toml, setup.py and the compiled codec's source: a change to any
-# reinstalls (the editable install builds r3_client._kernels._r3codec in place).
-stamp=".venv/.installed-$(cat pyproject.toml setup.py clients/r3_client/_kernels/_r3codec.c | sha256sum | cut -c1-16)-${EXTRAS//,/_}-${TORCH}"
+# The stamp names pyproject.toml, setup.py, the compiled codec's source and whether libzstd's
+# header is there: a change to any reinstalls (the editable install builds
+# r3_client._kernels._r3codec in place).
+stamp=".venv/.installed-$(cat pyproject.toml setup.py clients/r3_client/_kernels/_r3codec.c | sha256sum | cut -c1-16)-${EXTRAS//,/_}-${TORCH}$([ -f /usr/include/zstd.h ] && echo -zstd || true)"
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing sglang-r3[$EXTRAS] into .venv" >&2
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
