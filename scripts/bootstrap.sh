@@ -24,10 +24,10 @@ case ",$EXTRAS," in
     done
     ;;
 esac
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 if [ -n "$pkgs" ]; then
   echo "bootstrap: installing$pkgs from Debian" >&2
-  SUDO=""
-  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $pkgs >/dev/null
 fi
@@ -36,8 +36,6 @@ fi
 # Optional: where it cannot be installed, the codec decodes them chunk by chunk (a warning).
 if [ ! -f /usr/include/zstd.h ]; then
   echo "bootstrap: installing libzstd-dev from Debian" >&2
-  SUDO=""
-  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   apt_get() { $SUDO env DEBIAN_FRONTEND=noninteractive apt-get "$@"; }
   if ! { apt_get install -y -qq libzstd-dev >/dev/null 2>&1 ||
          { apt_get update -qq && apt_get install -y -qq libzstd-dev >/dev/null; }; }; then

@@ -25,7 +25,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "clients" / "r3_client" / "_kernels" / "_r3codec.c"
-ZSTD = any(Path(d, "zstd.h").exists() for d in ("/usr/include", "/usr/local/include"))
 SUITES = [
     "tests/client/test_codec_native.py",
     "tests/client/test_codec_v2.py",
@@ -62,12 +61,14 @@ def _build(lib: Path, *flags: str) -> str:
     if gcc is None:
         pytest.fail("gcc is required (scripts/bootstrap.sh installs it) to build the kernels")
     include = f"-I{sysconfig.get_paths()['include']}"
-    # As setup.py builds it: with libzstd where its header is (bootstrap installs it), so
-    # decode_chunks' inflation of hostile set-zstd chunks runs under the sanitizers too.
-    zstd = ["-DR3_HAVE_ZSTD=1"] if ZSTD else []
+    # With libzstd where the installed build has it (setup.py decides; test_codec_native
+    # checks that it did), so decode_chunks' inflation of hostile set-zstd chunks runs under
+    # the sanitizers too.
+    import r3_client._kernels._r3codec as installed
+
+    define, link = (["-DR3_HAVE_ZSTD=1"], ["-lzstd"]) if installed.HAVE_ZSTD else ([], [])
     subprocess.run(
-        [gcc, *flags, *zstd, "-shared", "-fPIC", include, str(SOURCE), "-o", str(lib)]
-        + (["-lzstd"] if ZSTD else []),
+        [gcc, *flags, *define, "-shared", "-fPIC", include, str(SOURCE), "-o", str(lib), *link],
         check=True,
     )
     return gcc

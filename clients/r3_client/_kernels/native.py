@@ -41,6 +41,7 @@ __all__ = [
     "backend",
     "canonical",
     "decode_chunks",
+    "decodes_chunks",
     "disagreed",
     "gap_payload",
     "popularity",
@@ -247,11 +248,14 @@ def raw_decode(body: Any, e: int, out: npt.NDArray[Any]) -> bool:
     return lib.raw_decode(body, e, out) == 0  # type: ignore[no-any-return]
 
 
-#: What :func:`decode_chunks` answers for a frame it does not decode, so that the caller
-#: decodes it chunk by chunk (a build without libzstd meeting set-zstd).
-UNSUPPORTED = 9
-
-_CODEC_IDS = {"raw": 0, "set": 1, "set-zstd": 2}
+def decodes_chunks(set_zstd: bool, out: npt.NDArray[Any]) -> bool:
+    """Whether :func:`decode_chunks` takes a frame into ``out`` (``set_zstd``: its codec is
+    set-zstd): the compiled module is active, has the call, takes ``out``, and was built
+    with libzstd when the chunks are zstd frames."""
+    lib = _taking(out, out.shape[-1])
+    if lib is None or not hasattr(lib, "decode_chunks"):  # (an older R3_NATIVE_LIBRARY build)
+        return False
+    return not set_zstd or bool(getattr(lib, "HAVE_ZSTD", 0))
 
 
 def decode_chunks(
@@ -259,27 +263,25 @@ def decode_chunks(
     desc: npt.NDArray[np.int64],
     out: npt.NDArray[Any],
     e: int,
-    codec: str,
+    codec_id: int,
     order: npt.NDArray[Any] | None,
     bits: int,
-) -> int | None:
+) -> int:
     """Every chunk of a v2/v3 frame's body checked and decoded into ``out`` in one compiled
-    call, the GIL released throughout (``desc``: int64 ``[n, 7]``, per chunk its offset and
-    length in ``body``, the rows x layers of ``out`` it fills and its CRC-32C, or -1 for
-    none to check; ``order``: set-zstd's
-    ``[L, E]`` relabel rows for ``out``'s layers, or None).  0 when every chunk decoded;
-    a non-zero code when one did not (a checksum, a zstd frame, routing: the caller decodes
-    the frame chunk by chunk, which raises the exact error), or None where the compiled
-    module cannot take the call (not built, switched off, set-zstd without libzstd)."""
+    call, the GIL released throughout; only where :func:`decodes_chunks` says so.
+
+    ``desc``: int64 ``[n, 7]``, per chunk its offset and length in ``body``, the rows x
+    layers of ``out`` it fills and its CRC-32C (-1: none to check); ``codec_id``: the
+    frame's (docs/format.md); ``order``: set-zstd's ``[L, E]`` relabel rows for ``out``'s
+    layers, or None; ``bits``: a set frame's rank width (0 for the others).  0 when every
+    chunk decoded; a non-zero code when one did not (a checksum, a zstd frame, routing:
+    the caller decodes the frame chunk by chunk, which raises the exact error)."""
+    lib = _active
+    assert lib is not None
     k = out.shape[-1]
-    lib = _taking(out, k)
-    if lib is None or (codec == "set-zstd" and not getattr(lib, "HAVE_ZSTD", 0)):
-        return None
-    if not hasattr(lib, "decode_chunks"):  # an older build (R3_NATIVE_LIBRARY)
-        return None
-    tables = _tables(e, k) if codec == "set" else None
+    tables = _tables(e, k) if bits else None
     table = None
     if order is not None:
         table = np.ascontiguousarray(order, dtype="u1" if e <= 255 else "<u2")
-    code, _ = lib.decode_chunks(body, desc, out, e, _CODEC_IDS[codec], table, tables, bits)
-    return None if code == UNSUPPORTED else int(code)
+    code, _ = lib.decode_chunks(body, desc, out, e, codec_id, table, tables, bits)
+    return int(code)

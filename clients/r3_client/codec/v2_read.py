@@ -27,6 +27,7 @@ from r3_client.codec.bodies import (
 from r3_client.codec.frame import (
     CHUNKED_VERSIONS,
     CODEC_NAMES,
+    CODECS,
     CONTEXT_CODEC,
     CRC,
     chunk_crc,
@@ -333,9 +334,11 @@ def _decoded_at_once(
     """Every chunk of the frame decoded into ``out`` by one compiled call (the GIL released
     from the first chunk to the last: per chunk, the Python path hands it over twice, and
     a training loop beside a fetch loses it each time), v3's chunk CRCs checked in the same
-    call.  True when it did; False when the compiled call refused a chunk and
-    None when it cannot take the frame: either way the caller decodes chunk by chunk, which
-    raises the exact error."""
+    call.  True when it did; False when the compiled call refused a chunk and None when it
+    cannot take the frame (nothing checked or built then): either way the caller decodes
+    chunk by chunk, which raises the exact error."""
+    if not _native.decodes_chunks(hdr.codec == "set-zstd", out):
+        return None
     chunks = np.array(hdr.chunks, np.int64).reshape(-1, 2)
     lengths = chunks[:, 0]
     if verify_chunks and hdr.version < 3:  # v2's CRC-32 (zlib releases the GIL over each)
@@ -360,5 +363,5 @@ def _decoded_at_once(
         assert hdr.context is not None and hdr.context.table is not None
         order = hdr.context.table[ctx_pos]
     bits = ranker(hdr.num_experts, hdr.topk).bits if hdr.codec == "set" else 0
-    code = _native.decode_chunks(view, desc, out, hdr.num_experts, hdr.codec, order, bits)
-    return None if code is None else code == 0
+    code = _native.decode_chunks(view, desc, out, hdr.num_experts, CODECS[hdr.codec], order, bits)
+    return code == 0
