@@ -9,8 +9,10 @@ writing ``R3_CACHE_STORE_LAYOUT=whole`` (the baseline, in the same run), one wri
 of ``2 * cp`` equal chunks) of its stage's layers, through the service
 (``RoutingClient.get_ranges``) and straight from Redis (``DirectReader.get_ranges``), and
 Redis's ``total_net_output_bytes`` is read around each: Redis bytes sent / stored bytes,
-summed over the ranks (the ideal is 1.0: every byte leaves Redis once), per layout and
-reader.
+summed over the ranks (the ideal is 1.0: every byte leaves Redis once), and each rank's
+bytes over its share (its rows x its layers of the stored bytes; the worst rank reported),
+per layout and reader.  Each figure includes the ``INFO`` reply it is read with (~1.6 KB
+per rank).
 
     python bench/chunked_reads_bench.py --rollouts 4 --tokens 16384 --pp 4 --cp 2
 
@@ -91,7 +93,7 @@ def main() -> None:
                             ids.append(rid)
                         out: dict[str, float] = {}
                         for how in ("service", "direct"):
-                            total = 0
+                            total, worst = 0, 0.0
                             reader = (
                                 DirectReader.from_service(svc.http_url, api_key=KEY_A)
                                 if how == "direct"
@@ -108,11 +110,17 @@ def main() -> None:
                                             reads, layers=layers, view="generated"
                                         ):
                                             pass
-                                        total += redis_sent(redis_proc.url) - before
+                                        sent = redis_sent(redis_proc.url) - before
+                                        total += sent
+                                        # its share: its rows x its layers of the stored bytes
+                                        got_rows = sum(b - a for _, a, b in reads)
+                                        share = stored * got_rows / (rows * len(ids)) / args.pp
+                                        worst = max(worst, sent / share)
                             finally:
                                 if reader is not None:
                                     reader.close()
                             out[f"{how}_redis_sent_over_stored"] = total / stored
+                            out[f"{how}_worst_rank_sent_over_share"] = worst
                         out["stored_bytes"] = stored
                         report[layout] = out
                         print(f"[{layout}] {out}", flush=True)

@@ -55,6 +55,7 @@ _READER_COMMANDS = (
     "hget",
     "hmget",
     "hkeys",
+    "hscan",
     "ping",
     "hello",
     "cluster|slots",
@@ -224,7 +225,7 @@ class SegmentStore(DurableWrites, StoreReads):
 
         ``ACL SETUSER r3-read-<ns>`` on every node (ACLs are per node, also on a
         cluster): key pattern ``<prefix>:<ns>:*`` only, commands ``HGETALL``/``HGET``/``HKEYS``/
-        ``HMGET`` and what a client needs to connect (``PING``, ``HELLO``,
+        ``HSCAN``/``HMGET`` and what a client needs to connect (``PING``, ``HELLO``,
         ``CLUSTER SLOTS``/``SHARDS``/``NODES``, ``READONLY``, ``COMMAND``; redis-py
         ignores a refused ``CLIENT SETINFO``, which Redis 7.0 does not know).
         The password is HMAC-SHA256(``secret``, namespace), so every replica of the

@@ -2,7 +2,7 @@
 
 The service authenticates the trainer and hands it a *read plan* (``POST
 /v1/read-plan``): a Redis URL and a Redis ACL user that can run only ``HGETALL``/
-``HGET``/``HMGET``/``HKEYS`` on the namespace's keys.  The service stays the only writer
+``HGET``/``HMGET``/``HKEYS``/``HSCAN`` on the namespace's keys.  The service stays the only writer
 and auth still decides who reads what; the bytes do not pass through a
 Python relay.  What comes back is exactly what the service's GET returns for a
 whole rollout (context frames and stored segment frames), decoded here with
@@ -46,12 +46,7 @@ from r3_client._exceptions import (
     StoreUnavailableError,
 )
 from r3_client._routing import Routing, check_rollout_id
-from r3_client._stored import (
-    Chunked,
-    parse_chunk_field,
-    uncarried_contexts,
-    wanted_chunks,
-)
+from r3_client._stored import Chunked, head_chunks, parse_chunk_field, uncarried_contexts
 from r3_client._views import (
     RangeRead,
     ServedRouting,
@@ -131,6 +126,7 @@ class DirectReader:
             raise ProtocolError(f"read plan is incomplete: {exc}") from None
         self.max_bytes = max_bytes
         self._cluster = cluster
+        self._scan = True  # False once Redis refuses this user HSCAN (an older grant)
         self._r: Any = (
             RedisCluster.from_url(url, **kw) if cluster else redis.Redis.from_url(url, **kw)
         )
@@ -233,89 +229,162 @@ class DirectReader:
         names: list[list[bytes] | None] = [None] * len(chunk)
         with _redis_errors():
             if wants is None:
-                hashes = self._read(keys)
+                hashes: list[dict[bytes, Any] | R3Error] = list(self._read(keys))
             else:
                 hashes, got_names = self._read_wanted(keys, [wants[r] for r in chunk])
                 names = list(got_names)
         reads = [
-            self._assembled(rid, fields, span, n)
+            fields if isinstance(fields, R3Error) else self._assembled(rid, fields, span, n)
             for rid, fields, n in zip(chunk, hashes, names, strict=True)
         ]
         return list(zip(chunk, reads, strict=True))
 
     def _read_wanted(
         self, keys: list[str], wants: list[_Want]
-    ) -> tuple[list[dict[bytes, Any]], list[list[bytes]]]:
-        """The fields of the hashes at ``keys`` that ranged reads of ``wants`` need, and
-        every hash's field names: ``HKEYS`` of the chunk, then an ``HMGET`` per hash of its
-        segments overlapping a read (a chunked one's head and the chunks the reads' rows
-        and layers need: ``r3_client._stored``) and view registrations; shared segments the
-        same way in their blobs (two more round trips, only when a hash references one);
-        then the contexts no frame read carries (:meth:`_read_contexts`).  Pipelined, so a
-        cluster routes each command to its node."""
+    ) -> tuple[list[dict[bytes, Any] | R3Error], list[list[bytes]]]:
+        """The fields of the hashes at ``keys`` that ranged reads of ``wants`` need, and the
+        names of each hash's meta, segment and view fields.
+
+        First each hash's small fields: its meta, every segment's head (or frame, or
+        shared-blob reference) and its view registrations, by one ``HSCAN … MATCH [msv]*``
+        per hash (Redis filters the chunk fields out; an ACL user granted before ``HSCAN``
+        was: ``HKEYS`` and an ``HMGET`` instead).  Then, in one pipelined round trip, the
+        chunks the reads' rows and ``layers`` need, named from the heads of the segments
+        they overlap (:func:`~r3_client._stored.head_chunks`), the heads of the shared
+        blobs they overlap, and the contexts no frame read carries; the blobs' chunks in a
+        third, only when a read overlaps a shared segment.  A field gone in between (the
+        rollout deleted or rewound) rereads that hash once; gone again, the rollout is
+        answered as not found when it has gone, as damaged (:class:`StoreError`) when a
+        field it names is missing.  Pipelined, so a cluster routes each command to its node.
+        """
+        got = self._wanted_once(keys, wants)
+        again = [n for n, (h, _) in enumerate(got) if h is None]
+        if again:  # moved between the rounds: read those once more, from the start
+            redo = self._wanted_once([keys[n] for n in again], [wants[n] for n in again])
+            for n, (h, names) in zip(again, redo, strict=True):
+                got[n] = (h, names)
+        hashes: list[dict[bytes, Any] | R3Error] = []
+        names_out: list[list[bytes]] = []
+        for key, (h, names) in zip(keys, got, strict=True):
+            names_out.append(names)
+            hashes.append(
+                StoreError(
+                    f"{key}: a field its segments name is missing from Redis (a damaged "
+                    "store: a bad restore or an HDEL); the rollout cannot be read"
+                )
+                if h is None
+                else h
+            )
+        return hashes, names_out
+
+    def _small_fields(self, keys: list[str]) -> list[dict[bytes, Any]]:
+        """Each hash's meta (``m``), segment (``s:…``) and view (``v:…``) fields, with their
+        values: one ``HSCAN`` per hash (``MATCH [msv]*``: the chunk, context, digest and
+        stat fields stay in Redis), pipelined; a cursor left over (a hash larger than one
+        scan's ``COUNT``) is followed.  An ACL user without ``HSCAN`` (granted by a service
+        from before it was added) lists the names with ``HKEYS`` and reads those fields
+        with ``HMGET``: what this reader did before, every field name sent."""
+        import redis  # lazy: only direct readers need redis-py
+
+        if self._scan:
+            pipe = self._r.pipeline(transaction=False)
+            for key in keys:
+                pipe.hscan(key, 0, match=_SMALL_FIELDS, count=_SCAN_COUNT)
+            try:
+                replies = pipe.execute()
+            except redis.exceptions.NoPermissionError:
+                self._scan = False
+            else:
+                out: list[dict[bytes, Any]] = []
+                for key, (cursor, fields) in zip(keys, replies, strict=True):
+                    while cursor:  # (not with COUNT above any hash's field count)
+                        cursor, more = self._r.hscan(
+                            key, cursor, match=_SMALL_FIELDS, count=_SCAN_COUNT
+                        )
+                        fields.update(more)
+                    out.append(fields)
+                return out
         pipe = self._r.pipeline(transaction=False)
         for key in keys:
             pipe.hkeys(key)
-        all_names: list[list[bytes]] = pipe.execute()
         picked = [
-            _wanted_fields(n, spans, layers)
-            for n, (spans, layers) in zip(all_names, wants, strict=True)
+            [f for f in names if f == b"m" or f[:2] in (b"s:", b"v:")] for names in pipe.execute()
         ]
         pipe = self._r.pipeline(transaction=False)
         for key, fields in zip(keys, picked, strict=True):
             if fields:  # (a rollout that is not there has no fields: nothing to ask)
                 pipe.hmget(key, fields)
         replies = iter(pipe.execute())
-        hashes: list[dict[bytes, Any]] = []
-        for fields in picked:
-            got = dict(zip(fields, next(replies), strict=True)) if fields else {}
-            # a field gone between the two reads: the rollout was deleted or rewound
-            hashes.append({} if any(v is None for v in got.values()) else got)
-        refs = [(n, f, blob) for n, h in enumerate(hashes) for f, blob in _shared_refs(h)]
-        if refs:
-            pipe = self._r.pipeline(transaction=False)
-            for _, _, blob in refs:
-                pipe.hkeys(blob)
-            blob_names: list[list[bytes]] = pipe.execute()
-            pipe = self._r.pipeline(transaction=False)
-            blob_fields = []
-            for (n, _, blob), bn in zip(refs, blob_names, strict=True):
-                spans, layers = wants[n]
-                fields = [b"f", *wanted_chunks(bn, spans, layers)]
-                blob_fields.append(fields)
-                pipe.hmget(blob, fields)
-            for (n, f, _), fields, values in zip(refs, blob_fields, pipe.execute(), strict=True):
-                hashes[n][f] = _blob_value(dict(zip(fields, values, strict=True)), whole=False)
-        self._read_contexts(keys, hashes, all_names)
-        return hashes, all_names
+        return [
+            {f: v for f, v in zip(fields, next(replies), strict=True) if v is not None}
+            if fields
+            else {}
+            for fields in picked
+        ]
 
-    def _read_contexts(
-        self, keys: list[str], hashes: list[dict[bytes, Any]], names: list[list[bytes]]
-    ) -> None:
-        """Add to each ranged read's hash the stored contexts its continuation frames need
-        and no frame it read carries (one pipelined round trip, only when some hash needs
-        one: a read that touches a rollout's first segment has its context in its head)."""
-        asks: list[tuple[int, list[bytes]]] = []
-        for n, fields in enumerate(hashes):
-            frames = [
-                (v.head, True) if isinstance(v, Chunked) else (v, is_frame_head(v))
-                for f, v in fields.items()
-                if f[:2] == b"s:" and isinstance(v, bytes | Chunked)
-            ]
-            need = uncarried_contexts(frames) if frames else set()
-            wanted = [c for c in names[n] if c[:2] == b"c:" and c[2:].decode() in need]
-            if wanted:
-                asks.append((n, wanted))
-        if not asks:
-            return
+    def _wanted_once(
+        self, keys: list[str], wants: list[_Want]
+    ) -> list[tuple[dict[bytes, Any] | None, list[bytes]]]:
+        """:meth:`_read_wanted`'s rounds once: per hash its fields and the names of its
+        small fields, or None for the fields when one it names was not there."""
+        small = self._small_fields(keys)
+        plans = [
+            _plan_wanted(fields, spans, layers)
+            for fields, (spans, layers) in zip(small, wants, strict=True)
+        ]
         pipe = self._r.pipeline(transaction=False)
-        for n, wanted in asks:
-            pipe.hmget(keys[n], wanted)
-        for (n, wanted), values in zip(asks, pipe.execute(), strict=True):
-            if any(v is None for v in values):
-                hashes[n] = {}  # deleted or rewound between the reads: not found
-            else:
-                hashes[n].update(zip(wanted, values, strict=True))
+        for key, plan in zip(keys, plans, strict=True):
+            for blob in plan.blobs.values():
+                pipe.hget(blob, "f")
+            if plan.chunks or plan.contexts:
+                pipe.hmget(key, [*plan.chunks, *plan.contexts])
+        replies = iter(pipe.execute() if len(pipe) else [])
+        blob_asks: list[tuple[int, bytes, bytes, list[bytes]]] = []
+        for n, (fields, plan, (spans, layers)) in enumerate(zip(small, plans, wants, strict=True)):
+            for f, blob in plan.blobs.items():
+                fields[f] = head = next(replies)
+                if isinstance(head, bytes) and is_frame_head(head):
+                    fields[f] = Chunked(head, {})
+                    names = _chunks_of(f, head, plan.layer_ids, spans, layers)
+                    if names:
+                        blob_asks.append((n, f, blob, names))
+            if plan.chunks or plan.contexts:
+                asked = [*plan.chunks, *plan.contexts]
+                fields.update(zip(asked, next(replies), strict=True))
+        # the contexts of hashes with shared segments, once the blobs' heads are here (a
+        # shared first segment's head carries the rollout's context)
+        late = [
+            (n, names)
+            for n, (fields, plan) in enumerate(zip(small, plans, strict=True))
+            if plan.blobs and (names := _needed_contexts(fields))
+        ]
+        if blob_asks or late:
+            pipe = self._r.pipeline(transaction=False)
+            for _, _, blob, names in blob_asks:
+                pipe.hmget(blob, names)
+            for n, names in late:
+                pipe.hmget(keys[n], names)
+            replies = iter(pipe.execute())
+            for n, f, _, names in blob_asks:
+                values = next(replies)
+                # a blob's chunk gone: the blob expired, as a blob without its head reads
+                small[n][f] = (
+                    None
+                    if any(v is None for v in values)
+                    else Chunked(small[n][f].head, _indexed(names, values))
+                )
+            for n, names in late:
+                small[n].update(zip(names, next(replies), strict=True))
+        return [
+            (
+                None
+                if any(v is None for f, v in fields.items() if f[:2] in (b"k:", b"c:"))
+                or (plan.names and not isinstance(fields.get(b"m"), bytes))
+                else fields,
+                plan.names,
+            )
+            for fields, plan in zip(small, plans, strict=True)
+        ]
 
     def _read(self, keys: list[str]) -> list[dict[bytes, Any]]:
         """The hashes at ``keys`` (rollouts' or views'), shared segments resolved."""
@@ -566,8 +635,9 @@ class DirectReader:
         order, as :meth:`RoutingClient.get_ranges` answers it under the same ``view``
         (``exact`` by default: each read in its state, none past it).
 
-        Each rollout's hash is read once: its field names (``HKEYS``), then the fields its
-        reads need (an ``HMGET``): of a segment stored chunked (docs/store.md, "Layout")
+        Each rollout's hash is read once: its small fields (``HSCAN``: meta, segment heads
+        or frames, views), then the chunks its reads need (an ``HMGET``, named from the
+        heads: :meth:`_read_wanted`): of a segment stored chunked (docs/store.md, "Layout")
         only the chunks holding the reads' rows and ``layers``, of one stored whole (before
         issue 44) the whole frame; only the reads' rows and layers are decoded.  The hash
         lists the rollout's views, and the
@@ -773,6 +843,113 @@ def _add_span(spans: list[tuple[int, int]], a: int, b: int) -> None:
         spans[:] = [(min(x for x, _ in spans), max(y for _, y in spans))]
 
 
+#: The small fields of a rollout hash a ranged read scans for: its meta (``m``), segments
+#: (``s:…``: heads, frames or shared-blob references) and views (``v:…``), and ``sb``.
+_SMALL_FIELDS = "[msv]*"
+
+#: ``HSCAN``'s COUNT: above twice any hash's field count (Redis 7.0 counts a field and its
+#: value before MATCH filters), so one scan answers a whole hash.
+_SCAN_COUNT = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _WantPlan:
+    """What a ranged read fetches of one rollout hash after its small fields: the names of
+    those (meta, segments, views), the rollout's layer ids, its chunk fields the reads
+    need, the shared blobs (by segment field) they overlap, and the contexts no frame
+    carries (of a hash without shared segments; with them, asked once the blobs' heads
+    are read)."""
+
+    names: list[bytes]
+    layer_ids: tuple[int, ...]
+    chunks: list[bytes]
+    blobs: dict[bytes, bytes]
+    contexts: list[bytes]
+
+
+def _plan_wanted(
+    fields: dict[bytes, Any], spans: Sequence[tuple[int, int]], layers: Sequence[int] | None
+) -> _WantPlan:
+    """The plan of a ranged read of ``spans`` and ``layers`` from a hash's small fields
+    (:data:`_SMALL_FIELDS`); a shared segment no span overlaps is dropped from ``fields``
+    (nothing of it is read)."""
+    names = list(fields)
+    layer_ids = _meta_layers(fields.get(b"m"))
+    chunks: list[bytes] = []
+    blobs: dict[bytes, bytes] = {}
+    for f in names:
+        if f[:2] != b"s:":
+            continue
+        a, b = _rows_of(f)
+        v = fields[f]
+        if not any(a < e and s < b for s, e in spans):
+            if v[:1] == b"@":
+                del fields[f]
+        elif v[:1] == b"@":
+            blobs[f] = v[1:]
+        elif is_frame_head(v):
+            chunks += _chunks_of(f, v, layer_ids, spans, layers)
+    return _WantPlan(names, layer_ids, chunks, blobs, [] if blobs else _needed_contexts(fields))
+
+
+def _rows_of(field: bytes) -> tuple[int, int]:
+    """A segment field's rows (``s:<a>:<b>``); ``(0, 0)`` for a malformed name (read as
+    overlapping nothing, and refused where the hash's segments are assembled)."""
+    parts = field.split(b":")
+    if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
+        return 0, 0
+    return int(parts[1]), int(parts[2])
+
+
+def _meta_layers(meta: Any) -> tuple[int, ...]:
+    """The layer ids of a rollout's meta (msgpack ``[E, K, [layer ids]]``); () when it is
+    missing or unreadable (a continuation head then names no chunk, and the decode
+    names the fault)."""
+    try:
+        _, _, ids = msgpack.unpackb(meta)
+        return tuple(int(x) for x in ids)
+    except Exception:  # msgpack raises several unrelated types; any of them: unreadable
+        return ()
+
+
+def _chunks_of(
+    field: bytes,
+    head: bytes,
+    layer_ids: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    layers: Sequence[int] | None,
+) -> list[bytes]:
+    """The chunk fields of segment ``field`` (its head ``head``) that reads of ``spans``
+    and ``layers`` need (:func:`~r3_client._stored.head_chunks`); none when the head is
+    damaged or a layer is not the segment's (the decode then raises the reason)."""
+    a, b = _rows_of(field)
+    try:
+        return head_chunks(a, b, head, layer_ids, spans, layers)
+    except R3Error:
+        return []
+
+
+def _needed_contexts(fields: dict[bytes, Any]) -> list[bytes]:
+    """The ``c:<digest>`` fields of the contexts that the frames among ``fields`` continue
+    and none of them carries (:func:`~r3_client._stored.uncarried_contexts`)."""
+    frames = [
+        (v.head, True) if isinstance(v, Chunked) else (v, is_frame_head(v))
+        for f, v in fields.items()
+        if f[:2] == b"s:" and isinstance(v, bytes | Chunked)
+    ]
+    return [f"c:{d}".encode() for d in sorted(uncarried_contexts(frames))] if frames else []
+
+
+def _indexed(names: Sequence[bytes], values: Sequence[bytes]) -> dict[int, bytes]:
+    """Chunk values by their index, from the chunk fields' names."""
+    out: dict[int, bytes] = {}
+    for name, value in zip(names, values, strict=True):
+        got = parse_chunk_field(name)
+        if got is not None:
+            out[got.index] = value
+    return out
+
+
 def _whole(f: bytes | Chunked) -> bytes:
     """A segment read whole as its frame (a chunked one's chunks joined to its head)."""
     if isinstance(f, bytes):
@@ -797,36 +974,16 @@ def _segment_value(
     return Chunked(value, pieces)
 
 
-def _blob_value(fields: dict[bytes, Any], *, whole: bool = True) -> bytes | Chunked | None:
-    """A shared blob's segment from the blob hash's ``fields`` (``f`` the frame or its head,
-    chunk fields beside it): its frame (``whole``: the chunks joined to the head), else
-    its head and the chunks read; None when the blob has expired."""
+def _blob_value(fields: dict[bytes, Any]) -> bytes | None:
+    """A shared blob's frame from the blob hash's ``fields`` (``f`` the frame, or its head
+    with the chunk fields beside it, joined); None when the blob has expired."""
     value = fields.get(b"f")
     if not isinstance(value, bytes):
         return None
     if not is_frame_head(value):
         return value
     pieces = {got.index: v for f, v in fields.items() if (got := parse_chunk_field(f)) is not None}
-    got_chunks = Chunked(value, pieces)
-    return _whole(got_chunks) if whole else got_chunks
-
-
-def _wanted_fields(
-    names: Sequence[bytes], spans: Sequence[tuple[int, int]], layers: Sequence[int] | None
-) -> list[bytes]:
-    """The fields of a rollout hash a ranged read of ``spans`` and ``layers`` needs: the
-    segments overlapping a span (each a frame, a chunked one's head or a blob reference),
-    the view registrations, then their wanted chunks (:func:`wanted_chunks`)."""
-    out: list[bytes] = []
-    for f in names:
-        kind = f[:2]
-        if kind == b"v:":  # contexts: after the frames, only those needed (_read_contexts)
-            out.append(f)
-        elif kind == b"s:":
-            a, b = (int(x) for x in f.split(b":")[1:3])
-            if any(a < e and s < b for s, e in spans):
-                out.append(f)
-    return out + wanted_chunks(names, spans, layers)
+    return _whole(Chunked(value, pieces))
 
 
 def _context_in_segment(fields: dict[bytes, Any]) -> str | None:

@@ -15,24 +15,21 @@ script ``segment_fields.lua`` applies the same rule as :func:`chunk_wanted`.
 
 from __future__ import annotations
 
-import itertools
-import re
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from r3_client._exceptions import FormatError, FrameError
-from r3_client.codec import ChunkSpan, read_header
+from r3_client.codec import ChunkSpan, chunk_spans, needed_chunks, read_header
 
 __all__ = [
     "ChunkField",
     "Chunked",
     "chunk_field",
     "chunk_wanted",
+    "head_chunks",
     "parse_chunk_field",
     "uncarried_contexts",
-    "wanted_chunks",
 ]
 
 #: The first two bytes of every chunk field.
@@ -92,39 +89,40 @@ def chunk_wanted(
     return any(a < field.end and (b is None or field.start < b) for a, b in spans)
 
 
-#: Chunk field names without their ``k:``, each followed by a newline: seven numbers of
-#: at most 18 digits each (so every one fits an int64).
-_CHUNK_LINES = re.compile(rb"(?:\d{1,18}(?::\d{1,18}){6}\n)*")
-
-
-def wanted_chunks(
-    names: Sequence[bytes], spans: Sequence[tuple[int, int | None]], layers: Sequence[int] | None
+def head_chunks(
+    seg_start: int,
+    seg_end: int,
+    head: bytes,
+    layer_ids: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    layers: Sequence[int] | None,
 ) -> list[bytes]:
-    """The chunk fields among ``names`` that :func:`chunk_wanted` keeps for ``spans`` and
-    ``layers``; other names are dropped.
+    """The chunk fields of the chunked segment ``[seg_start, seg_end)`` whose head is
+    ``head`` that reads of rows ``spans`` and ``layers`` need: exactly the chunks
+    :func:`~r3_client.codec.needed_chunks` names for each span, named from the head itself,
+    so a reader fetches them without listing the hash's field names (``HKEYS`` sends ~36
+    bytes per chunk of every segment; the head holds 8 per chunk and is read anyway).
 
-    What a direct reader filters a rollout hash's ``HKEYS`` with (a 16k-token segment has
-    ~250 chunk fields): the names checked by one regular expression and their numbers
-    parsed and compared by numpy, rather than a Python call per name, so the filter
-    holds the GIL a training loop needs for tens of microseconds."""
-    chunks = [n for n in names if n[:2] == CHUNK_PREFIX]
-    if not chunks:
-        return []
-    text = b"\n".join([n[2:] for n in chunks]) + b"\n"
-    if _CHUNK_LINES.fullmatch(text) is None:  # a malformed name among them: one at a time
-        return [n for n in chunks if (f := parse_chunk_field(n)) and chunk_wanted(f, spans, layers)]
-    # (numpy's text parser: a tenth of the time of a list of ints; the regex vouched for it)
-    nums = np.fromstring(text.replace(b"\n", b":")[:-1], dtype=np.int64, sep=":")
-    if nums.size != 7 * len(chunks):
-        raise AssertionError("chunk field names parsed to the wrong count")
-    nums = nums.reshape(-1, 7)
-    start, end, first, last = nums[:, 3], nums[:, 4], nums[:, 5], nums[:, 6]
-    keep = np.zeros(len(chunks), bool)
+    ``layer_ids`` are the rollout's (its ``m`` field): a continuation head names none of its
+    own.  The head is checked first (its trailer): names computed from damaged bytes would
+    ask for fields that are not there.  Raises :class:`FrameError` (or another
+    :class:`FormatError`) for a head that does not parse or a read it cannot serve (a layer
+    it does not hold); the caller then fetches no chunk and the decode names the fault."""
+    hdr = read_header(head, verify=True, head=True)
+    if not hdr.layer_ids:
+        if len(layer_ids) != sum(hdr.groups):
+            raise FrameError("the rollout's layer ids do not match the segment's layer groups")
+        hdr = dataclasses.replace(hdr, layer_ids=tuple(layer_ids))
+    picked: set[int] = set()
     for a, b in spans:
-        keep |= (a < end) & (start < (np.iinfo(np.int64).max if b is None else b))
-    if layers:
-        keep &= (last >= min(layers)) & (first <= max(layers))
-    return list(itertools.compress(chunks, keep.tolist()))
+        lo, hi = max(a, hdr.start), min(b, hdr.end)
+        if lo < hi:
+            picked.update(needed_chunks(hdr, start=lo, end=hi, layers=layers))
+    return [
+        chunk_field(seg_start, seg_end, span).encode()
+        for span in chunk_spans(hdr)
+        if span.index in picked
+    ]
 
 
 def uncarried_contexts(frames: Iterable[tuple[bytes, bool]]) -> set[str]:

@@ -22,6 +22,7 @@ from r3_client import (
     Context,
     DirectReader,
     R3Error,
+    RolloutNotFoundError,
     RoutingClient,
     Segment,
     StoreError,
@@ -221,14 +222,17 @@ def test_redis_sends_a_rank_only_its_chunks(
     hdr = read_header(frame)
     head = hdr.frame_length - hdr.body_length  # prefix, header, trailer
     conn = redis.Redis.from_url(redis_single.url)
-    try:  # what HKEYS sends a direct reader: every field name of the hash, RESP-framed
+    try:  # what HKEYS would send: every field name of the hash, RESP-framed
         listing = sum(len(f) + 8 for f in conn.hkeys(f"r3:tenant-a:{{{r}}}"))
     finally:
         conn.close()
-    # the service names the chunks in a script; a direct reader lists every field name
-    for how, sent in (("relay", relay_sent), ("direct", direct_sent - listing)):
-        assert sent < share + head + 4096, (how, sent, share, head, listing)  # framing
-        assert sent < stored / 8
+    # the service names the chunks in a script; a direct reader names them from the heads
+    # (HSCAN of the small fields), never listing every chunk field's name
+    info = -redis_sent(redis_single.url) + redis_sent(redis_single.url)  # INFO's own reply
+    assert relay_sent < share + head + 4096, (relay_sent, share, head)  # names, framing
+    # a direct reader: the chunks, the head, the meta and RESP framing (HKEYS: + listing)
+    assert direct_sent - info < share + head + 512, (direct_sent, info, share, head, listing)
+    assert max(relay_sent, direct_sent) < stored / 8
 
 
 def test_rollouts_stored_whole_are_read_by_a_chunked_service(
@@ -288,12 +292,11 @@ def test_a_missing_chunk_is_refused_by_every_reader(svc: Service) -> None:
             assert isinstance(got, StoreError) and r in str(got), got
         assert same_sets(client.get(r, start=3000, end=3100).indices, ROWS[3000:3100])
     with DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader:
-        for read in (
-            lambda: reader.get(r),
-            lambda: dict(reader.get_ranges([(r, 1000, 1100)], return_errors=True))[r],
-        ):
+        for read in (lambda: reader.get(r),):
             got = _try(read)
             assert isinstance(got, R3Error), got
+        got = dict(reader.get_ranges([(r, 1000, 1100)], return_errors=True))[r]
+        assert isinstance(got, StoreError) and r in str(got), got
         assert same_sets(
             dict(reader.get_ranges([(r, 3000, 3100)]))[r].indices,  # type: ignore[union-attr]
             ROWS[3000:3100],
@@ -307,31 +310,91 @@ def _try(read: object) -> object:
         return exc
 
 
-def test_a_direct_readers_bulk_filter_keeps_exactly_the_chunks_one_at_a_time_would() -> None:
-    """``wanted_chunks`` (numpy over every name of a hash at once) against the per-name rule
-    the service's script applies, on well-formed names and on hostile ones (too many or
-    too few numbers, a letter, a number past int64, an embedded newline) mixed in."""
-    from r3_client._stored import chunk_wanted, wanted_chunks
+def test_a_direct_reader_names_exactly_the_stored_chunks_a_read_needs(svc: Service) -> None:
+    """``head_chunks`` (a direct reader's chunk names, computed from a segment's head and
+    the rollout's layer ids, never listed from Redis) against the fields the store wrote:
+    every name it gives is stored, and they are the chunks ``needed_chunks`` keeps, for the
+    first frame and for a continuation head (which names no layer ids of its own)."""
+    from r3_client._stored import head_chunks
+    from r3_client.codec import chunk_spans, needed_chunks
 
-    rng = np.random.default_rng(5)
-    names = []
-    for i in range(400):
-        a, g = int(rng.integers(0, 16000)), int(rng.integers(0, 48))
-        names.append(f"k:0:16384:{i}:{a}:{a + 512}:{g}:{g + 5}".encode())
-    names += [b"s:0:16384", b"v:7", b"k:1:2", b"k:x:1:2:3:4:5:6", b"k:1:2:3:4:5:6:7:8"]
-    hostile = [
-        b"k:1:2:3:4:5:6:" + b"9" * 20,
-        b"k:1:2:3:4:5:6:7\n",
-        b"k:1:2:3:4:5:6:7\n1:2:3:4:5:6:7",
+    r = _agent(svc)
+    conn = admin_redis(svc.redis_url)
+    try:
+        fields = conn.hgetall(f"r3:tenant-a:{{{r}}}")
+    finally:
+        conn.close()
+    stored = {f for f in fields if parse_chunk_field(f) is not None}
+    first = read_header(fields[f"s:0:{N}".encode()], head=True)
+    reads = [
+        ([(0, 100)], None),
+        ([(100, 2000), (5000, 9000)], [5, 16]),
+        ([(6100, 6200)], [1, 2, 9]),
+        ([(511, 513)], [16]),
     ]
-    for pool in (names, names + hostile):
-        order = rng.permutation(len(pool))
-        shuffled = [pool[int(j)] for j in order]
-        for spans in ([(0, 100)], [(100, 2000), (9000, None)], [(16000, 16384)], []):
-            for layers in (None, [0, 5, 23], [47], []):
-                one_by_one = [
-                    n
-                    for n in shuffled
-                    if (f := parse_chunk_field(n)) is not None and chunk_wanted(f, spans, layers)
-                ]
-                assert wanted_chunks(shuffled, spans, layers) == one_by_one
+    for a, b in ((0, N), (N, N + 2500)):
+        head = fields[f"s:{a}:{b}".encode()]
+        hdr = read_header(head, head=True, context=first.context)
+        for spans, layers in reads:
+            names = head_chunks(a, b, head, LAYERS, spans, layers)
+            want = set()
+            for lo, hi in spans:
+                if max(lo, a) < min(hi, b):
+                    want |= set(needed_chunks(hdr, start=max(lo, a), end=min(hi, b), layers=layers))
+            picked = [parse_chunk_field(n) for n in names]
+            assert set(names) <= stored, (a, spans, layers)
+            assert sorted(p.index for p in picked if p is not None) == sorted(want)
+            assert {c.index for c in chunk_spans(hdr)} >= want
+    with pytest.raises(R3Error):  # the rollout's layer ids must match a continuation's groups
+        head_chunks(
+            N, N + 2500, fields[f"s:{N}:{N + 2500}".encode()], LAYERS[:3], reads[0][0], None
+        )
+
+
+def test_a_reader_granted_before_hscan_reads_the_same(svc: Service) -> None:
+    """A read plan's Redis user from a service before ``HSCAN`` was granted (a rolling
+    upgrade: readers first): the reader lists the names with ``HKEYS`` instead and answers
+    the same rows."""
+    r = _agent(svc)
+    with DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader:
+        conn = admin_redis(svc.redis_url)
+        try:
+            cmd = ("ACL", "SETUSER", "r3-read-tenant-a", "-hscan")  # on every node
+            if isinstance(conn, redis.RedisCluster):
+                conn.execute_command(*cmd, target_nodes=redis.RedisCluster.ALL_NODES)
+            else:
+                conn.execute_command(*cmd)
+        finally:
+            conn.close()
+        for spans, layers in (([(r, 100, 300), (r, 7000, 8000)], None), ([(r, 5000, 8000)], [16])):
+            cols = [LAYERS.index(x) for x in layers] if layers else slice(None)
+            for (_, a, b), (_, got) in zip(
+                spans, reader.get_ranges(spans, layers=layers), strict=True
+            ):
+                assert same_sets(got.indices, ROWS[a:b][:, cols])  # type: ignore[union-attr]
+        assert reader._scan is False
+
+
+def test_a_rollout_deleted_between_a_direct_reads_rounds_is_not_found(
+    svc: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout deleted after the reader scanned its heads and before it asked for the
+    chunks (the race forced: the real Redis deletes it at that moment): the read is tried
+    again once and answers not found, never rows or a damaged-store error."""
+    r = _agent(svc)
+    with DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader:
+        real = reader._small_fields
+        calls = []
+
+        def small(keys: list[str]) -> list[dict[bytes, object]]:
+            got = real(keys)
+            if not calls:
+                with RoutingClient(svc.http_url, api_key=KEY_A) as client:
+                    client.delete(r)
+            calls.append(keys)
+            return got
+
+        monkeypatch.setattr(reader, "_small_fields", small)
+        got = dict(reader.get_ranges([(r, 100, 300)], return_errors=True))[r]
+        assert isinstance(got, RolloutNotFoundError), got
+        assert len(calls) == 2
