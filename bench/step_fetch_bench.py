@@ -50,10 +50,12 @@ Writes ``bench/out/step_fetch_bench.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import platform
+import secrets
 import sys
 import tempfile
 import time
@@ -67,6 +69,7 @@ sys.path.insert(0, str(ROOT))
 
 from cache_service.redis_proc import RedisProcess, free_port  # noqa: E402
 from r3_client import (  # noqa: E402
+    DirectReader,
     RolloutInfo,
     Routing,
     RoutingClient,
@@ -80,7 +83,7 @@ from r3_client.rank_local import check_step, fetch_verl_rank_slice, prefetched  
 from r3_client.synthetic import synthetic_routing  # noqa: E402
 from tests.support.counting import Counting  # noqa: E402
 from tests.support.memory import reset_peak, rss_mib  # noqa: E402
-from tests.support.service_process import KEY_A, start_service  # noqa: E402
+from tests.support.service_process import DIRECT_READS, KEY_A, start_service  # noqa: E402
 from tests.support.stored import redis_sent  # noqa: E402
 
 LAYERS, E, K = 48, 128, 8  # Qwen3-30B-A3B
@@ -218,13 +221,25 @@ def lens(mb: list[Sample]) -> tuple[list[int], list[int]]:
     return [s[1] for s in mb], [s[2] for s in mb]
 
 
-def rank_proc(url: str, coords: dict[str, int], micro: list[list[Sample]], out: Any) -> None:
-    """One rank: fetch every micro-batch's slice (next one prefetched), hold them all."""
+def rank_proc(
+    url: str, coords: dict[str, int], micro: list[list[Sample]], how: str, redis_url: str, out: Any
+) -> None:
+    """One rank: fetch every micro-batch's slice (next one prefetched), hold them all.
+
+    ``how``: ``service`` (through the service over HTTP; the bytes counted are the frames
+    received) or ``direct`` (a ``DirectReader`` from the service's read plan; the bytes
+    counted are what Redis sent while this rank read, so the direct world runs one rank
+    at a time)."""
     per = LAYERS // coords["pp"]
     rank = verl_rank(coords)
     expanded = any(s[3] is not None for mb in micro for s in mb)
-    with RoutingClient(url, api_key=KEY_A) as client:
-        src = Counting(client)
+    with contextlib.ExitStack() as stack:
+        src: Any
+        if how == "direct":
+            src = stack.enter_context(DirectReader.from_service(url, api_key=KEY_A))
+        else:
+            src = Counting(stack.enter_context(RoutingClient(url, api_key=KEY_A)))
+        sent0 = redis_sent(redis_url) if how == "direct" else 0
 
         def fetch(mb: list[Sample]) -> Any:
             p, r = lens(mb)
@@ -240,12 +255,14 @@ def rank_proc(url: str, coords: dict[str, int], micro: list[list[Sample]], out: 
         dt = time.perf_counter() - t0
         growth = peak_growth(before)
         rows = sum(verl_rank_plan(*lens(mb), rank=rank).num_rows for mb in micro)
+        direct = how == "direct"
         out.put(
             {
                 **coords,
+                "how": how,
                 "s": dt,
-                "bytes": src.bytes + src.view_bytes,
-                "view_bytes": src.view_bytes,
+                "bytes": redis_sent(redis_url) - sent0 if direct else src.bytes + src.view_bytes,
+                "view_bytes": 0 if direct else src.view_bytes,
                 "rows": rows,
                 "layers": per,
                 "slice_mib": sum(sum(a.nbytes for a in s.per_layer) for s in held) / 2**20,
@@ -285,15 +302,19 @@ def rank_key(coords: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(coords[k]) for k in ("dp_rank", "pp_rank", "cp_rank", "tp_rank"))
 
 
-def local_world(url: str, jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every rank as its own process, ``args.wave`` at a time."""
+def local_world(
+    url: str, jobs: list[Job], args: argparse.Namespace, how: str = "service", redis_url: str = ""
+) -> list[dict[str, Any]]:
+    """Every rank as its own process, ``args.wave`` at a time (``direct``: one at a time,
+    so that what Redis sent while a rank ran is that rank's)."""
     ctx = mp.get_context("spawn")
     results: list[dict[str, Any]] = []
-    for w in range(0, len(jobs), args.wave):
+    wave = 1 if how == "direct" else args.wave
+    for w in range(0, len(jobs), wave):
         q = ctx.Queue()
         procs = [
-            ctx.Process(target=rank_proc, args=(url, coords, micro, q))
-            for coords, micro in jobs[w : w + args.wave]
+            ctx.Process(target=rank_proc, args=(url, coords, micro, how, redis_url, q))
+            for coords, micro in jobs[w : w + wave]
         ]
         for p in procs:
             p.start()
@@ -301,6 +322,68 @@ def local_world(url: str, jobs: list[Job], args: argparse.Namespace) -> list[dic
         for p in procs:
             p.join()
     return results
+
+
+def share_stats(
+    ranks: list[dict[str, Any]], stored_total: int, rows_total: int
+) -> dict[str, float]:
+    """Each rank's bytes over its share (its rows x its layers of the stored bytes; set on
+    each rank's record), the worst and the sum over the ranks against the stored bytes."""
+    per_row_layer = stored_total / rows_total / LAYERS
+    for r in ranks:
+        r["share_bytes"] = per_row_layer * r["rows"] * r["layers"]
+        r["bytes_over_share"] = r["bytes"] / r["share_bytes"]
+        r["rss_over_slice_mib"] = r["rss_growth_mib"] - r["slice_mib"]
+    return {
+        "max_bytes_over_share": max(r["bytes_over_share"] for r in ranks),
+        "sum_bytes_over_stored": sum(r["bytes"] for r in ranks) / stored_total,
+        "slowest_rank_s": max(r["s"] for r in ranks),
+        "max_rss_over_slice_mib": max(r["rss_over_slice_mib"] for r in ranks),
+    }
+
+
+def direct_world(
+    url: str, redis_url: str, ids: list[str], tokens: int, stored_total: int, args: Any
+) -> dict[str, Any]:
+    """The same ranks reading with ``DirectReader`` (one at a time): each rank's Redis bytes
+    over its share."""
+    plain: list[Sample] = [(rid, PROMPT, tokens - PROMPT, None) for rid in ids]
+    ranks = local_world(url, rank_jobs(plain, args), args, how="direct", redis_url=redis_url)
+    return {"ranks": ranks, **share_stats(ranks, stored_total, len(ids) * (tokens - 1))}
+
+
+def short_step(
+    url: str, redis_url: str, name: str, skew: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    """``--short-tokens`` samples (4k, say), stored and read by the same world through the
+    service and with ``DirectReader``: each rank's bytes over its share, and what Redis
+    sent over the stored bytes through the service."""
+    tokens = args.short_tokens
+    ids = make_step(url, args.rollouts, tokens, skew, seed=41 if name == "skewed" else 43)
+    with RoutingClient(url, api_key=KEY_A) as client:
+        stored_total = sum(client.stat(r).stored_bytes for r in ids)
+    plain: list[Sample] = [(rid, PROMPT, tokens - PROMPT, None) for rid in ids]
+    r0 = redis_sent(redis_url)
+    ranks = local_world(url, rank_jobs(plain, args), args)
+    out: dict[str, Any] = {
+        "tokens": tokens,
+        "stored_bytes": stored_total,
+        "redis_out_over_stored": (redis_sent(redis_url) - r0) / stored_total,
+        "service": {"ranks": ranks, **share_stats(ranks, stored_total, len(ids) * (tokens - 1))},
+    }
+    if args.direct:
+        out["direct"] = direct_world(url, redis_url, ids, tokens, stored_total, args)
+    with RoutingClient(url, api_key=KEY_A) as client:
+        for key in ids:
+            client.delete(key)
+    print(
+        f"[{name}] {tokens}-token samples: bytes/share max service "
+        f"{out['service']['max_bytes_over_share']:.3f}"
+        + (f", direct {out['direct']['max_bytes_over_share']:.3f}" if "direct" in out else "")
+        + f"; Redis sent {out['redis_out_over_stored']:.3f}x stored (service)",
+        flush=True,
+    )
+    return out
 
 
 def one_distribution(
@@ -322,12 +405,8 @@ def one_distribution(
     ranks = local_world(url, rank_jobs(plain, args), args)
     redis_local = (redis_sent(redis_url) - r1) / stored_total
     rows_total = args.rollouts * (args.tokens - 1)
-    per_row_layer = stored_total / rows_total / LAYERS
-    for r in ranks:
-        r["share_bytes"] = per_row_layer * r["rows"] * r["layers"]
-        r["bytes_over_share"] = r["bytes"] / r["share_bytes"]
-        r["rss_over_slice_mib"] = r["rss_growth_mib"] - r["slice_mib"]
-    slowest = max(r["s"] for r in ranks)
+    shares = share_stats(ranks, stored_total, rows_total)
+    slowest = shares["slowest_rank_s"]
     local_s = driver["s"] + slowest
     out = {
         "rollouts": args.rollouts,
@@ -341,13 +420,21 @@ def one_distribution(
             "slowest_rank_s": slowest,
             "sum_rank_s": sum(r["s"] for r in ranks),
             "time_to_all_ranks_s": local_s,
-            "sum_bytes_over_stored": sum(r["bytes"] for r in ranks) / stored_total,
-            "max_bytes_over_share": max(r["bytes_over_share"] for r in ranks),
-            "max_rss_over_slice_mib": max(r["rss_over_slice_mib"] for r in ranks),
+            "sum_bytes_over_stored": shares["sum_bytes_over_stored"],
+            "max_bytes_over_share": shares["max_bytes_over_share"],
+            "max_rss_over_slice_mib": shares["max_rss_over_slice_mib"],
             "redis_out_over_stored": redis_local,
         },
         "time_ratio_local_over_whole": local_s / whole["s"],
     }
+    if args.direct:
+        d = out["direct"] = direct_world(url, redis_url, ids, args.tokens, stored_total, args)
+        print(
+            f"[{name}] DirectReader ranks: bytes/share max {d['max_bytes_over_share']:.3f}, "
+            f"sum/stored {d['sum_bytes_over_stored']:.3f}, "
+            f"slowest rank {d['slowest_rank_s']:.2f} s",
+            flush=True,
+        )
     with RoutingClient(url, api_key=KEY_A) as client:
         for key in ids:
             client.delete(key)
@@ -359,7 +446,7 @@ def one_distribution(
         f"{slowest:.2f} s (sum {rl['sum_rank_s']:.1f} s over {len(ranks)} ranks), bytes/share max "
         f"{rl['max_bytes_over_share']:.3f}, sum/stored {rl['sum_bytes_over_stored']:.3f}, "
         f"rank RSS - slice max {rl['max_rss_over_slice_mib']:.0f} MiB, Redis sent "
-        f"{redis_local:.1f}x stored (whole step {whole['redis_out_over_stored']:.1f}x) | "
+        f"{redis_local:.3f}x stored (whole step {whole['redis_out_over_stored']:.3f}x) | "
         f"time ratio {out['time_ratio_local_over_whole']:.3f}",
         flush=True,
     )
@@ -582,6 +669,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="1|2|1,2",
         help="weight pushes each straddling agent spans (turns: pushes + 1)",
     )
+    ap.add_argument(
+        "--direct",
+        action="store_true",
+        help="also read the step with DirectReader ranks (one at a time): Redis bytes per rank",
+    )
+    ap.add_argument(
+        "--short-tokens",
+        type=int,
+        default=0,
+        help="also a step of --rollouts samples of this many tokens (4096: issue 44's 4k "
+        "samples at CP 2), read by the same world; 0: none",
+    )
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "step_fetch_bench.json")
     args = ap.parse_args(argv)
     if LAYERS % args.pp or args.rollouts % args.dp:
@@ -599,13 +698,22 @@ def main(argv: list[str] | None = None) -> int:
     chosen = list(dists) if args.dist == "both" else [args.dist]
     with tempfile.TemporaryDirectory(prefix="r3-step-fetch-") as tmp_s:
         tmp = Path(tmp_s)
-        redis = RedisProcess(free_port(), tmp / "redis", appendonly=False)
+        # (a password: a service with direct reads on refuses a Redis that admits anyone)
+        redis = RedisProcess(
+            free_port(), tmp / "redis", appendonly=False, password=secrets.token_urlsafe(24)
+        )
         redis.start()
         svc = None
         try:
-            svc = start_service(tmp, redis.url, env=env)
+            svc = start_service(
+                tmp, redis.url, env={**env, **(DIRECT_READS if args.direct else {})}
+            )
             for name in chosen:
                 report[name] = one_distribution(svc.http_url, redis.url, name, dists[name], args)
+                if args.short_tokens:
+                    report[name]["short"] = short_step(
+                        svc.http_url, redis.url, name, dists[name], args
+                    )
                 if args.straddle:
                     report[name]["straddle"] = straddled_steps(
                         svc.http_url, name, dists[name], args

@@ -35,6 +35,7 @@ from r3_client.wire import (
     is_frame_head,
     layer_positions,
     parse_chunk_field,
+    slice_context,
     slice_frame,
     uncarried_contexts,
 )
@@ -308,6 +309,12 @@ class StoreReads(StoreBase):
         parts: list[bytes] = []
         bases: dict[str, Context] = {}
         carried: set[str] = set()  # contexts a returned frame carries itself
+        # A read by layer answers each frame with its context trimmed to the layers it keeps
+        # (a pipeline stage's share of the ~6 KB relabel table, not all of it, in each answer);
+        # the trimmed contexts continuation frames name, sent before them.
+        trim = layers is not None
+        named: dict[str, Context] = {}  # what the continuation frames returned name
+        sent: set[str] = set()  # what the self-contained frames returned carry
         for a, b, stored in segments:
             cut = (start > a or (end is not None and end < b)) or layers is not None
             head = isinstance(stored, Chunked)
@@ -338,6 +345,14 @@ class StoreReads(StoreBase):
                     hdr = _HEADERS.header(frame, ctx, head=head)
                 if (hdr.start, hdr.end) != (a, b):
                     raise FrameError(f"the frame holds rows [{hdr.start}, {hdr.end})")
+                if trim:
+                    own = ctx if hdr.base else hdr.context
+                    assert own is not None and layers is not None
+                    sliced = slice_context(hdr, own, layers)
+                    if hdr.base:
+                        named[sliced.digest] = sliced
+                    else:
+                        sent.add(sliced.digest)
                 if pieces is not None:  # chunked: the frame is put together (and cut) here
                     parts.append(
                         slice_frame(
@@ -349,6 +364,7 @@ class StoreReads(StoreBase):
                             parsed=hdr,
                             verify=True,
                             pieces=pieces,
+                            trim_context=trim,
                         )
                     )
                     continue
@@ -362,6 +378,7 @@ class StoreReads(StoreBase):
                         context=ctx,
                         parsed=hdr,
                         verify=True,
+                        trim_context=trim,
                     )
                     if cut
                     else frame
@@ -381,7 +398,10 @@ class StoreReads(StoreBase):
             if gap.digest != d:
                 raise StoreError(f"rollout {rollout_id}: its stored context {d[:12]}… is damaged")
             bases = {d: gap}
-        extra = [encode_context(c) for d, c in bases.items() if d not in carried]
+        if trim and parts:
+            extra = [encode_context(c) for d, c in named.items() if d not in sent]
+        else:
+            extra = [encode_context(c) for d, c in bases.items() if d not in carried]
         return b"".join([*extra, *parts])
 
     async def get(

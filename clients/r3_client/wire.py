@@ -72,6 +72,7 @@ from r3_client.codec import (
     join_frame,
     needed_chunks,
     read_header,
+    slice_context,
     slice_frame,
 )
 from r3_client.codec.frame import BLOCK_ROWS, STORED_BLOCK_ROWS, is_context_frame, is_frame_head
@@ -145,6 +146,7 @@ __all__ = [
     "r3_cache_pb2",
     "r3_cache_pb2_grpc",
     "read_header",
+    "slice_context",
     "slice_frame",
     "stream_header",
     "to_message",

@@ -29,6 +29,7 @@ from r3_client import (
     encode_frame,
     read_header,
 )
+from r3_client.codec import split_frames
 from r3_client.synthetic import synthetic_routing
 from r3_client.wire import is_frame_head, parse_chunk_field
 from tests.support.frames import rid, same_sets
@@ -398,3 +399,51 @@ def test_a_rollout_deleted_between_a_direct_reads_rounds_is_not_found(
         got = dict(reader.get_ranges([(r, 100, 300)], return_errors=True))[r]
         assert isinstance(got, RolloutNotFoundError), got
         assert len(calls) == 2
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_a_read_by_layer_carries_its_layers_context_only(svc: Service, transport: str) -> None:
+    """A ranged read by layer (a pipeline stage's) answers each frame with its context
+    trimmed to the layer groups it keeps (the relabel table of those layers, not all 16):
+    a first frame carries the trim, a continuation frame names it and it comes first; the
+    rows equal what was written, and a read without layers carries the whole context."""
+    r = _agent(svc)
+    full = Context.parse(read_header(_first(r, N)).context.raw)  # type: ignore[union-attr]
+    with RoutingClient(url_of(svc, transport), api_key=KEY_A) as client:
+        for a, b, layers in [(100, 300, [5, 6]), (5000, 8000, [16]), (6100, 6200, [1, 2, 9])]:
+            data = client._t.get(r, a, b, layers)
+            heads = [read_header(f) for f in split_frames(data)]
+            carried = [h.context for h in heads if h.context is not None and not h.base]
+            named = {h.base for h in heads if h.base}
+            # groups of 2 layers: each read keeps the groups of its layers
+            kept = sorted({lid for x in layers for lid in LAYERS if (lid - 1) // 2 == (x - 1) // 2})
+            assert carried and all(c.layer_ids == tuple(kept) for c in carried), (a, b)
+            assert named <= {c.digest for c in carried}
+            assert all(len(c.raw) < len(full.raw) for c in carried)
+            assert all(
+                np.array_equal(
+                    Context.parse(c.raw).table,
+                    full.table[[LAYERS.index(x) for x in kept]],  # type: ignore[index]
+                )
+                for c in carried
+            )
+            cols = [LAYERS.index(x) for x in layers]
+            got = client.get(r, start=a, end=b, layers=layers)
+            assert same_sets(got.indices, ROWS[a:b][:, cols])
+        whole = [read_header(f) for f in split_frames(client._t.get(r, 100, 300, None))]
+        assert [h.context.digest for h in whole if h.context] == [full.digest]
+
+
+def test_a_context_subset_is_its_layers_rows() -> None:
+    """``Context.subset``: the same E and K, the table's rows of those layers, a new digest;
+    itself when nothing is dropped; a layer it does not hold is refused."""
+    frame = _first("subset", 600)
+    ctx = Context.parse(read_header(frame).context.raw)  # type: ignore[union-attr]
+    assert ctx.table is not None
+    sub = ctx.subset([3, 4, 9, 10])
+    assert (sub.num_experts, sub.topk, sub.layer_ids) == (E, K, (3, 4, 9, 10))
+    assert np.array_equal(sub.table, ctx.table[[2, 3, 8, 9]])
+    assert sub.digest != ctx.digest and Context.parse(sub.raw).digest == sub.digest
+    assert ctx.subset(LAYERS) is ctx
+    with pytest.raises(R3Error, match="not the context's"):
+        ctx.subset([3, 99])

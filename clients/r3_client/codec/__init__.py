@@ -80,6 +80,7 @@ from r3_client.codec.rollout import (
     frame_head,
     join_frame,
     needed_chunks,
+    slice_context,
     slice_frame,
     split_frames,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "join_frame",
     "needed_chunks",
     "read_header",
+    "slice_context",
     "slice_frame",
     "split_frames",
     "use_backend",

@@ -158,6 +158,20 @@ class Context:
                     raise CodecError("context relabel table is not a permutation")
         return cls._from(raw, doc, table)
 
+    def subset(self, layer_ids: Sequence[int]) -> Context:
+        """This context for ``layer_ids`` only (each one of its layers): the same E and K, the
+        relabel table's rows of those layers.  What a slice by layer carries instead of the
+        whole context (a pipeline stage's 12 of 48 layers: ~1.5 KB of the ~6 KB table at
+        the Qwen3 shape); a new context, so a new digest.  Itself when nothing is dropped.
+        Remembered per process (:data:`CONTEXT_CACHE` of them)."""
+        ids = tuple(int(i) for i in layer_ids)
+        if ids == self.layer_ids:
+            return self
+        missing = sorted(set(ids) - set(self.layer_ids))
+        if missing:
+            raise ShapeError(f"layer ids {missing[:8]} are not the context's")
+        return _subset_context(self.raw, ids)
+
     def to_rank(self, positions: Sequence[int]) -> npt.NDArray[Any]:
         """``[len(positions), E]`` inverse tables (expert -> rank) for these layer positions."""
         assert self.table is not None
@@ -172,6 +186,17 @@ CONTEXT_CACHE = 512
 def _parse_context(raw: bytes, tables: bool) -> Context:
     """:meth:`Context.parse`, once per distinct ``(raw, tables)`` (errors are not kept)."""
     return Context._parse(raw, tables)
+
+
+@functools.lru_cache(maxsize=CONTEXT_CACHE)
+def _subset_context(raw: bytes, layer_ids: tuple[int, ...]) -> Context:
+    """:meth:`Context.subset`, once per distinct ``(raw, layer_ids)``."""
+    full = Context.parse(raw)
+    if full.has_table and full.table is None:
+        full = Context.parse(raw, tables=True)
+    pos = [full.layer_ids.index(i) for i in layer_ids]
+    table = None if full.table is None else full.table[pos]
+    return Context.build(full.num_experts, full.topk, layer_ids, table)
 
 
 def content_digest(
