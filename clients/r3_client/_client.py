@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Itera
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing, closing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +44,7 @@ from r3_client._exceptions import (
     RolloutNotFoundError,
     ShapeError,
 )
+from r3_client._fetched import FetchedRange, layers_tuple
 from r3_client._routing import Routing, Segment, check_rollout_id, index_dtype, layer_positions
 from r3_client._transports import (
     AsyncTransport,
@@ -95,6 +96,9 @@ class _RangePlan:
     like: Routing | None = None
     segments: tuple[Segment, ...] = ()
     error: R3Error | None = None
+    #: No view applies to the range: the segments alone answer it (``decode=False`` then
+    #: answers their frames undecoded).
+    settled: bool = False
 
 
 class RoutingClient:
@@ -367,7 +371,7 @@ class RoutingClient:
                         res = exc
                 yield rid, res
             return
-        yield from self._stream(
+        for rid, got in self._stream(
             rollout_ids,
             None,
             (start, end, layers),
@@ -375,7 +379,35 @@ class RoutingClient:
             progress,
             return_errors,
             decode_workers,
-        )
+        ):
+            assert not isinstance(got, FetchedRange)  # (decoded: the stream's default)
+            yield rid, got
+
+    @overload
+    def get_ranges(
+        self,
+        reads: Sequence[RangeRead],
+        *,
+        layers: Sequence[int] | None = None,
+        view: ViewPolicy = "exact",
+        chunk_size: int = 64,
+        return_errors: bool = False,
+        decode_workers: int = 2,
+        decode: Literal[True] = True,
+    ) -> Iterator[Result]: ...
+
+    @overload
+    def get_ranges(
+        self,
+        reads: Sequence[RangeRead],
+        *,
+        layers: Sequence[int] | None = None,
+        view: ViewPolicy = "exact",
+        chunk_size: int = 64,
+        return_errors: bool = False,
+        decode_workers: int = 2,
+        decode: bool,
+    ) -> Iterator[tuple[str, Routing | FetchedRange | R3Error]]: ...
 
     def get_ranges(
         self,
@@ -386,9 +418,15 @@ class RoutingClient:
         chunk_size: int = 64,
         return_errors: bool = False,
         decode_workers: int = 2,
-    ) -> Iterator[Result]:
+        decode: bool = True,
+    ) -> Iterator[tuple[str, Routing | FetchedRange | R3Error]]:
         """``(rollout_id, Routing)`` for each ``(rollout_id, start, end[, state])`` read, in
         order: rows ``[start, end)`` of absolute MoE ``layers``.
+
+        ``decode=False``: a read its segments alone answer (under ``generated``, or no view
+        applying to its rows) is answered as received, a :class:`~r3_client._fetched.
+        FetchedRange` (what a rank-local layout decodes straight into its targets); the
+        others as with ``decode=True``.
 
         A training rank's fetch (:mod:`r3_client.rank_local`): the service cuts each
         item to the blocks and layer groups of its range, so the rank receives about
@@ -434,22 +472,42 @@ class RoutingClient:
             False,
             True,
             decode_workers,
+            decode,
         )
         with closing(stream):
             for (rid, _, _, state, upto), plan in zip(items, plans, strict=True):
                 parts = [next(stream)[1] for _ in plan.spans]
-                got: Routing | R3Error
+                got: Routing | FetchedRange | R3Error
                 if plan.error is not None:
                     got = plan.error
                 elif plan.pieces is None:
                     got = parts[0]
-                    if policy != "generated" and not isinstance(got, R3Error):
+                    if isinstance(got, FetchedRange) and not (
+                        plan.settled or policy == "generated"
+                    ):
+                        got = got.routing()  # views may apply: decoded, as decode=True reads
+                    if policy != "generated" and isinstance(got, Routing):
                         got = self._in_state(rid, got, infos[rid], policy, state, upto, layers)
                 else:
-                    got = self._pieced(rid, plan, parts, layers)
+                    decoded = [p.routing() if isinstance(p, FetchedRange) else p for p in parts]
+                    got = self._pieced(rid, plan, decoded, layers)
                 if isinstance(got, R3Error) and not return_errors:
                     raise got
                 yield rid, got
+
+    def _fetched(
+        self,
+        rid: str,
+        got: bytes | R3Error,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> FetchedRange | R3Error:
+        """An item's bytes undecoded (``decode=False``), or the error the service sent."""
+        if isinstance(got, R3Error):
+            return got
+        assert end is not None  # (ranged reads only)
+        return FetchedRange(rid, got, start, end, layers_tuple(layers), self._core.max_bytes)
 
     def _range_plan(
         self,
@@ -479,7 +537,7 @@ class RoutingClient:
             )
             views = overlapping(applied, start, end)
             if not views:
-                return whole
+                return _RangePlan(start, end, ((start, end),), settled=True)
             dtype = index_dtype(info.num_experts)
             row = dtype.itemsize * len(kept) * info.topk
             check_rows_size(row, start, end, views, [], self._core.max_bytes, rollout_id)
@@ -570,17 +628,20 @@ class RoutingClient:
         progress: bool,
         return_errors: bool,
         decode_workers: int,
-    ) -> Generator[Result, None, None]:
+        decode: bool = True,
+    ) -> Generator[tuple[str, Routing | FetchedRange | R3Error], None, None]:
         """:meth:`get_many` and :meth:`get_ranges`: ``rows`` is the one range and layers
-        of every item, or ``ranges`` one range per item (with ``rows``' layers)."""
+        of every item, or ``ranges`` one range per item (with ``rows``' layers).
+        ``decode=False``: each item's bytes as a :class:`FetchedRange` (errors as they
+        are)."""
         start, end, layers = rows
         chunks = self._core.chunks(rollout_ids, chunk_size)
         width = max(1, decode_workers)
         bar = tqdm(total=len(rollout_ids), disable=not progress, unit="rollout", leave=False)
-        pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
+        pending: deque[tuple[str, Future[Routing | FetchedRange | R3Error]]] = deque()
         offset = 0
 
-        def ready(limit: int) -> Iterator[Result]:
+        def ready(limit: int) -> Iterator[tuple[str, Routing | FetchedRange | R3Error]]:
             while len(pending) > limit or (pending and pending[0][1].done()):
                 rid, fut = pending.popleft()
                 res = fut.result()
@@ -607,13 +668,16 @@ class RoutingClient:
                                 for item in items:
                                     a, b = spans[len(chunk) - len(cur.remaining)]
                                     rid, got = cur.take(item, decode=False)
-                                    job = pool.submit(self._core.decoded, rid, got, a, b, layers)
+                                    job = pool.submit(
+                                        self._core.decoded if decode else self._fetched,
+                                        rid, got, a, b, layers,
+                                    )  # fmt: skip
                                     pending.append((rid, job))
                                     yield from ready(2 * width)
                         except RETRYABLE as exc:
                             delay, given_up = cur.failed(exc)
                             if given_up is not None:
-                                done: Future[Routing | R3Error] = Future()
+                                done: Future[Routing | FetchedRange | R3Error] = Future()
                                 done.set_result(given_up[1])
                                 pending.append((given_up[0], done))
                             time.sleep(delay)

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 import msgpack
 
@@ -45,6 +45,7 @@ from r3_client._exceptions import (
     StoreError,
     StoreUnavailableError,
 )
+from r3_client._fetched import FetchedRange, layers_tuple
 from r3_client._routing import Routing, check_rollout_id
 from r3_client._stored import Chunked, head_chunks, parse_chunk_field, uncarried_contexts
 from r3_client._views import (
@@ -77,6 +78,7 @@ from r3_client.codec.frame import is_context_frame, is_frame_head
 __all__ = ["DirectReader"]
 
 Result = tuple[str, Routing | R3Error]
+_A = TypeVar("_A", Routing | R3Error, Routing | FetchedRange | R3Error)
 
 
 @dataclass
@@ -545,23 +547,31 @@ class DirectReader:
         end: int | None,
         layers: Sequence[int] | None,
     ) -> Routing:
-        """``frames`` decoded to rows ``[start, end)`` and ``layers``: a chunked segment is
-        first cut from the chunks read (its head's trailer and every chunk's CRC checked,
-        as the service checks what it cuts; a chunk missing is a :class:`StoreError`)."""
+        """``frames`` decoded to rows ``[start, end)`` and ``layers`` (:meth:`_cut` first)."""
+        return decode_rollout(
+            self._cut(frames, rid, start, end, layers),
+            start=start, end=end, layers=layers, rollout_id=rid, max_bytes=self.max_bytes,
+        )  # fmt: skip
+
+    @staticmethod
+    def _cut(
+        frames: list[bytes | Chunked],
+        rid: str,
+        start: int,
+        end: int | None,
+        layers: Sequence[int] | None,
+    ) -> list[bytes]:
+        """``frames`` as :func:`~r3_client.decode_rollout` takes them: a chunked segment cut
+        from the chunks read (its head's trailer and every chunk's CRC checked, as the
+        service checks what it cuts; a chunk missing is a :class:`StoreError`)."""
         if not any(isinstance(f, Chunked) for f in frames):
-            return decode_rollout(
-                frames,  # type: ignore[arg-type]
-                start=start, end=end, layers=layers, rollout_id=rid, max_bytes=self.max_bytes,
-            )  # fmt: skip
+            return frames  # type: ignore[return-value]
         try:
-            cut = _cut_chunked(frames, start, end, layers)
+            return _cut_chunked(frames, start, end, layers)
         except (FormatError, FrameError) as exc:
             raise StoreError(
                 f"rollout {rid}: the stored bytes of a segment are damaged ({exc})"
             ) from None
-        return decode_rollout(
-            cut, start=start, end=end, layers=layers, rollout_id=rid, max_bytes=self.max_bytes
-        )
 
     def get_many(
         self,
@@ -620,6 +630,7 @@ class DirectReader:
     #: held until their last read of the window (a rollout is read once per window).
     _range_window: int = 256
 
+    @overload
     def get_ranges(
         self,
         reads: Sequence[RangeRead],
@@ -630,10 +641,41 @@ class DirectReader:
         return_errors: bool = False,
         workers: int = 2,
         concurrency: int = 2,
-    ) -> Iterator[Result]:
+        decode: Literal[True] = True,
+    ) -> Iterator[Result]: ...
+
+    @overload
+    def get_ranges(
+        self,
+        reads: Sequence[RangeRead],
+        *,
+        layers: Sequence[int] | None = None,
+        view: ViewPolicy = "exact",
+        chunk_size: int = 16,
+        return_errors: bool = False,
+        workers: int = 2,
+        concurrency: int = 2,
+        decode: bool,
+    ) -> Iterator[tuple[str, Routing | FetchedRange | R3Error]]: ...
+
+    def get_ranges(
+        self,
+        reads: Sequence[RangeRead],
+        *,
+        layers: Sequence[int] | None = None,
+        view: ViewPolicy = "exact",
+        chunk_size: int = 16,
+        return_errors: bool = False,
+        workers: int = 2,
+        concurrency: int = 2,
+        decode: bool = True,
+    ) -> Iterator[tuple[str, Routing | FetchedRange | R3Error]]:
         """``(rollout_id, Routing)`` for each ``(rollout_id, start, end[, state])`` read, in
         order, as :meth:`RoutingClient.get_ranges` answers it under the same ``view``
-        (``exact`` by default: each read in its state, none past it).
+        (``exact`` by default: each read in its state, none past it).  ``decode=False``:
+        a read no view applies to is answered as read (its chunked segments cut), a
+        :class:`~r3_client._fetched.FetchedRange`, as :meth:`RoutingClient.get_ranges`
+        answers it.
 
         Each rollout's hash is read once: its small fields (``HSCAN``: meta, segment heads
         or frames, views), then the chunks its reads need (an ``HMGET``, named from the
@@ -661,9 +703,9 @@ class DirectReader:
         width = max(1, workers)
         span: _Span = None if policy == "generated" else (0, None)
 
-        def decode(
+        def answer(
             rid: str, got: _Read | R3Error, a: int, b: int, state: int | None, upto: int
-        ) -> Routing | R3Error:
+        ) -> Routing | FetchedRange | R3Error:
             if isinstance(got, R3Error):
                 return got
             outside = _outside(rid, a, b, got.stored_end)
@@ -672,6 +714,11 @@ class DirectReader:
             try:
                 # the state first: a refused read decodes nothing (RoutingClient's plan too)
                 applied = read_views(got.views, policy, state, a, b, got.stored_end, rid, upto)
+                if not decode and not overlapping(applied, a, b):
+                    return FetchedRange(
+                        rid, tuple(self._cut(got.frames, rid, a, b, layers)), a, b,
+                        layers_tuple(layers), self.max_bytes,
+                    )  # fmt: skip
                 base = self._decode(got.frames, rid, a, b, layers)
                 views = overlapping(applied, a, b)
                 check_views_size(base, views, [], self.max_bytes, rid)
@@ -691,13 +738,13 @@ class DirectReader:
         try:
             with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
                 held: dict[str, _Read | R3Error] = {}  # rollouts with reads still to submit
-                pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
+                pending: deque[tuple[str, Future[Routing | FetchedRange | R3Error]]] = deque()
                 for n, (rid, a, b, state, upto) in enumerate(items):
                     if rid not in held:  # its first read in this window: the next fetched
                         got_id, held[rid] = next(fetched)
                         assert got_id == rid, (got_id, rid)
                     got = held.pop(rid) if n in last else held[rid]
-                    pending.append((rid, pool.submit(decode, rid, got, a, b, state, upto)))
+                    pending.append((rid, pool.submit(answer, rid, got, a, b, state, upto)))
                     del got  # the job holds the frames; the last one drops them
                     while len(pending) > 2 * width or (pending and pending[0][1].done()):
                         yield self._ready(pending.popleft(), return_errors)
@@ -770,7 +817,7 @@ class DirectReader:
         return run_steps(steps, lambda v: self._view_rows(rid, v, base, layers))
 
     @staticmethod
-    def _ready(item: tuple[str, Future[Routing | R3Error]], return_errors: bool) -> Result:
+    def _ready(item: tuple[str, Future[_A]], return_errors: bool) -> tuple[str, _A]:
         rid, fut = item
         res = fut.result()
         if isinstance(res, R3Error) and not return_errors:

@@ -23,6 +23,8 @@ docs/integrations.md ("Rank-local fetch") gives the recipe per framework.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -35,6 +37,8 @@ import numpy.typing as npt
 
 from r3_client._answers import RolloutInfo
 from r3_client._exceptions import InvalidRequestError, R3Error, RolloutNotFoundError, ShapeError
+from r3_client._fetched import FetchedRange
+from r3_client._kernels import native as _native
 from r3_client._routing import Routing, check_rollout_id, token_digest
 from r3_client._views import (
     RangeRead,
@@ -44,6 +48,7 @@ from r3_client._views import (
     off_state_tokens,
     state_starts,
 )
+from r3_client.codec.into import IntoPlan
 from r3_client.layouts import (
     MegatronReplayBatch,
     Missing,
@@ -271,24 +276,92 @@ def fetch_plan_rows(
     layer_ids: tuple[int, ...] = ()
     # verl fills rows nobody shipped with 0 (its own fill); Megatron keeps them -1.
     gap_fill = np.full(1, fill, np.int64) if fill >= 0 else None
-    for (i, a, b, at), (_, got) in zip(
-        runs, source.get_ranges(reads, layers=layers, view=policy, return_errors=True), strict=True
-    ):
-        rows = _checked(got, i, ids[i], a, b, plan)
+
+    def target(i: int, got_layers: tuple[int, ...], topk: int) -> npt.NDArray[np.int64]:
+        nonlocal local, layer_ids
         if local is None:
-            layer_ids = rows.layer_ids
-            local = np.full((len(layer_ids), plan.num_local_tokens, rows.topk), fill, np.int64)
-        elif rows.layer_ids != layer_ids or rows.topk != local.shape[2]:
+            layer_ids = got_layers
+            local = np.full((len(layer_ids), plan.num_local_tokens, topk), fill, np.int64)
+        elif got_layers != layer_ids or topk != local.shape[2]:
             raise ShapeError(
-                f"{_who(i, ids[i])} holds MoE layers {list(rows.layer_ids)} with "
-                f"top-{rows.topk}, an earlier sample {list(layer_ids)} with top-{local.shape[2]}"
+                f"{_who(i, ids[i])} holds MoE layers {list(got_layers)} with "
+                f"top-{topk}, an earlier sample {list(layer_ids)} with top-{local.shape[2]}"
             )
+        return local
+
+    def place(i: int, a: int, b: int, at: int, rows: Routing) -> None:
+        out = target(i, rows.layer_ids, rows.topk)
         if at >= 0:
             name = f"{_who(i, ids[i])}'s routing"
             arr = uncovered(rows.indices, name, missing, gap_fill, first_row=a)
-            local[:, at : at + b - a] = arr.transpose(1, 0, 2)
+            out[:, at : at + b - a] = arr.transpose(1, 0, 2)
+
+    # Reads answered undecoded (a source taking decode=False) go straight into `local` by
+    # one compiled call for the whole micro-batch, the GIL released throughout; any read
+    # that call does not take is decoded by the reference and copied, as before.
+    kw: dict[str, Any] = {"decode": False} if _takes_decode(type(source)) else {}
+    answers = source.get_ranges(reads, layers=layers, view=policy, return_errors=True, **kw)
+    planned: list[tuple[int, int, int, int, FetchedRange, IntoPlan]] = []
+    for (i, a, b, at), (_, got) in zip(runs, answers, strict=True):
+        if isinstance(got, FetchedRange):
+            into = got.plan()
+            if into is not None:
+                target(i, into.layer_ids, into.topk)
+                planned.append((i, a, b, at, got, into))
+                continue
+            got = got.routing()
+        place(i, a, b, at, _checked(got, i, ids[i], a, b, plan))
+    if planned:
+        assert local is not None
+        _decode_planned(local, planned, ids, plan, missing, gap_fill, place)
     assert local is not None
     return local, layer_ids
+
+
+def _decode_planned(
+    local: npt.NDArray[np.int64],
+    planned: list[tuple[int, int, int, int, FetchedRange, IntoPlan]],
+    ids: list[str],
+    plan: RankPlan,
+    missing: Missing,
+    gap_fill: npt.NDArray[np.int64] | None,
+    place: Callable[[int, int, int, int, Routing], None],
+) -> None:
+    """The planned reads of a micro-batch decoded into their windows of ``local`` by one
+    compiled call; each window's rows nobody shipped handled as the reference path handles
+    them (:func:`~r3_client.layouts._rows.uncovered`).  A refusal (a damaged chunk) decodes
+    every planned read by the reference instead, which raises the exact error; a refusal
+    the reference does not share is counted (``native.disagreed``)."""
+    windows = [local[:, at : at + b - a].transpose(1, 0, 2) for _, a, b, at, _, _ in planned]
+    jobs = [
+        job
+        for (_, _, _, at, _, into), win in zip(planned, windows, strict=True)
+        if at >= 0
+        for job in into.jobs(win)
+    ]
+    code, _ = _native.decode_into(jobs) if jobs else (0, 0)
+    if code != 0:
+        for i, a, b, at, fetched, _ in planned:
+            place(i, a, b, at, _checked(fetched.routing(), i, ids[i], a, b, plan))
+        _native.disagreed("a micro-batch's frames decoded into its targets")
+        return
+    for (i, a, _, at, _, _), win in zip(planned, windows, strict=True):
+        if at < 0:
+            continue
+        arr = uncovered(win, f"{_who(i, ids[i])}'s routing", missing, gap_fill, first_row=a)
+        if arr is not win:
+            win[...] = arr
+
+
+@functools.cache
+def _takes_decode(kind: type) -> bool:
+    """Whether a source type's ``get_ranges`` takes ``decode=`` (RoutingClient and
+    DirectReader do; a caller's own source may not)."""
+    try:
+        params = inspect.signature(getattr(kind, "get_ranges")).parameters  # noqa: B009
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "decode" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _checked(got: Routing | R3Error, i: int, rid: str, a: int, b: int, plan: RankPlan) -> Routing:

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "clients" / "r3_client" / "_kernels" / "_r3codec.c"
 SUITES = [
     "tests/client/test_codec_native.py",
+    "tests/client/test_codec_into.py",
     "tests/client/test_codec_v2.py",
     "tests/client/test_codec_v3.py",
     "tests/client/test_codec_api.py",

@@ -327,3 +327,57 @@ def test_a_service_without_batch_stat_is_asked_id_by_id(svc: Service, transport:
         client._t.stat_many = down  # type: ignore[method-assign]
         with pytest.raises(ServiceError, match="internal"):
             client.stat_many([key])
+
+
+def test_a_micro_batch_decodes_into_its_targets_in_one_compiled_call(
+    svc: Service, transport: str, step: tuple[list[str], list[int], list[int]], monkeypatch: Any
+) -> None:
+    """A rank's reads answered undecoded (``get_ranges(decode=False)``) go straight into its
+    int64 targets by one ``decode_into`` call per micro-batch, through the service and read
+    directly, equal to the reference; a source whose ``get_ranges`` takes no ``decode``
+    (a caller's own) is decoded by the reference, as before."""
+    from r3_client._kernels import native
+
+    if not native.decodes_into(True):
+        pytest.skip("the compiled codec (with libzstd) is not built here")
+    calls: list[int] = []
+    real = native.decode_into
+
+    def counted(jobs: Any) -> Any:
+        calls.append(len(jobs))
+        return real(jobs)
+
+    monkeypatch.setattr(native, "decode_into", counted)
+    ids, p, r = step
+
+    class OwnSource:  # a caller's source: no decode= (the reference path)
+        def __init__(self, client: RoutingClient) -> None:
+            self.client = client
+
+        def get_ranges(
+            self,
+            reads: Any,
+            *,
+            layers: Any = None,
+            view: Any = "exact",
+            return_errors: bool = False,
+        ) -> Any:
+            return self.client.get_ranges(
+                reads, layers=layers, view=view, return_errors=return_errors
+            )
+
+    with (
+        RoutingClient(url_of(svc, transport), api_key=KEY_A) as client,
+        DirectReader.from_service(svc.http_url, api_key=KEY_A) as reader,
+    ):
+        whole = [routing for _, routing in client.get_many(ids)]
+        for rank in RANKS[::4]:
+            want = verl_rank_slice(whole, p, r, rank=rank)
+            for source in (client, reader):
+                calls.clear()
+                _same(fetch_verl_rank_slice(source, ids, p, r, rank=rank), want)
+                if rank.stage_layers != ():
+                    assert len(calls) == 1 and calls[0] >= 1, (rank, type(source), calls)
+            calls.clear()
+            _same(fetch_verl_rank_slice(OwnSource(client), ids, p, r, rank=rank), want)
+            assert calls == []

@@ -1844,6 +1844,33 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 #define DESC_COLS 7 /* offset, length, rows, first row in out, first layer in out, layers,
                         * the chunk's CRC-32C (-1: not checked here) */
 
+/* One chunk of `len` bytes at `src` decoded into `sub` (its rows x layers of an int16 /
+ * int32 array): codec 0 raw, 1 set (`t`, `bits`), 2 set-zstd (inflated into `zbuf`, which
+ * holds the chunk's payload, with `dctx`; `rows8`: the relabel rows of the chunk's first
+ * layer or NULL).  `tsz`: bytes per raw id; `gsz`: bytes per gap.  Runs without the GIL. */
+static int chunk_core(const uint8_t *src, Py_ssize_t len, int codec, int64_t e, int k,
+                      const Tables *t, int bits, const uint8_t *rows8, Py_ssize_t tsz,
+                      Py_ssize_t gsz, uint8_t *zbuf, void *dctx, Arr3 *sub) {
+    Py_ssize_t ids = sub->rows * sub->layers * k;
+    if (codec == 0) return len != ids * tsz ? R3_LENGTH : raw_core(src, tsz, e, sub);
+    if (codec == 1)
+        return len != packed_len(sub->rows * sub->layers, bits) ? R3_LENGTH
+                                                               : set_core(src, len, t, bits, sub);
+#ifdef R3_HAVE_ZSTD
+    size_t want = (size_t)(ids * gsz);
+    unsigned long long declared = ZSTD_getFrameContentSize(src, (size_t)len);
+    size_t whole = ZSTD_findFrameCompressedSize(src, (size_t)len);
+    if (declared != (unsigned long long)want || ZSTD_isError(whole) || whole != (size_t)len)
+        return R3_ZSTD;
+    size_t got = ZSTD_decompressDCtx((ZSTD_DCtx *)dctx, zbuf, want, src, (size_t)len);
+    if (ZSTD_isError(got) || got != want) return R3_ZSTD;
+    return ids_any(sub, e, zbuf, tsz == 1 ? rows8 : NULL, tsz == 2 ? rows8 : NULL, (int)gsz);
+#else
+    (void)zbuf; (void)dctx; (void)rows8; (void)gsz;
+    return R3_UNSUPPORTED;
+#endif
+}
+
 /* decode_chunks(body, desc, out, e, codec, order, tables, bits) -> (code, chunk)
  * Every chunk `desc` lists (int64 [n, DESC_COLS]: where its bytes are in `body`, the
  * rows x layers of `out` it fills, its CRC-32C or -1) checked and decoded into `out`
@@ -1877,7 +1904,7 @@ static PyObject *py_decode_chunks(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "decode_chunks: E, codec or desc size is wrong");
         goto fail;
     }
-    Py_ssize_t tsz = e <= 255 ? 1 : 2, isz = tsz;
+    Py_ssize_t tsz = e <= 255 ? 1 : 2;
     Py_ssize_t gsz = e - k + 1 <= 255 ? 1 : 2;
     if (to != Py_None) {
         if (PyObject_GetBuffer(to, &ob, PyBUF_SIMPLE) < 0) goto fail;
@@ -1936,30 +1963,14 @@ static PyObject *py_decode_chunks(PyObject *self, PyObject *args) {
         sub.buf = o.buf + c[3] * o.s0 + c[4] * o.s1;
         sub.rows = (Py_ssize_t)c[2];
         sub.layers = (Py_ssize_t)c[5];
-        Py_ssize_t ids = sub.rows * sub.layers * k;
         if (c[6] >= 0 && crc32c_of(src, len) != (uint32_t)c[6]) {
             code = R3_CRC;
-        } else if (codec == 0) {
-            code = len != ids * isz ? R3_LENGTH : raw_core(src, isz, e, &sub);
-        } else if (codec == 1) {
-            code = len != packed_len(sub.rows * sub.layers, bits) ? R3_LENGTH
-                                                                  : set_core(src, len, &t, bits, &sub);
         } else {
+            const uint8_t *rows8 = have_order ? (const uint8_t *)ob.buf + c[4] * e * tsz : NULL;
 #ifdef R3_HAVE_ZSTD
-            size_t want = (size_t)(ids * gsz);
-            unsigned long long declared = ZSTD_getFrameContentSize(src, (size_t)len);
-            size_t whole = ZSTD_findFrameCompressedSize(src, (size_t)len);
-            if (declared != (unsigned long long)want || ZSTD_isError(whole) || whole != (size_t)len) {
-                code = R3_ZSTD;
-            } else {
-                size_t got = ZSTD_decompressDCtx(dctx, scratch, want, src, (size_t)len);
-                if (ZSTD_isError(got) || got != want) code = R3_ZSTD;
-            }
-            if (code == R3_OK) {
-                const uint8_t *rows8 = have_order ? (const uint8_t *)ob.buf + c[4] * e * tsz : NULL;
-                code = ids_any(&sub, e, scratch, tsz == 1 ? rows8 : NULL, tsz == 2 ? rows8 : NULL,
-                               (int)gsz);
-            }
+            code = chunk_core(src, len, (int)codec, e, k, &t, bits, rows8, tsz, gsz, scratch, dctx, &sub);
+#else
+            code = chunk_core(src, len, (int)codec, e, k, &t, bits, rows8, tsz, gsz, scratch, NULL, &sub);
 #endif
         }
         if (code != R3_OK) bad = i;
@@ -1981,6 +1992,211 @@ fail:
     return NULL;
 }
 
+/* ---- decode_into: a micro-batch's frames straight into a rank's int64 targets ------------ */
+#define INTO_MAX_IDS ((Py_ssize_t)1 << 26) /* ids per chunk: 512 rows x 48 layers x 64 is 1.5M */
+
+typedef struct {
+    Py_buffer body, desc, order, tables, lmap;
+    int have_order, have_tables, have_lmap, have_body, have_desc;
+    Arr3 out;
+    int64_t e;
+    int k, codec, bits;
+    Py_ssize_t row_lo, n, frame_layers, tsz, gsz, ssz;
+    Tables t;
+} IntoJob;
+
+static void into_release(IntoJob *j) {
+    rel3(&j->out);
+    if (j->have_body) PyBuffer_Release(&j->body);
+    if (j->have_desc) PyBuffer_Release(&j->desc);
+    if (j->have_order) PyBuffer_Release(&j->order);
+    if (j->have_tables) PyBuffer_Release(&j->tables);
+    if (j->have_lmap) PyBuffer_Release(&j->lmap);
+}
+
+/* One job's arguments taken and checked against its buffers (the GIL held). */
+static int into_job(PyObject *item, IntoJob *j, Py_ssize_t *most) {
+    PyObject *bo, *dob, *oo, *to, *tbo, *lo;
+    long long e, row_lo;
+    if (!PyTuple_Check(item) ||
+        !PyArg_ParseTuple(item, "OOOLiOOiLO", &bo, &dob, &oo, &e, &j->codec, &to, &tbo, &j->bits,
+                          &row_lo, &lo))
+        return -1;
+    if (PyObject_GetBuffer(bo, &j->body, PyBUF_SIMPLE) < 0) return -1;
+    j->have_body = 1;
+    if (PyObject_GetBuffer(dob, &j->desc, PyBUF_SIMPLE) < 0) return -1;
+    j->have_desc = 1;
+    if (PyObject_GetBuffer(lo, &j->lmap, PyBUF_SIMPLE) < 0) return -1;
+    j->have_lmap = 1;
+    if (get3(oo, 1, &j->out, "out") < 0) return -1;
+    j->k = (int)j->out.k;
+    j->e = e;
+    j->row_lo = (Py_ssize_t)row_lo;
+    if (j->out.kind != 8 || e < j->k || e > EMAX || j->codec < 0 || j->codec > 2 ||
+        j->desc.len % (DESC_COLS * 8) || j->lmap.len % 4 || j->lmap.len == 0 || row_lo < 0 ||
+        row_lo > ((long long)1 << 40)) {
+        PyErr_SetString(PyExc_ValueError, "decode_into: out is not int64, or E, codec, desc or "
+                                          "the layer map is wrong");
+        return -1;
+    }
+    j->frame_layers = j->lmap.len / 4;
+    const int32_t *lm = (const int32_t *)j->lmap.buf;
+    for (Py_ssize_t l = 0; l < j->frame_layers; l++)
+        if (lm[l] < -1 || lm[l] >= j->out.layers) {
+            PyErr_SetString(PyExc_ValueError, "decode_into: the layer map names a layer out lacks");
+            return -1;
+        }
+    j->tsz = e <= 255 ? 1 : 2;
+    j->gsz = e - j->k + 1 <= 255 ? 1 : 2;
+    j->ssz = e <= 32767 ? 2 : 4;
+    if (to != Py_None) {
+        if (PyObject_GetBuffer(to, &j->order, PyBUF_SIMPLE) < 0) return -1;
+        j->have_order = 1;
+        if (j->codec != 2 || j->order.len != j->frame_layers * e * j->tsz) {
+            PyErr_SetString(PyExc_ValueError, "decode_into: order is not [L, E] of set-zstd");
+            return -1;
+        }
+    }
+    if (j->codec == 1) {
+        if (PyObject_GetBuffer(tbo, &j->tables, PyBUF_SIMPLE) < 0) return -1;
+        j->have_tables = 1;
+        if (tables_from(&j->tables, (int)e, j->k, &j->t) < 0) return -1;
+        if (j->bits < 1 || j->bits > 128) {
+            PyErr_SetString(PyExc_ValueError, "decode_into: bits out of range");
+            return -1;
+        }
+    }
+    j->n = j->desc.len / (DESC_COLS * 8);
+    const int64_t *d = (const int64_t *)j->desc.buf;
+    for (Py_ssize_t i = 0; i < j->n; i++) {
+        const int64_t *c = d + i * DESC_COLS;
+        if (c[0] < 0 || c[1] < 0 || c[0] > j->body.len || c[1] > j->body.len - c[0] || c[2] < 1 ||
+            c[2] > INTO_MAX_IDS || c[3] < 0 || c[3] > ((int64_t)1 << 40) || c[4] < 0 || c[5] < 1 ||
+            c[4] > j->frame_layers - c[5] || c[6] < -1 || c[6] > 0xFFFFFFFFLL ||
+            c[2] * c[5] * j->k > INTO_MAX_IDS) {
+            PyErr_Format(PyExc_ValueError, "decode_into: chunk %zd lies outside body or frame", i);
+            return -1;
+        }
+        Py_ssize_t ids = (Py_ssize_t)(c[2] * c[5]) * j->k;
+        if (ids > *most) *most = ids;
+    }
+    return 0;
+}
+
+/* decode_into(jobs) -> (code, job, chunk)
+ * Each job (body, desc, out, e, codec, order, tables, bits, row_lo, lmap) is one frame's
+ * chunks (desc as decode_chunks', its rows and layers the frame's own) decoded into `out`,
+ * an int64 [R, L, K] window of a rank's targets (any strides): frame row `row_lo + r` is
+ * out's row r, frame layer l out's layer lmap[l] (int32; -1: not wanted).  Only the chunks
+ * holding a wanted row and layer are checked (CRC-32C) and decoded, each into a scratch tile
+ * and widened into out.  The GIL is released once, from the first job to the last: a
+ * rank's micro-batch in one call.  code: R3_OK, or the first failing chunk's code (jobs
+ * after it not run).  A desc outside the buffers is a caller's error (ValueError). */
+static PyObject *py_decode_into(PyObject *self, PyObject *args) {
+    PyObject *jo;
+    if (!PyArg_ParseTuple(args, "O", &jo)) return NULL;
+    PyObject *seq = PySequence_Fast(jo, "decode_into: jobs must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t nj = PySequence_Fast_GET_SIZE(seq);
+    IntoJob *jobs = (IntoJob *)PyMem_Calloc(nj ? (size_t)nj : 1, sizeof(IntoJob));
+    uint8_t *tile = NULL, *zbuf = NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t ready = 0, most = 0;
+    int any_zstd = 0;
+    if (jobs == NULL) { PyErr_NoMemory(); goto done; }
+    for (; ready < nj; ready++) {
+        if (into_job(PySequence_Fast_GET_ITEM(seq, ready), &jobs[ready], &most) < 0) {
+            ready++; /* its buffers too */
+            goto done;
+        }
+        if (jobs[ready].codec == 2) any_zstd = 1;
+    }
+#ifndef R3_HAVE_ZSTD
+    if (any_zstd) { ret = Py_BuildValue("(inn)", R3_UNSUPPORTED, (Py_ssize_t)0, (Py_ssize_t)0); goto done; }
+#endif
+    tile = (uint8_t *)PyMem_RawMalloc((size_t)(most ? most : 1) * 4);
+    zbuf = (uint8_t *)PyMem_RawMalloc((size_t)(most ? most : 1) * 2);
+    if (tile == NULL || zbuf == NULL) { PyErr_NoMemory(); goto done; }
+    int code = R3_OK;
+    Py_ssize_t bad_job = 0, bad_chunk = 0;
+    Py_BEGIN_ALLOW_THREADS
+    void *dctx = NULL;
+#ifdef R3_HAVE_ZSTD
+    if (any_zstd) {
+        dctx = ZSTD_createDCtx();
+        if (dctx == NULL) code = R3_ZSTD;
+    }
+#endif
+    for (Py_ssize_t jn = 0; jn < nj && code == R3_OK; jn++) {
+        IntoJob *j = &jobs[jn];
+        const int64_t *d = (const int64_t *)j->desc.buf;
+        const int32_t *lm = (const int32_t *)j->lmap.buf;
+        Py_ssize_t k = j->k;
+        for (Py_ssize_t i = 0; i < j->n && code == R3_OK; i++) {
+            const int64_t *c = d + i * DESC_COLS;
+            Py_ssize_t r0 = (Py_ssize_t)c[3], rows = (Py_ssize_t)c[2];
+            Py_ssize_t l0 = (Py_ssize_t)c[4], nl = (Py_ssize_t)c[5];
+            Py_ssize_t lo = r0 > j->row_lo ? r0 : j->row_lo;
+            Py_ssize_t hi = r0 + rows < j->row_lo + j->out.rows ? r0 + rows : j->row_lo + j->out.rows;
+            if (lo >= hi) continue; /* none of its rows wanted */
+            int wanted = 0;
+            for (Py_ssize_t l = 0; l < nl; l++) wanted |= lm[l0 + l] >= 0;
+            if (!wanted) continue;
+            const uint8_t *src = (const uint8_t *)j->body.buf + c[0];
+            Py_ssize_t len = (Py_ssize_t)c[1];
+            if (c[6] >= 0 && crc32c_of(src, len) != (uint32_t)c[6]) {
+                code = R3_CRC;
+            } else {
+                Arr3 sc;
+                memset(&sc, 0, sizeof(sc));
+                sc.buf = (char *)tile;
+                sc.rows = rows;
+                sc.layers = nl;
+                sc.k = k;
+                sc.s1 = k * j->ssz;
+                sc.s0 = nl * sc.s1;
+                sc.kind = (int)j->ssz;
+                const uint8_t *rows8 =
+                    j->have_order ? (const uint8_t *)j->order.buf + l0 * j->e * j->tsz : NULL;
+                code = chunk_core(src, len, j->codec, j->e, (int)k, &j->t, j->bits, rows8, j->tsz,
+                                  j->gsz, zbuf, dctx, &sc);
+                if (code == R3_OK) {
+                    for (Py_ssize_t r = lo; r < hi; r++) {
+                        const char *srow = sc.buf + (r - r0) * sc.s0;
+                        char *drow = j->out.buf + (r - j->row_lo) * j->out.s0;
+                        for (Py_ssize_t l = 0; l < nl; l++) {
+                            int32_t tl = lm[l0 + l];
+                            if (tl < 0) continue;
+                            int64_t *dst = (int64_t *)(drow + tl * j->out.s1);
+                            if (j->ssz == 2) {
+                                const int16_t *sv = (const int16_t *)(srow + l * sc.s1);
+                                for (Py_ssize_t q = 0; q < k; q++) dst[q] = sv[q];
+                            } else {
+                                const int32_t *sv = (const int32_t *)(srow + l * sc.s1);
+                                for (Py_ssize_t q = 0; q < k; q++) dst[q] = sv[q];
+                            }
+                        }
+                    }
+                }
+            }
+            if (code != R3_OK) { bad_job = jn; bad_chunk = i; }
+        }
+    }
+#ifdef R3_HAVE_ZSTD
+    if (dctx != NULL) ZSTD_freeDCtx((ZSTD_DCtx *)dctx);
+#endif
+    Py_END_ALLOW_THREADS
+    ret = Py_BuildValue("(inn)", code, bad_job, bad_chunk);
+done:
+    PyMem_RawFree(tile);
+    PyMem_RawFree(zbuf);
+    if (jobs != NULL)
+        for (Py_ssize_t i = 0; i < ready; i++) into_release(&jobs[i]);
+    PyMem_Free(jobs);
+    Py_DECREF(seq);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"canonical", py_canonical, METH_VARARGS,
      "canonical(src, out, e) -> (code, row): validate rows and write them sorted into out."},
@@ -1998,6 +2214,8 @@ static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data) -> int: CRC-32C (Castagnoli)."},
     {"decode_chunks", py_decode_chunks, METH_VARARGS,
      "decode_chunks(body, desc, out, e, codec, order, tables, bits) -> (code, chunk)."},
+    {"decode_into", py_decode_into, METH_VARARGS,
+     "decode_into(jobs) -> (code, job, chunk): frames' chunks into int64 target windows."},
     {NULL, NULL, 0, NULL},
 };
 

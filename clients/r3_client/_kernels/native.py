@@ -41,7 +41,9 @@ __all__ = [
     "backend",
     "canonical",
     "decode_chunks",
+    "decode_into",
     "decodes_chunks",
+    "decodes_into",
     "disagreed",
     "gap_payload",
     "popularity",
@@ -256,6 +258,44 @@ def decodes_chunks(set_zstd: bool, out: npt.NDArray[Any]) -> bool:
     if lib is None or not hasattr(lib, "decode_chunks"):  # (an older R3_NATIVE_LIBRARY build)
         return False
     return not set_zstd or bool(getattr(lib, "HAVE_ZSTD", 0))
+
+
+def decodes_into(set_zstd: bool) -> bool:
+    """Whether :func:`decode_into` runs: the compiled module is active, has the call, and
+    was built with libzstd when some frame's chunks are zstd frames (``set_zstd``)."""
+    lib = _active
+    if lib is None or not hasattr(lib, "decode_into"):  # (an older R3_NATIVE_LIBRARY build)
+        return False
+    return not set_zstd or bool(getattr(lib, "HAVE_ZSTD", 0))
+
+
+#: One frame for :func:`decode_into`: its body, its chunk table (``decode_chunks``' desc, in
+#: the frame's own rows and layers), the int64 ``[R, L, K]`` window of targets it fills, E,
+#: its codec id, set-zstd's relabel rows (``[frame layers, E]``) or None, a set frame's rank
+#: width (0 for the others), the frame row that is the window's row 0, and the target layer
+#: of each frame layer (int32, -1: not wanted).
+IntoJob = tuple[Any, Any, Any, int, int, Any, int, int, Any]
+
+
+def decode_into(jobs: list[IntoJob]) -> tuple[int, int]:
+    """The chunks of ``jobs``' frames holding a wanted row and layer, checked (CRC-32C) and
+    decoded straight into their int64 windows of a rank's targets by one compiled call,
+    the GIL released from the first frame to the last; only where :func:`decodes_into`
+    says so.  ``(0, 0)`` when every one decoded, else a non-zero code and the failing
+    job's index (the jobs after it not run: the caller decodes by the reference, which
+    raises the exact error)."""
+    lib = _active
+    assert lib is not None
+    args = []
+    for body, desc, out, e, codec, order, bits, row_lo, lmap in jobs:
+        k = out.shape[-1]
+        table = None
+        if order is not None:
+            table = np.ascontiguousarray(order, dtype="u1" if e <= 255 else "<u2")
+        tables = _tables(e, k) if bits else None
+        args.append((body, desc, out, e, codec, table, tables, bits, row_lo, lmap))
+    code, job, _ = lib.decode_into(args)
+    return int(code), int(job)
 
 
 def decode_chunks(
