@@ -147,6 +147,21 @@ def rank_fetch(source: RangeSource, tokens: int) -> Callable[[MicroBatch], Megat
     return fetch
 
 
+class PerRead:
+    """``source`` as a caller's own source (its ``get_ranges`` takes no ``decode=``): each
+    read decoded on its own and copied into the targets, the path before issue 44's
+    one compiled call per micro-batch (the ``-per-read`` modes: that path in the same
+    run)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def get_ranges(
+        self, reads: Any, *, layers: Any = None, view: Any = "exact", return_errors: bool = False
+    ) -> Any:
+        return self.source.get_ranges(reads, layers=layers, view=view, return_errors=return_errors)
+
+
 def timed(fetch: Callable[[MicroBatch], Any], spans: list[float]) -> Callable[[MicroBatch], Any]:
     """``fetch``, each call's duration appended to ``spans`` (in the thread it runs in)."""
 
@@ -414,6 +429,8 @@ def one_distribution(
     try:
         for n in TRANSPORTS:
             sources[n] = open_source(svc, n)
+        if args.per_read:
+            modes += [f"{n}-per-read" for n in TRANSPORTS]
         if args.process:
             for n in TRANSPORTS:
                 pools[n] = process_pool(svc, n, args.tokens)
@@ -422,6 +439,10 @@ def one_distribution(
         with RoutingClient(svc.http_url, api_key=KEY_A) as client:
             stored = sum(client.stat(r).stored_bytes for r in ids)
         fetches = {n: rank_fetch(s, args.tokens) for n, s in sources.items()}
+        if args.per_read:
+            fetches |= {
+                f"{n}-per-read": rank_fetch(PerRead(s), args.tokens) for n, s in sources.items()
+            }
         check_equal(fetches, micro[0])
         alone = {}
         for n in TRANSPORTS:  # clients of their own: the counting wraps their transport
@@ -462,7 +483,7 @@ def one_distribution(
         for key in ids:
             client.delete(key)
     for mode in modes[1:]:
-        a = alone[mode.removesuffix("-process")]
+        a = alone[mode.removesuffix("-process").removesuffix("-per-read")]
         summary[mode]["fetch_alone"] = a
         summary[mode]["fetch_alone_over_step"] = (
             a["median_ms"] / summary["baseline"]["median_step_ms"]
@@ -534,6 +555,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="sys.setswitchinterval for the run (default: Python's, 0.005 s)",
+    )
+    ap.add_argument(
+        "--per-read",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also each transport decoding read by read (the path before one compiled call "
+        "per micro-batch), in the same rounds",
     )
     ap.add_argument(
         "--process",
