@@ -181,11 +181,13 @@ def fetch_alone(
     tokens: int,
     redis_url: str,
     repeat: int,
+    per_read: bool = False,
 ) -> dict[str, Any]:
     """Each micro-batch fetched ``repeat`` times with nothing beside it: time, bytes.
-    ``source``: a client of its own (a ``RoutingClient`` is wrapped to count bytes)."""
+    ``source``: a client of its own (a ``RoutingClient`` is wrapped to count bytes);
+    ``per_read``: decoded read by read (:class:`PerRead`)."""
     counted: Any = Counting(source) if name != "direct" else source
-    fetch = rank_fetch(counted, tokens)
+    fetch = rank_fetch(PerRead(counted) if per_read else counted, tokens)
     for mb in micro[:1]:  # warm the connections
         fetch(mb)
     spans: list[float] = []
@@ -448,6 +450,11 @@ def one_distribution(
         for n in TRANSPORTS:  # clients of their own: the counting wraps their transport
             with open_source(svc, n) as own:
                 alone[n] = fetch_alone(n, own, micro, args.tokens, redis.url, args.fetch_repeat)
+            if args.per_read:
+                with open_source(svc, n) as own:
+                    alone[f"{n}-per-read"] = fetch_alone(
+                        n, own, micro, args.tokens, redis.url, args.fetch_repeat, per_read=True
+                    )
         for n, a in alone.items():
             print(
                 f"[{name}] fetch alone {n}: {a['median_ms']:.1f} ms per micro-batch "
@@ -483,7 +490,7 @@ def one_distribution(
         for key in ids:
             client.delete(key)
     for mode in modes[1:]:
-        a = alone[mode.removesuffix("-process").removesuffix("-per-read")]
+        a = alone[mode.removesuffix("-process")]
         summary[mode]["fetch_alone"] = a
         summary[mode]["fetch_alone_over_step"] = (
             a["median_ms"] / summary["baseline"]["median_step_ms"]
