@@ -30,6 +30,7 @@ from r3_client.codec.frame import CODECS, CRC
 from r3_client.codec.header import Context, FrameHeader
 from r3_client.codec.rollout import _read_frames
 from r3_client.codec.setrank import ranker
+from r3_client.codec.v2_read import chunk_table
 
 __all__ = ["IntoPlan", "plan_into"]
 
@@ -166,20 +167,7 @@ def _part(
 ) -> _FramePart:
     """One frame's part of a read of rows ``[a, b)``: its chunk table (decode_chunks'
     desc, with each chunk's CRC-32C), codec, relabel rows and layer map."""
-    chunks = np.array(hdr.chunks, np.int64).reshape(-1, 2)
-    lengths = chunks[:, 0]
-    at = hdr.frame_length - CRC.size - hdr.body_length
-    nb, ng = len(hdr.blocks), len(hdr.groups)
-    desc = np.empty((nb * ng, 7), np.int64)
-    desc[:, 0] = at + np.cumsum(lengths) - lengths
-    desc[:, 1] = lengths
-    blocks = np.asarray(hdr.blocks, np.int64)
-    groups = np.asarray(hdr.groups, np.int64)
-    desc[:, 2] = np.repeat(blocks, ng)
-    desc[:, 3] = np.repeat(np.cumsum(blocks) - blocks, ng)
-    desc[:, 4] = np.tile(np.cumsum(groups) - groups, nb)
-    desc[:, 5] = np.tile(groups, nb)
-    desc[:, 6] = chunks[:, 1]
+    desc = chunk_table(hdr, hdr.frame_length - CRC.size - hdr.body_length, crcs=True)
     order = None
     if hdr.codec == "set-zstd" and bool(hdr.params["relabel"]):
         assert ctx.table is not None  # (_read_frames parses contexts with their tables)

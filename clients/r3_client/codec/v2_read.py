@@ -323,6 +323,26 @@ def decode_v2(
     return out
 
 
+def chunk_table(hdr: FrameHeader, at: int, *, crcs: bool) -> npt.NDArray[np.int64]:
+    """A v2/v3 frame's chunks as the compiled calls take them (int64 ``[n, 7]``, body order):
+    each chunk's offset in the frame (its body starts at ``at``) and length, its rows and
+    first row, its first layer position and layers, and its CRC (-1 unless ``crcs``)."""
+    chunks = np.array(hdr.chunks, np.int64).reshape(-1, 2)
+    lengths = chunks[:, 0]
+    nb, ng = len(hdr.blocks), len(hdr.groups)
+    desc = np.empty((nb * ng, 7), np.int64)
+    desc[:, 0] = at + np.cumsum(lengths) - lengths
+    desc[:, 1] = lengths
+    blocks = np.asarray(hdr.blocks, np.int64)
+    groups = np.asarray(hdr.groups, np.int64)
+    desc[:, 2] = np.repeat(blocks, ng)
+    desc[:, 3] = np.repeat(np.cumsum(blocks) - blocks, ng)
+    desc[:, 4] = np.tile(np.cumsum(groups) - groups, nb)
+    desc[:, 5] = np.tile(groups, nb)
+    desc[:, 6] = chunks[:, 1] if crcs else -1
+    return desc
+
+
 def _decoded_at_once(
     view: memoryview,
     hdr: FrameHeader,
@@ -339,25 +359,13 @@ def _decoded_at_once(
     chunk by chunk, which raises the exact error."""
     if not _native.decodes_chunks(hdr.codec == "set-zstd", out):
         return None
-    chunks = np.array(hdr.chunks, np.int64).reshape(-1, 2)
-    lengths = chunks[:, 0]
     if verify_chunks and hdr.version < 3:  # v2's CRC-32 (zlib releases the GIL over each)
         offsets = itertools.accumulate(hdr.chunks, lambda a, c: a + c[0], initial=at)
         for off, (length, crc) in zip(offsets, hdr.chunks, strict=False):
             if chunk_crc(hdr.version, view[off : off + length]) != crc:
                 raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
-    nb, ng = len(hdr.blocks), len(hdr.groups)
-    desc = np.empty((nb * ng, 7), np.int64)
     # v3's CRC-32C: checked by the compiled call itself, with the rest (-1: not there)
-    desc[:, 6] = chunks[:, 1] if verify_chunks and hdr.version >= 3 else -1
-    desc[:, 0] = at + np.cumsum(lengths) - lengths
-    desc[:, 1] = lengths
-    blocks = np.asarray(hdr.blocks, np.int64)
-    groups = np.asarray(hdr.groups, np.int64)
-    desc[:, 2] = np.repeat(blocks, ng)
-    desc[:, 3] = np.repeat(np.cumsum(blocks) - blocks, ng)
-    desc[:, 4] = np.tile(np.cumsum(groups) - groups, nb)
-    desc[:, 5] = np.tile(groups, nb)
+    desc = chunk_table(hdr, at, crcs=verify_chunks and hdr.version >= 3)
     order = None
     if ctx_pos is not None:
         assert hdr.context is not None and hdr.context.table is not None
