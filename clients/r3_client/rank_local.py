@@ -148,6 +148,7 @@ def fetch_verl_rank_slice(
     as_torch: bool = False,
     view: ViewPolicy = "exact",
     states: Sequence[int | None] | None = None,
+    pin_memory: bool = False,
 ) -> VerlRankSlice:
     """One verl Megatron rank's R3 replay targets for one micro-batch, read for that rank alone.
 
@@ -165,13 +166,18 @@ def fetch_verl_rank_slice(
     than ``P_i + R_i - 1`` rows), one holding other layers or rows nobody shipped
     (unless ``missing="fill"``: ``0``, as verl fills), each naming the sample and
     rollout.
+
+    ``pin_memory=True``: the targets are written into page-locked host memory (a CUDA
+    process only), so the replay's copy to the GPU is asynchronous with no staging copy.
     """
     rank = VerlRank() if rank is None else rank
     ids = [check_rollout_id(r) for r in rollout_ids]
     plan = verl_rank_plan(prompt_lens, response_lens, rank=rank)
     stage = rank.stage_layers
     layers = None if stage is None else tuple(sorted(stage))
-    local, layer_ids = fetch_plan_rows(source, ids, plan, layers, missing, 0, view, states)
+    local, layer_ids = fetch_plan_rows(
+        source, ids, plan, layers, missing, 0, view, states, pin_memory=pin_memory
+    )
     return rank_slice_of(plan, list(local), layer_ids, tuple(ids), as_torch)
 
 
@@ -191,6 +197,7 @@ def fetch_megatron_rank_batch(
     as_torch: bool = False,
     view: ViewPolicy = "exact",
     states: Sequence[int | None] | None = None,
+    pin_memory: bool = False,
 ) -> MegatronReplayBatch:
     """One Megatron rank's :class:`~r3_client.layouts.MegatronReplayBatch` for one
     micro-batch, read for that rank alone (for ``RouterReplayDriver.add_micro_batch``).
@@ -202,7 +209,7 @@ def fetch_megatron_rank_batch(
     ``seqlens``: the trainer's token counts, in its packing order.  Raises as
     :func:`fetch_verl_rank_slice` does; ``missing="fill"`` keeps rows nobody shipped
     ``-1`` (the driver replays experts ``0..K-1`` there, miles' rule).  ``view`` and
-    ``states``: as :func:`fetch_verl_rank_slice` takes them.
+    ``states``, ``pin_memory``: as :func:`fetch_verl_rank_slice` takes them.
     """
     ids = [check_rollout_id(r) for r in rollout_ids]
     plan = megatron_rank_plan(
@@ -217,7 +224,9 @@ def fetch_megatron_rank_batch(
     layers = None if stage_layers is None else tuple(sorted(int(x) for x in stage_layers))
     if layers == ():
         raise ShapeError("stage_layers is empty: a stage without MoE layers has no routers")
-    local, layer_ids = fetch_plan_rows(source, ids, plan, layers, missing, -1, view, states)
+    local, layer_ids = fetch_plan_rows(
+        source, ids, plan, layers, missing, -1, view, states, pin_memory=pin_memory
+    )
     return replay_batch_of(plan, list(local), layer_ids, tuple(ids), as_torch)
 
 
@@ -230,6 +239,8 @@ def fetch_plan_rows(
     fill: int,
     view: ViewPolicy = "exact",
     states: Sequence[int | None] | None = None,
+    *,
+    pin_memory: bool = False,
 ) -> tuple[npt.NDArray[np.int64], tuple[int, ...]]:
     """``[L, local_tokens, K]`` int64 rows of ``plan`` (``fill`` where it has none) and
     their layer ids: one ``get_ranges`` call, every run checked against the plan.  Layer
@@ -240,7 +251,8 @@ def fetch_plan_rows(
     every stored layer; ``()``: none, nothing read); ``fill`` ``>= 0`` also replaces rows
     nobody shipped under ``missing="fill"``, a negative one keeps them ``-1``.
     ``view`` / ``states``: the policy every read is made under and, under ``exact``,
-    each sample's state (:func:`fetch_verl_rank_slice`).
+    each sample's state (:func:`fetch_verl_rank_slice`); ``pin_memory``: the rows in
+    page-locked host memory (:func:`pinned_targets`).
     """
     if len(ids) != plan.seqlens.shape[0]:
         raise ShapeError(
@@ -281,7 +293,8 @@ def fetch_plan_rows(
         nonlocal local, layer_ids
         if local is None:
             layer_ids = got_layers
-            local = np.full((len(layer_ids), plan.num_local_tokens, topk), fill, np.int64)
+            shape = (len(layer_ids), plan.num_local_tokens, topk)
+            local = pinned_targets(shape, fill) if pin_memory else np.full(shape, fill, np.int64)
         elif got_layers != layer_ids or topk != local.shape[2]:
             raise ShapeError(
                 f"{_who(i, ids[i])} holds MoE layers {list(got_layers)} with "
@@ -316,6 +329,24 @@ def fetch_plan_rows(
         _decode_planned(local, planned, ids, plan, missing, gap_fill, place)
     assert local is not None
     return local, layer_ids
+
+
+def pinned_targets(shape: tuple[int, int, int], fill: int) -> npt.NDArray[np.int64]:
+    """An int64 array of ``shape`` filled with ``fill``, in page-locked (pinned) host memory
+    (a torch tensor's, which the array keeps alive): a replay's copy of it to the GPU runs
+    asynchronously and needs no staging copy (``Tensor.pin_memory()`` returns a pinned
+    tensor as it is).  Needs torch with a CUDA device: page-locked memory is CUDA's
+    (:class:`InvalidRequestError` otherwise, rather than memory that is not pinned)."""
+    import torch  # lazy: only a caller asking for pinned memory needs torch
+
+    if not torch.cuda.is_available():
+        raise InvalidRequestError(
+            "pin_memory=True needs a CUDA device (page-locked host memory is CUDA's); this "
+            "process has none: fetch without pin_memory"
+        )
+    pinned = torch.full(shape, fill, dtype=torch.int64, pin_memory=True)
+    out: npt.NDArray[np.int64] = pinned.numpy()
+    return out
 
 
 def _decode_planned(

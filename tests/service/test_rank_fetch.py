@@ -381,3 +381,18 @@ def test_a_micro_batch_decodes_into_its_targets_in_one_compiled_call(
             calls.clear()
             _same(fetch_verl_rank_slice(OwnSource(client), ids, p, r, rank=rank), want)
             assert calls == []
+
+
+def test_pinned_targets_without_cuda_are_refused_naming_why(
+    svc: Service, step: tuple[list[str], list[int], list[int]]
+) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this process has a CUDA device (tests/client/test_pinned_targets.py)")
+    ids, p, r = step
+    with (
+        RoutingClient(svc.http_url, api_key=KEY_A) as client,
+        pytest.raises(InvalidRequestError, match="pin_memory=True needs a CUDA device"),
+    ):
+        fetch_verl_rank_slice(client, ids, p, r, rank=RANKS[0], pin_memory=True)
