@@ -28,7 +28,7 @@ from r3_client._routing import layer_positions
 from r3_client.codec.entry import read_header
 from r3_client.codec.frame import CODECS, CRC
 from r3_client.codec.header import Context, FrameHeader
-from r3_client.codec.rollout import _read_frames
+from r3_client.codec.rollout import read_frames
 from r3_client.codec.setrank import ranker
 from r3_client.codec.v2_read import chunk_table
 
@@ -105,7 +105,7 @@ def plan_into(
         return None
     pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
     try:
-        contexts, heads = _read_frames(pieces)
+        contexts, heads = read_frames(pieces)
         frames = [_resolved(view, hdr, contexts) for view, hdr in heads]
     except (FormatError, FrameError):
         return None
@@ -170,7 +170,7 @@ def _part(
     desc = chunk_table(hdr, hdr.frame_length - CRC.size - hdr.body_length, crcs=True)
     order = None
     if hdr.codec == "set-zstd" and bool(hdr.params["relabel"]):
-        assert ctx.table is not None  # (_read_frames parses contexts with their tables)
+        assert ctx.table is not None  # (read_frames parses contexts with their tables)
         order = ctx.table[[ctx.layer_ids.index(lid) for lid in hdr.layer_ids]]
     bits = ranker(hdr.num_experts, hdr.topk).bits if hdr.codec == "set" else 0
     lmap = np.array([where.get(lid, -1) for lid in hdr.layer_ids], np.int32)

@@ -298,7 +298,7 @@ def decode_rollout(
     who = f"rollout {rollout_id}" if rollout_id else "rollout"
     pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
     try:
-        contexts, heads = _read_frames(pieces)
+        contexts, heads = read_frames(pieces)
     except FrameError as exc:
         raise type(exc)(f"{who}: {exc}") from None
     if not heads:
@@ -342,7 +342,7 @@ def _decoded_total(
     return total
 
 
-def _read_frames(
+def read_frames(
     pieces: Sequence[bytes | bytearray | memoryview],
 ) -> tuple[dict[str, Context], list[tuple[memoryview, FrameHeader]]]:
     """The read's contexts (by digest, tables inflated once) and its routing frames."""
