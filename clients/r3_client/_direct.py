@@ -918,8 +918,10 @@ def _plan_wanted(
     fields: dict[bytes, Any], spans: Sequence[tuple[int, int]], layers: Sequence[int] | None
 ) -> _WantPlan:
     """The plan of a ranged read of ``spans`` and ``layers`` from a hash's small fields
-    (:data:`_SMALL_FIELDS`); a shared segment no span overlaps is dropped from ``fields``
-    (nothing of it is read)."""
+    (:data:`_SMALL_FIELDS`).  A segment no span overlaps is dropped from ``fields`` (not
+    decoded, nothing of a shared one read) unless it is a chunked segment's head, which
+    is kept: it may carry the context the read's continuation frames need, which then
+    need not be fetched again."""
     names = list(fields)
     layer_ids = _meta_layers(fields.get(b"m"))
     chunks: list[bytes] = []
@@ -930,7 +932,7 @@ def _plan_wanted(
         a, b = _rows_of(f)
         v = fields[f]
         if not any(a < e and s < b for s, e in spans):
-            if v[:1] == b"@":
+            if not is_frame_head(v):  # a frame or a blob reference: another read's rows
                 del fields[f]
         elif v[:1] == b"@":
             blobs[f] = v[1:]

@@ -263,6 +263,9 @@ def test_rollouts_stored_whole_are_read_by_a_chunked_service(
         with DirectReader.from_service(new.http_url, api_key=KEY_A) as reader:
             got = dict(reader.get_ranges([(r, 5000, 8000)], layers=[16]))[r]
             assert same_sets(got.indices, ROWS[5000:8000][:, [15]])  # type: ignore[union-attr]
+            # the continuation alone: the whole first frame not read, its stored context is
+            got = dict(reader.get_ranges([(r, N + 100, N + 200)], layers=[16]))[r]
+            assert same_sets(got.indices, ROWS[N + 100 : N + 200][:, [15]])  # type: ignore[union-attr]
     finally:
         old.stop()
 
