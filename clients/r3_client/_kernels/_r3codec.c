@@ -2072,6 +2072,7 @@ static int into_job(PyObject *item, IntoJob *j, Py_ssize_t *most) {
         const int64_t *c = d + i * DESC_COLS;
         if (c[0] < 0 || c[1] < 0 || c[0] > j->body.len || c[1] > j->body.len - c[0] || c[2] < 1 ||
             c[2] > INTO_MAX_IDS || c[3] < 0 || c[3] > ((int64_t)1 << 40) || c[4] < 0 || c[5] < 1 ||
+            c[5] > INTO_MAX_IDS || /* (both bounded first: their product below cannot overflow) */
             c[4] > j->frame_layers - c[5] || c[6] < -1 || c[6] > 0xFFFFFFFFLL ||
             c[2] * c[5] * j->k > INTO_MAX_IDS) {
             PyErr_Format(PyExc_ValueError, "decode_into: chunk %zd lies outside body or frame", i);
