@@ -320,7 +320,8 @@ def fetch_plan_rows(
             into = got.plan()
             if into is not None:
                 target(i, into.layer_ids, into.topk)
-                planned.append((i, a, b, at, got, into))
+                if at >= 0:  # (a run that only says the layers and K places no row)
+                    planned.append((i, a, b, at, got, into))
                 continue
             got = got.routing()
         place(i, a, b, at, _checked(got, i, ids[i], a, b, plan))
@@ -358,27 +359,21 @@ def _decode_planned(
     gap_fill: npt.NDArray[np.int64] | None,
     place: Callable[[int, int, int, int, Routing], None],
 ) -> None:
-    """The planned reads of a micro-batch decoded into their windows of ``local`` by one
-    compiled call; each window's rows nobody shipped handled as the reference path handles
-    them (:func:`~r3_client.layouts._rows.uncovered`).  A refusal (a damaged chunk) decodes
-    every planned read by the reference instead, which raises the exact error; a refusal
-    the reference does not share is counted (``native.disagreed``)."""
+    """The planned reads of a micro-batch (each placing rows: ``at >= 0``) decoded into
+    their windows of ``local`` by one compiled call; each window's rows nobody shipped
+    handled as the reference path handles them (:func:`~r3_client.layouts._rows.uncovered`).
+    A refusal (a damaged chunk) decodes every planned read by the reference instead, which
+    raises the exact error; a refusal the reference does not share is counted
+    (``native.disagreed``)."""
     windows = [local[:, at : at + b - a].transpose(1, 0, 2) for _, a, b, at, _, _ in planned]
-    jobs = [
-        job
-        for (_, _, _, at, _, into), win in zip(planned, windows, strict=True)
-        if at >= 0
-        for job in into.jobs(win)
-    ]
-    code, _ = _native.decode_into(jobs) if jobs else (0, 0)
+    jobs = [job for (*_, into), win in zip(planned, windows, strict=True) for job in into.jobs(win)]
+    code, _ = _native.decode_into(jobs)
     if code != 0:
         for i, a, b, at, fetched, _ in planned:
             place(i, a, b, at, _checked(fetched.routing(), i, ids[i], a, b, plan))
         _native.disagreed("a micro-batch's frames decoded into its targets")
         return
-    for (i, a, _, at, _, _), win in zip(planned, windows, strict=True):
-        if at < 0:
-            continue
+    for (i, a, *_), win in zip(planned, windows, strict=True):
         arr = uncovered(win, f"{_who(i, ids[i])}'s routing", missing, gap_fill, first_row=a)
         if arr is not win:
             win[...] = arr
