@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-time set-up on a fresh machine: redis-server from Debian, a virtualenv, the package.
+# One-time set-up on a fresh machine: redis-server and promtool from Debian, a virtualenv, the
+# package.
 # Idempotent: re-running only installs what is missing.  Used by `make test` / `make demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,29 @@ if [ ! -f /usr/include/zstd.h ]; then
          { apt_get update -qq && apt_get install -y -qq libzstd-dev >/dev/null; }; }; then
     echo "bootstrap: warning: libzstd-dev not installed; set-zstd decodes chunk by chunk" >&2
   fi
+fi
+
+# promtool checks the monitoring component's alert rules and dashboard queries (tests/deploy).
+# It comes with Debian's `prometheus` package, whose daemon we neither need nor leave on: a
+# policy-rc.d (unless the machine has one) keeps the package from starting it, and it is
+# disabled afterwards.
+if ! command -v promtool >/dev/null 2>&1; then
+  echo "bootstrap: installing prometheus from Debian (for promtool; the daemon stays off)" >&2
+  policy=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    policy=/usr/sbin/policy-rc.d
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$policy" >/dev/null
+    $SUDO chmod 755 "$policy"
+  fi
+  apt_ok=0
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null ||
+    { $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+      $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } ||
+    apt_ok=$?
+  if [ -n "$policy" ]; then $SUDO rm -f "$policy"; fi
+  [ "$apt_ok" -eq 0 ] || { echo "bootstrap: installing prometheus failed" >&2; exit "$apt_ok"; }
+  if command -v systemctl >/dev/null 2>&1; then $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+  if command -v update-rc.d >/dev/null 2>&1; then $SUDO update-rc.d prometheus disable >/dev/null 2>&1 || true; fi
 fi
 
 # tests/deploy render the manifests with `kubectl kustomize`; neither Debian nor PyPI
