@@ -56,6 +56,7 @@ class StoreBase:
         self._put_blob = client.register_script(_load("put_blob.lua"))
         self._keep_blob = client.register_script(_load("keep_blob.lua"))
         self._delete = client.register_script(_load("delete_rollout.lua"))
+        self._drop = client.register_script(_load("drop_consumed.lua"))
         self._view_put = client.register_script(_load("put_view.lua"))
         self._namespace = ""
         self._limit = asyncio.Semaphore(settings.max_connections)

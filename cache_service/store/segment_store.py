@@ -17,7 +17,7 @@ import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from cache_service.store.base import RedisClient
-from cache_service.store.durability import DurableWrites
+from cache_service.store.lifecycle import StoreLifecycle
 from cache_service.store.reads import StoreReads
 from cache_service.store.settings import StoreSettings
 from r3_client import (
@@ -121,7 +121,7 @@ def _check_blocks(hdr: FrameHeader) -> None:
         )
 
 
-class SegmentStore(DurableWrites, StoreReads):
+class SegmentStore(StoreLifecycle, StoreReads):
     """Async segment store over redis-py asyncio (single Redis or Redis Cluster).
 
     Create with :meth:`connect` (pings with bounded retries) and close with
@@ -557,12 +557,6 @@ class SegmentStore(DurableWrites, StoreReads):
             f"rollout {rollout_id} holds no context {base[:12]}…: a continuation frame "
             "follows a segment that carries that context; put that segment first"
         )
-
-    async def delete(self, rollout_id: str) -> bool:
-        """Delete a rollout; True if it existed."""
-        key = self.key(rollout_id)
-        async with self._guarded():
-            return bool(await self._write(key, self._delete, [], bool))
 
     async def rewind(self, rollout_id: str, rows: int, *, ttl_s: int | None = None) -> int:
         """Drop every segment starting at or after row ``rows``; the number dropped.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from r3_client._answers import PutResult, RolloutInfo, SegmentInfo, ViewInfo
+from r3_client._answers import Deleted, DropResult, PutResult, RolloutInfo, SegmentInfo, ViewInfo
 from r3_client._config import Retry, Timeout
 from r3_client._direct import DirectReader
 from r3_client._exceptions import (
@@ -102,7 +102,9 @@ __all__ = [
     "CodecError",
     "ConnectError",
     "Context",
+    "Deleted",
     "DirectReader",
+    "DropResult",
     "DuplicateExpertError",
     "Expansion",
     "ExpertIdError",

@@ -14,7 +14,15 @@ from typing import Any, Literal
 from r3_client._answer_forms import from_plain, to_plain
 from r3_client._routing import Segment
 
-__all__ = ["PROTO_MESSAGES", "PutResult", "RolloutInfo", "SegmentInfo", "ViewInfo"]
+__all__ = [
+    "PROTO_MESSAGES",
+    "Deleted",
+    "DropResult",
+    "PutResult",
+    "RolloutInfo",
+    "SegmentInfo",
+    "ViewInfo",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +93,52 @@ class RolloutInfo:
         return from_plain(cls, d)
 
 
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """One rollout of a batch delete: whether it existed, and the bytes Redis freed."""
+
+    rollout_id: str
+    existed: bool
+    #: Redis MEMORY USAGE of the rollout's and its views' keys before the delete (0 when it
+    #: did not exist, None where the operator disabled MEMORY); shared blobs are not counted
+    #: (other rollouts may reference them: they expire with their last reference's TTL)
+    freed_bytes: int | None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Deleted:
+        """From the service's answer (its plain form); :class:`ProtocolError` otherwise."""
+        return from_plain(cls, d)
+
+
+@dataclass(frozen=True, slots=True)
+class DropResult:
+    """What one drop-by-weight-version call did (docs/service.md, "Lifecycle").
+
+    ``dropped``: rollouts deleted whole (every row computed under a weight version at or
+    below the one asked); ``kept_newer``: rollouts kept because a segment or view is newer;
+    ``kept_unversioned``: rollouts kept because a weight version is not a decimal integer;
+    ``examined``: rollout keys looked at.  ``cursor``: where the next call resumes; ``""``
+    when the namespace has been walked to its end.
+    """
+
+    dropped: int
+    kept_newer: int
+    kept_unversioned: int
+    freed_bytes: int | None  # summed as Deleted.freed_bytes; None where MEMORY is disabled
+    examined: int
+    cursor: str
+
+    @property
+    def done(self) -> bool:
+        """True when the walk reached the end of the namespace."""
+        return not self.cursor
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DropResult:
+        """From the service's answer (its plain form); :class:`ProtocolError` otherwise."""
+        return from_plain(cls, d)
+
+
 #: Each record's gRPC message in ``r3_cache.proto`` (generated from the dataclasses).
 PROTO_MESSAGES: dict[type, str] = {
     Segment: "Segment",
@@ -92,4 +146,6 @@ PROTO_MESSAGES: dict[type, str] = {
     RolloutInfo: "RolloutStat",
     ViewInfo: "ViewInfo",
     PutResult: "PutSegmentResponse",
+    Deleted: "Deleted",
+    DropResult: "DropResult",
 }

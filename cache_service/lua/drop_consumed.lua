@@ -1,0 +1,50 @@
+-- Drop a rollout whole if every row it holds was computed under a weight version <= upto.
+-- KEYS[1]  rollout hash
+-- ARGV[1]  upto: a decimal integer (at most 15 digits, exact in Lua's doubles)
+-- A rollout is dropped only when every segment's and every view's weight version is a
+-- decimal integer <= upto; the check and the delete are one script, so a writer racing
+-- the drop either lands first (the rollout is then kept, or dropped with its rows) or
+-- finds the rollout gone: never half a rollout.
+-- Returns  {1, memory}  dropped (memory: MEMORY USAGE of the rollout and its views'
+--                       hashes before the delete, -1 when MEMORY is disabled)
+--          {0, 0}       no such rollout (expired, deleted, or dropped by a racing call)
+--          {-1, newest} kept: a segment or view is newer than upto (newest, a string)
+--          {-2, 0}      kept: a weight version that is not a decimal integer
+local key, upto = KEYS[1], tonumber(ARGV[1])
+local fields = redis.call('HKEYS', key)
+if #fields == 0 then return {0, 0} end
+local newest, views = -1, {}
+local function version(v)
+  if type(v) ~= 'string' or not string.match(v, '^%d+$') or #v > 15 then return nil end
+  return tonumber(v)
+end
+for _, f in ipairs(fields) do
+  local v, serves = nil, string.match(f, '^v:(%d+)$')
+  if serves then
+    views[#views + 1] = key .. ':v:' .. serves
+    v = version(cmsgpack.unpack(redis.call('HGET', key, f))[3])
+  elseif string.sub(f, 1, 2) == 'h:' then
+    v = version(cmsgpack.unpack(redis.call('HGET', key, f))[1]['weight_version'])
+  else
+    v = newest
+  end
+  if v == nil then return {-2, 0} end
+  if v > newest then newest = v end
+end
+if newest > upto then return {-1, string.format('%d', newest)} end
+local function usage(k)
+  local m = redis.pcall('MEMORY', 'USAGE', k, 'SAMPLES', '0')
+  if type(m) == 'number' then return m end
+  if type(m) == 'table' and m.err then return -1 end
+  return 0
+end
+local mem = usage(key)
+for _, vkey in ipairs(views) do
+  if mem >= 0 then
+    local m = usage(vkey)
+    if m < 0 then mem = -1 else mem = mem + m end
+  end
+  redis.call('DEL', vkey)
+end
+redis.call('DEL', key)
+return {1, mem}
