@@ -40,6 +40,35 @@ class Metrics:
             "r3_store_used_memory_bytes", "Redis used_memory, summed over primaries", registry=r
         )
         self.store_keys = Gauge("r3_store_keys", "Keys in Redis (all primaries)", registry=r)
+        self.store_maxmemory = Gauge(
+            "r3_store_maxmemory_bytes",
+            "Redis maxmemory, summed over primaries (0: no limit set)",
+            registry=r,
+        )
+        self.store_fullest_ratio = Gauge(
+            "r3_store_fullest_ratio",
+            "used_memory / maxmemory of the fullest primary (a primary without a limit: 0)",
+            registry=r,
+        )
+        self.store_up = Gauge(
+            "r3_store_up",
+            "1 when Redis answered this scrape's INFO, 0 when it did not (the other store "
+            "gauges then keep their last value)",
+            registry=r,
+        )
+        self.views_stored = Counter(
+            "r3_views_stored", "Views stored (rows an engine recomputed)", registry=r
+        )
+        self.view_rows_stored = Counter(
+            "r3_view_rows_stored", "Token rows in the views stored", registry=r
+        )
+        # how: delete (one rollout), batch_delete (many by id), drop_version (by weight version)
+        self.rollouts_dropped = Counter(
+            "r3_rollouts_dropped", "Rollouts dropped on request, by how", ["how"], registry=r
+        )
+        self.dropped_bytes = Counter(
+            "r3_dropped_bytes", "Stored bytes of the rollouts dropped, by how", ["how"], registry=r
+        )
         self.batch_items = Counter(
             "r3_batch_items", "Batch-get items by result", ["result"], registry=r
         )

@@ -37,6 +37,8 @@ __all__ = ["MAX_TTL_S", "RoutingService"]
 T = TypeVar("T")
 #: Longest TTL a rollout may be given (ten years), on every transport.
 MAX_TTL_S = 10 * 365 * 24 * 3600
+#: How long a /metrics scrape waits for Redis's figures (Prometheus's default timeout: 10 s).
+_GAUGES_TIMEOUT_S = 5.0
 
 
 async def _bounded(work: Awaitable[T]) -> T:
@@ -197,6 +199,9 @@ class RoutingService:
         if res.dedupe_hit:
             self.metrics.dedupe_hits.inc()
             self.metrics.dedupe_bytes.inc(res.nbytes)
+        if view is not None and res.status == "stored":
+            self.metrics.views_stored.inc()
+            self.metrics.view_rows_stored.inc(res.segment.end - res.segment.start)
         return res
 
     async def get_frame(
@@ -317,7 +322,10 @@ class RoutingService:
 
     async def delete(self, namespace: str, rollout_id: str) -> bool:
         """Delete a rollout; True if it existed."""
-        return await self._ns(namespace).delete(rollout_id)
+        existed = await self._ns(namespace).delete(rollout_id)
+        if existed:
+            self.metrics.rollouts_dropped.labels("delete").inc()
+        return existed
 
     async def touch(self, namespace: str, rollout_id: str, ttl_s: int | None) -> None:
         """Reset a rollout's TTL (``None``: the default; 0: never expire; at most ten years)."""
@@ -421,7 +429,17 @@ class RoutingService:
         return await self.store.ping()
 
     async def refresh_store_gauges(self) -> None:
-        """Update the store size gauges (called on each /metrics scrape)."""
-        mem = await self.store.memory()
+        """Update the store gauges (called on each /metrics scrape): ``r3_store_up`` 0
+        when Redis fails or does not answer within ``_GAUGES_TIMEOUT_S`` (the scrape
+        must answer within Prometheus's timeout), the others then keep their last value."""
+        try:
+            async with asyncio.timeout(_GAUGES_TIMEOUT_S):
+                mem = await self.store.memory()
+        except (R3Error, TimeoutError):
+            self.metrics.store_up.set(0)
+            return
+        self.metrics.store_up.set(1)
         self.metrics.store_memory.set(mem["used_memory"])
         self.metrics.store_keys.set(mem["keys"])
+        self.metrics.store_maxmemory.set(mem["maxmemory"])
+        self.metrics.store_fullest_ratio.set(mem["fullest_ratio"])

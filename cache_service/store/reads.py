@@ -455,15 +455,25 @@ class StoreReads(StoreBase):
             views=tuple(views),
         )
 
-    async def memory(self) -> dict[str, int]:
-        """Store-wide accounting: Redis ``used_memory`` and key count, summed over primaries."""
+    async def memory(self) -> dict[str, float]:
+        """Store-wide accounting, from one ``INFO memory`` per primary: ``used_memory``,
+        ``maxmemory`` (0: no limit) and ``keys`` summed over primaries, and
+        ``fullest_ratio``, the highest ``used_memory / maxmemory`` of a primary (0 for
+        one without a limit): a cluster fills up at its fullest primary, not on average."""
         async with self._guarded():
             if isinstance(self._r, RedisCluster):
                 nodes = RedisCluster.PRIMARIES
                 per_node: Any = await self._r.info("memory", target_nodes=nodes)
-                used = sum(int(v["used_memory"]) for v in per_node.values())
+                infos = list(per_node.values())
                 nkeys = int(await self._r.dbsize(target_nodes=nodes))  # summed by redis-py
             else:
-                info: Any = await self._r.info("memory")
-                used, nkeys = int(info["used_memory"]), int(await self._r.dbsize())
-        return {"used_memory": used, "keys": nkeys}
+                infos = [await self._r.info("memory")]
+                nkeys = int(await self._r.dbsize())
+        used = [int(i["used_memory"]) for i in infos]
+        limit = [int(i.get("maxmemory", 0)) for i in infos]
+        return {
+            "used_memory": sum(used),
+            "maxmemory": sum(limit),
+            "fullest_ratio": max((u / m for u, m in zip(used, limit, strict=True) if m), default=0),
+            "keys": nkeys,
+        }

@@ -307,8 +307,13 @@ def test_health_ready_metrics_and_openapi(svc: Service) -> None:
             "r3_bytes_out_total",
             "r3_store_used_memory_bytes",
             "r3_dedupe_hits_total",
+            "r3_store_maxmemory_bytes",
+            "r3_store_fullest_ratio",
+            "r3_views_stored_total",
+            "r3_view_rows_stored_total",
         ):
             assert name in metrics
+        assert "r3_store_up 1.0" in metrics.splitlines()  # every primary answered INFO
         spec = c.get("/openapi.json").json()
     put = spec["paths"]["/v1/rollouts/{rollout_id}/segments"]["put"]
     assert put["requestBody"]["content"]["application/x-r3-frame"]["schema"]["format"] == "binary"

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 from cache_service.redis_proc import RedisProcess, free_port
 from r3_client import decode_frame, decode_rollout
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import LAYERS, frame_for, rid, same_sets
-from tests.support.service_process import KEY_A, Service, WriteLoad, start_service
+from tests.support.prometheus import value
+from tests.support.service_process import KEY_A, METRICS_KEY, Service, WriteLoad, start_service
 
 HEADERS = {"Authorization": f"Bearer {KEY_A}"}
 
@@ -72,6 +75,51 @@ async def test_redis_sigkill_under_write_load_loses_no_acknowledged_write(tmp_pa
                 assert same_sets(
                     decode_rollout(resp.content).indices, decode_frame(frame).routing.indices
                 )
+    finally:
+        svc.stop()
+        redis.stop()
+
+
+def _metrics(svc: Service) -> str:
+    """One scrape of the service's /metrics (which must answer 200)."""
+    resp = httpx.get(
+        f"{svc.http_url}/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}, timeout=30
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.text
+
+
+def test_metrics_answer_while_redis_is_down(tmp_path: Path) -> None:
+    """/metrics answers 200 whatever Redis does, and says whether Redis answered
+    (``r3_store_up``); the memory gauges read Redis's own figures, limit included."""
+    redis = RedisProcess(
+        free_port(), tmp_path / "redis", appendonly=False, extra_args=("--maxmemory", "64mb")
+    ).start()
+    svc = start_service(tmp_path, redis.url)
+    try:
+        _put_all(svc, {rid(): frame_for(synthetic_routing(40, len(LAYERS), 64, 4, seed=1), 0)})
+        text = _metrics(svc)
+        assert value(text, "r3_store_up") == 1
+        assert value(text, "r3_store_maxmemory_bytes") == 64 << 20
+        used = value(text, "r3_store_used_memory_bytes")
+        assert used is not None and used > 0
+        assert value(text, "r3_store_fullest_ratio") == pytest.approx(used / (64 << 20))
+        for stop in (signal.SIGSTOP, signal.SIGKILL):  # hung, then gone
+            os.kill(redis.pid, stop)
+            t0 = time.monotonic()
+            text = _metrics(svc)
+            assert time.monotonic() - t0 < 8  # within Prometheus's default scrape timeout
+            assert value(text, "r3_store_up") == 0
+            assert value(text, "r3_store_used_memory_bytes") == used  # the last figure read
+            if stop == signal.SIGSTOP:
+                os.kill(redis.pid, signal.SIGCONT)
+                text = _metrics(svc)
+                assert value(text, "r3_store_up") == 1
+                used = value(text, "r3_store_used_memory_bytes")
+        redis.stop()
+        redis.start()
+        _wait_ready(svc)
+        assert value(_metrics(svc), "r3_store_up") == 1
     finally:
         svc.stop()
         redis.stop()

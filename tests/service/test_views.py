@@ -23,7 +23,8 @@ from r3_client import (
 )
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import LAYERS, TRAJ, E, K, frame_for, rid, same_sets
-from tests.support.service_process import KEY_A, Service, url_of
+from tests.support.prometheus import value
+from tests.support.service_process import KEY_A, METRICS_KEY, Service, url_of
 
 #: What the second call computed for rows it recomputed (other routing than the first).
 RECOMPUTED = synthetic_routing(300, len(LAYERS), E, K, skew=1.0, rho=0.7, seed=8)
@@ -119,6 +120,31 @@ def test_views_live_and_die_with_their_rollout(service: Service, transport: str)
             c.get_frame(r, view=71)
         with pytest.raises(RolloutNotFoundError):
             c.stat(r)
+
+
+def test_views_and_deletes_are_counted(service_single: Service, transport: str) -> None:
+    """``r3_views_stored_total`` / ``r3_view_rows_stored_total`` count the views stored (a
+    duplicate is no new view), ``r3_rollouts_dropped_total{how="delete"}`` the rollouts
+    deleted (a delete of none drops nothing), over either transport."""
+
+    def counts() -> tuple[float, float, float]:
+        with service_single.http(METRICS_KEY) as m:
+            text = m.get("/metrics").text
+        return (
+            value(text, "r3_views_stored_total") or 0,
+            value(text, "r3_view_rows_stored_total") or 0,
+            value(text, "r3_rollouts_dropped_total", how="delete") or 0,
+        )
+
+    r = rid()
+    before = counts()
+    with RoutingClient(url_of(service_single, transport), api_key=KEY_A) as c:
+        three_turns(c, r)  # views of rows [10, 71) and [0, 200)
+        assert c.put(r, frame_for(THIRD[0:200], 0, version="v3"), view=200).status == "duplicate"
+        assert c.delete(r)
+        assert not c.delete(r)
+    after = counts()
+    assert [b - a for a, b in zip(before, after, strict=True)] == [2, 61 + 200, 1]
 
 
 def test_a_view_is_fixed_once_its_segment_is_stored(service_single: Service) -> None:
