@@ -68,6 +68,7 @@ __all__ = [
     "StatsInHand",
     "StepCheck",
     "check_step",
+    "checked_totals",
     "fetch_megatron_rank_batch",
     "fetch_plan_rows",
     "fetch_verl_rank_slice",
@@ -454,37 +455,57 @@ class StepCheck:
 _totals_lock = threading.Lock()
 #: Process-wide off-state totals, by policy (:func:`off_state_totals`).
 _off_state: dict[str, dict[str, int]] = {}
-#: The Prometheus counters ``(samples, tokens)`` once made; None without prometheus_client.
-_counters: list[tuple[Any, Any] | None] = []
+#: Process-wide totals of the steps checked, by policy (:func:`checked_totals`).
+_steps: dict[str, dict[str, int]] = {}
+#: The Prometheus collectors once made (one entry); None without prometheus_client.
+_collectors: list[_Collectors | None] = []
 
 
-def _prometheus_counters() -> tuple[Any, Any] | None:
-    """``r3_client_off_state_{samples,tokens}_total`` (label ``policy``), made on first
-    use; None where prometheus_client is not installed.  Call with ``_totals_lock`` held."""
-    if not _counters:
+@dataclass(frozen=True)
+class _Collectors:
+    """The trainer process's ``r3_client_*`` series, each labelled ``policy``."""
+
+    off_samples: Any  # r3_client_off_state_samples_total
+    off_tokens: Any  # r3_client_off_state_tokens_total
+    steps: Any  # r3_client_steps_checked_total
+    samples: Any  # r3_client_step_samples_total
+    tokens: Any  # r3_client_step_tokens_total
+    ratio: Any  # r3_client_step_off_state_ratio (gauge: the last step checked)
+
+
+def _prometheus() -> _Collectors | None:
+    """The ``r3_client_*`` collectors in prometheus_client's default registry, made on
+    first use; None where prometheus_client is not installed.  Call with ``_totals_lock``
+    held."""
+    if not _collectors:
         try:
-            from prometheus_client import REGISTRY, Counter
+            from prometheus_client import REGISTRY, Counter, Gauge
         except ImportError:
-            _counters.append(None)
+            _collectors.append(None)
             return None
+        off = (
+            "check_step found replayed with a routing other than the one they attended to "
+            "(rollouts with views), by read policy"
+        )
         made: list[Any] = []
-        for name, what in (
-            ("r3_client_off_state_samples", "training samples"),
-            ("r3_client_off_state_tokens", "tokens"),
+        for kind, name, doc in (
+            (Counter, "r3_client_off_state_samples", f"training samples {off}"),
+            (Counter, "r3_client_off_state_tokens", f"tokens {off}"),
+            (Counter, "r3_client_steps_checked", "steps check_step passed, by read policy"),
+            (Counter, "r3_client_step_samples", "samples of the steps check_step passed"),
+            (Counter, "r3_client_step_tokens", "tokens with a routing row of those steps"),
+            (
+                Gauge,
+                "r3_client_step_off_state_ratio",
+                "off-state tokens / tokens of the last step check_step passed, by read policy",
+            ),
         ):
             try:
-                made.append(
-                    Counter(
-                        name,
-                        f"{what} check_step found replayed with a routing other than the one "
-                        "they attended to (rollouts with views), by read policy",
-                        ["policy"],
-                    )
-                )
+                made.append(kind(name, doc, ["policy"]))
             except ValueError:  # already registered (the module was reloaded)
                 made.append(getattr(REGISTRY, "_names_to_collectors", {}).get(name))
-        _counters.append((made[0], made[1]) if all(c is not None for c in made) else None)
-    return _counters[0]
+        _collectors.append(_Collectors(*made) if all(c is not None for c in made) else None)
+    return _collectors[0]
 
 
 def off_state_totals() -> dict[str, dict[str, int]]:
@@ -497,28 +518,53 @@ def off_state_totals() -> dict[str, dict[str, int]]:
         return {policy: dict(counts) for policy, counts in _off_state.items()}
 
 
-def _report_off_state(found: StepCheck) -> None:
-    """Warn about and count a step's off-state replay (nothing when it has none)."""
-    if found.off_state_tokens <= 0:
-        return
-    _log.warning(
-        "%d of %d samples (%d of %d tokens) will be replayed off their own state under "
-        'policy %r: those tokens attended to another routing than the one replayed; view="exact" '
-        "with expansion (r3_client.expand_states) replays each state with its own",
-        found.off_state_samples,
-        found.samples,
-        found.off_state_tokens,
-        found.tokens,
-        found.policy,
-    )
+def checked_totals() -> dict[str, dict[str, int]]:
+    """The steps :func:`check_step` has passed in this process, their samples and their
+    tokens with a routing row, by policy: ``{policy: {"steps": n, "samples": n, "tokens":
+    n}}``, the denominators of :func:`off_state_totals` (also exported as the Prometheus
+    counters ``r3_client_steps_checked_total``, ``r3_client_step_samples_total`` and
+    ``r3_client_step_tokens_total``, label ``policy``, beside the gauge
+    ``r3_client_step_off_state_ratio``, the last step's off-state tokens / tokens)."""
     with _totals_lock:
-        counts = _off_state.setdefault(found.policy, {"samples": 0, "tokens": 0})
-        counts["samples"] += found.off_state_samples
-        counts["tokens"] += found.off_state_tokens
-        counters = _prometheus_counters()
-    if counters is not None:
-        counters[0].labels(policy=found.policy).inc(found.off_state_samples)
-        counters[1].labels(policy=found.policy).inc(found.off_state_tokens)
+        return {policy: dict(counts) for policy, counts in _steps.items()}
+
+
+def _report(found: StepCheck) -> None:
+    """Count a checked step; warn about and count its off-state replay when it has one."""
+    off = found.off_state_tokens > 0
+    if off:
+        _log.warning(
+            "%d of %d samples (%d of %d tokens) will be replayed off their own state under "
+            "policy %r: those tokens attended to another routing than the one replayed; "
+            'view="exact" with expansion (r3_client.expand_states) replays each state with '
+            "its own",
+            found.off_state_samples,
+            found.samples,
+            found.off_state_tokens,
+            found.tokens,
+            found.policy,
+        )
+    with _totals_lock:
+        step = _steps.setdefault(found.policy, {"steps": 0, "samples": 0, "tokens": 0})
+        step["steps"] += 1
+        step["samples"] += found.samples
+        step["tokens"] += found.tokens
+        if off:
+            counts = _off_state.setdefault(found.policy, {"samples": 0, "tokens": 0})
+            counts["samples"] += found.off_state_samples
+            counts["tokens"] += found.off_state_tokens
+        prom = _prometheus()
+    if prom is None:
+        return
+    policy = found.policy
+    prom.steps.labels(policy=policy).inc()
+    prom.samples.labels(policy=policy).inc(found.samples)
+    prom.tokens.labels(policy=policy).inc(found.tokens)
+    ratio = found.off_state_tokens / found.tokens if found.tokens else 0.0
+    prom.ratio.labels(policy=policy).set(ratio)
+    if off:
+        prom.off_samples.labels(policy=policy).inc(found.off_state_samples)
+        prom.off_tokens.labels(policy=policy).inc(found.off_state_tokens)
 
 
 def check_step(
@@ -551,6 +597,7 @@ def check_step(
     tokens the replay gives a routing other than the one they attended to (rollouts with
     views: a sample under ``generated`` / ``latest``, or one holding several states under
     ``exact``); when some are, it logs a warning and counts them (:func:`off_state_totals`).
+    Every step that passes is counted too (:func:`checked_totals`).
 
     Raises one :class:`~r3_client.ShapeError` or :class:`~r3_client.RolloutNotFoundError`
     listing the first failing samples; any other error (auth, an unreachable service)
@@ -663,5 +710,5 @@ def _step_check(
         tokens=int(np.maximum(need, 0).sum()),
         policy=policy,
     )
-    _report_off_state(found)
+    _report(found)
     return found

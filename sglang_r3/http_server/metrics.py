@@ -67,3 +67,16 @@ VIEWS = Counter(
     "weight push, an eviction, a retraction or a resume), stored beside the first.",
     registry=REGISTRY,
 )
+VIEW_ROWS = Counter(
+    "r3_engine_view_rows_total",
+    "Token rows shipped in views (recomputed rows stored beside their first computation).",
+    registry=REGISTRY,
+)
+ROWS_LOST = Counter(
+    "r3_engine_rows_lost_total",
+    "Token rows of outputs whose write to the routing cache failed after retries, by the "
+    "error class of r3_engine_cache_errors_total: the cache does not hold them (under "
+    "on_cache_error=inline the response carries them).",
+    ["error"],
+    registry=REGISTRY,
+)

@@ -470,6 +470,7 @@ class Shipper:
             frame = await asyncio.to_thread(self._encode, self._moe(v.rows), seg, None)
             put = await self.client.put(tag.rollout_id, frame, view=v.serves)
             metrics.VIEWS.inc()
+            metrics.VIEW_ROWS.inc(v.end - v.start)
             out.append(
                 {
                     "serves": v.serves,
@@ -584,6 +585,7 @@ class Shipper:
             metrics.OUTPUTS.labels("failed").inc()
             raise R3RequestError(413, f"r3: the routing cache refused the segment: {exc}") from None
         metrics.CACHE_ERRORS.labels(type(exc).__name__).inc()
+        metrics.ROWS_LOST.labels(type(exc).__name__).inc(ref["end"] - ref["start"])
         reason = f"routing cache write failed after {self.config.put_attempts} attempt(s): {exc}"
         if (tag.on_cache_error or self.config.on_cache_error) == "inline":
             log.warning("r3: %s; returning routing inline for %s", reason, tag.rollout_id)

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from cache_service.redis_proc import free_port
 from r3_client import AsyncRoutingClient
 from r3_client.synthetic import synthetic_routing
 from sglang_r3.config import EngineConfig
 from sglang_r3.errors import R3RequestError
-from sglang_r3.http_server import output_rows, shipping
+from sglang_r3.http_server import metrics, output_rows, shipping
 from sglang_r3.http_server.shipping import Shipper
 from sglang_r3.http_server.tagging import OutputTag
 from sglang_r3.layers import moe_shape
@@ -200,3 +201,48 @@ async def test_unseen_rollout_is_not_looked_up_and_resolves_at_write(
     np.testing.assert_array_equal(np.sort(stored.indices, axis=-1), np.sort(rows[:, 1:], axis=-1))
     await other.client.aclose()
     await ours.client.aclose()
+
+
+def _count(name: str, **labels: str) -> float:
+    """A counter of the extension's registry, in this process (0 before its first count)."""
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_view_rows_and_lost_rows_are_counted(engine_cache: Service) -> None:
+    """``r3_engine_view_rows_total`` counts the rows shipped in views; a write the cache
+    never acknowledged counts its output's rows in ``r3_engine_rows_lost_total``, by the
+    error class ``r3_engine_cache_errors_total`` names."""
+    rollout = f"counted-{np.random.default_rng().integers(1 << 30)}"
+    rows = rows_for(90, seed=5)
+    tokens = list(range(5, 96))  # 91 tokens -> 90 rows
+    s = shipper(engine_cache)
+    views0, view_rows0 = _count("r3_engine_views_total"), _count("r3_engine_view_rows_total")
+    ref = await s.ship(tag(rollout), 0, EngineRows(rows[:60]), tokens[:40], tokens[40:61], {})
+    assert ref["stored"]
+    # Turn 2 recomputed turn 1's 60 rows (a flushed radix cache): one view of rows [0, 60).
+    turn2 = EngineRows(rows_for(90, seed=6), first=0, epochs=(0,))
+    ref = await s.ship(tag(rollout), 60, turn2, tokens[:70], tokens[70:], {})
+    assert ref["stored"] and [(v["start"], v["end"]) for v in ref["views"]] == [(0, 60)]
+    assert _count("r3_engine_views_total") - views0 == 1
+    assert _count("r3_engine_view_rows_total") - view_rows0 == 60
+    await s.client.aclose()
+
+    nowhere = Shipper(
+        EngineConfig(
+            routing_cache=f"http://127.0.0.1:{free_port()}",
+            api_key=KEY_A,
+            put_attempts=1,
+            on_cache_error="inline",
+        ),
+        SHAPE,
+        "tiny",
+    )
+    errors0 = _count("r3_engine_cache_errors_total", error="ConnectError")
+    lost0 = _count("r3_engine_rows_lost_total", error="ConnectError")
+    ref = await nowhere.ship(
+        tag(f"lost-{rollout}"), 0, EngineRows(rows), tokens[:40], tokens[40:], {}, assumed_new=True
+    )
+    assert ref["stored"] is False and ref["inline"] is True
+    assert _count("r3_engine_cache_errors_total", error="ConnectError") - errors0 == 1
+    assert _count("r3_engine_rows_lost_total", error="ConnectError") - lost0 == 90
+    await nowhere.client.aclose()

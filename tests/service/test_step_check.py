@@ -19,7 +19,7 @@ import logging
 import pytest
 
 from r3_client import InvalidRequestError, RoutingClient, ShapeError
-from r3_client.rank_local import StepCheck, check_step, off_state_totals
+from r3_client.rank_local import StepCheck, check_step, checked_totals, off_state_totals
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import LAYERS, TRAJ, E, K, frame_for, rid
 from tests.support.service_process import KEY_A, Service, url_of
@@ -62,6 +62,28 @@ def _totals(policy: str) -> tuple[int, int]:
     return got.get("samples", 0), got.get("tokens", 0)
 
 
+def _steps(policy: str) -> tuple[float, ...]:
+    """``checked_totals()`` for ``policy``, then the same three Prometheus counters where
+    prometheus_client is installed."""
+    got = checked_totals().get(policy, {})
+    out: tuple[float, ...] = (got.get("steps", 0), got.get("samples", 0), got.get("tokens", 0))
+    if importlib.util.find_spec("prometheus_client") is not None:
+        from prometheus_client import REGISTRY
+
+        for name in ("steps_checked", "step_samples", "step_tokens"):
+            out += (REGISTRY.get_sample_value(f"r3_client_{name}_total", {"policy": policy}) or 0,)
+    return out
+
+
+def _ratio(policy: str) -> float | None:
+    """``r3_client_step_off_state_ratio`` for ``policy`` (None without prometheus_client)."""
+    if importlib.util.find_spec("prometheus_client") is None:
+        return None
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("r3_client_step_off_state_ratio", {"policy": policy})
+
+
 def test_a_step_with_views_reports_its_off_state_tokens(
     service_single: Service, transport: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -76,7 +98,7 @@ def test_a_step_with_views_reports_its_off_state_tokens(
             ("exact", 101, None, 60),
             ("exact", 101, [40], 0),  # the second state: tokens 41 … 100, all on it
         ):
-            before, prom_before = _totals(policy), _prometheus(policy)
+            before, prom_before, steps = _totals(policy), _prometheus(policy), _steps(policy)
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger=LOGGER):
                 both = None if states is None else [None, *states]
@@ -89,6 +111,12 @@ def test_a_step_with_views_reports_its_off_state_tokens(
                 tokens=30 + num_tokens - 1,
                 policy=policy,
             ), (policy, num_tokens, states)
+            # Every step checked is counted, off-state tokens or not.
+            tokens = 30 + num_tokens - 1
+            assert _steps(policy) == tuple(
+                n + d for n, d in zip(steps, (1, 2, tokens) * 2, strict=False)
+            )
+            assert _ratio(policy) in (None, off / tokens)
             warned = [m for m in caplog.records if m.name == LOGGER]
             after = _totals(policy)
             if not off:
