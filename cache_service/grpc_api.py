@@ -234,6 +234,40 @@ class RoutingCacheServicer:
 
         return await self._call("BatchStat", pb.BatchStatRequest, context, run)
 
+    async def BatchDelete(  # noqa: N802
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.BatchDeleteResponse:
+        """See the .proto."""
+
+        async def run(ns: str, request: pb.BatchDeleteRequest) -> pb.BatchDeleteResponse:
+            ids = list(request.rollout_ids)
+            results = await self.service.batch_delete(ns, ids)
+            out = pb.BatchDeleteResponse()
+            for rid, res in zip(ids, results, strict=True):
+                if isinstance(res, R3Error):
+                    err = pb.Error(
+                        code=res.code, message=error_message(res), http_status=status_for(res).http
+                    )
+                    out.items.append(pb.BatchDeleteItem(rollout_id=rid, error=err))
+                else:
+                    deleted = _message(res, pb.Deleted)
+                    out.items.append(pb.BatchDeleteItem(rollout_id=rid, deleted=deleted))
+            return out
+
+        return await self._call("BatchDelete", pb.BatchDeleteRequest, context, run)
+
+    async def DropConsumed(  # noqa: N802
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DropResult:
+        """See the .proto."""
+
+        async def run(ns: str, request: pb.DropConsumedRequest) -> pb.DropResult:
+            limit = request.max_rollouts if request.HasField("max_rollouts") else None
+            res = await self.service.drop_consumed(ns, request.upto, request.cursor, limit)
+            return _message(res, pb.DropResult)
+
+        return await self._call("DropConsumed", pb.DropConsumedRequest, context, run)
+
     async def DeleteRollout(  # noqa: N802
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteResponse:
@@ -314,6 +348,8 @@ _OPS = {
     "RewindRollout": "rewind_rollout",
     "BatchGet": "batch_get",
     "BatchStat": "batch_stat",
+    "BatchDelete": "batch_delete",
+    "DropConsumed": "drop_consumed",
 }
 
 

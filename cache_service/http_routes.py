@@ -15,12 +15,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt, StrictStr
 
 from cache_service.errors import error_message, status_for
 from cache_service.http_guard import NAMESPACE_STATE
 from cache_service.routing_service import MAX_TTL_S, RoutingService
 from r3_client import (
+    Deleted,
+    DropResult,
     InvalidRequestError,
     PutResult,
     R3Error,
@@ -71,6 +73,36 @@ class RewindRequest(BaseModel):
     """The rows to keep: every segment starting at or after ``rows`` is dropped."""
 
     rows: int = Field(ge=1, le=1 << 40)
+
+
+class BatchDeleteRequest(BaseModel):
+    """Rollouts to delete (with their views), e.g. a step's, once trained on."""
+
+    rollout_ids: list[str] = Field(min_length=1)
+
+
+class BatchDeleteItem(BaseModel):
+    """One id's outcome (``deleted``), or the error its own ``DELETE`` would answer."""
+
+    rollout_id: str
+    deleted: Deleted | None = None
+    error: ErrorBody | None = None
+    status: int | None = None  # the HTTP status of ``error``
+
+
+class BatchDeleteResponse(BaseModel):
+    """One item per id asked, in request order."""
+
+    items: list[BatchDeleteItem]
+
+
+class DropConsumedRequest(BaseModel):
+    """Drop the namespace's rollouts whose every row was computed under a weight version
+    ``<= upto`` (decimal digits, or an int); one bounded step, resumed with ``cursor``."""
+
+    upto: StrictInt | StrictStr = Field(union_mode="left_to_right")
+    cursor: str = Field(default="", max_length=64)
+    max_rollouts: int | None = None
 
 
 class ReadPlanResponse(BaseModel):
@@ -321,6 +353,34 @@ async def batch_stat(req: BatchStatRequest, svc: ServiceDep, ns: NamespaceDep) -
         return BatchStatResponse(items=items).model_dump_json().encode()
 
     return Response(await asyncio.to_thread(encode), media_type="application/json")
+
+
+@batch.post("/v1/batch/delete", name="batch_delete", response_model=BatchDeleteResponse)
+async def batch_delete(
+    req: BatchDeleteRequest, svc: ServiceDep, ns: NamespaceDep
+) -> BatchDeleteResponse:
+    """Delete many rollouts and their views in one request: each id's outcome (whether it
+    existed, the bytes Redis freed) or its error, in request order."""
+    results = await svc.batch_delete(ns, req.rollout_ids)
+    return BatchDeleteResponse(
+        items=[
+            BatchDeleteItem(rollout_id=rid, deleted=res)
+            if isinstance(res, Deleted)
+            else BatchDeleteItem(
+                rollout_id=rid,
+                error=ErrorBody(code=res.code, message=error_message(res)),
+                status=status_for(res).http,
+            )
+            for rid, res in zip(req.rollout_ids, results, strict=True)
+        ]
+    )
+
+
+@batch.post("/v1/drop-consumed", name="drop_consumed", response_model=DropResult)
+async def drop_consumed(req: DropConsumedRequest, svc: ServiceDep, ns: NamespaceDep) -> DropResult:
+    """One bounded step of dropping what a trainer consumed up to a weight version: rollouts
+    dropped whole or kept whole; call again with the answer's ``cursor`` until it is empty."""
+    return await svc.drop_consumed(ns, req.upto, req.cursor, req.max_rollouts)
 
 
 @batch.post("/v1/read-plan", name="read_plan", response_model=ReadPlanResponse)

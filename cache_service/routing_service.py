@@ -18,8 +18,11 @@ from urllib.parse import urlsplit, urlunsplit
 from cache_service.errors import error_message
 from cache_service.metrics import Metrics
 from cache_service.settings import ServiceSettings
+from cache_service.store.lifecycle import check_weight_version
 from cache_service.store.segment_store import SegmentStore
 from r3_client import (
+    Deleted,
+    DropResult,
     InvalidRequestError,
     LimitExceededError,
     PutResult,
@@ -322,10 +325,63 @@ class RoutingService:
 
     async def delete(self, namespace: str, rollout_id: str) -> bool:
         """Delete a rollout; True if it existed."""
-        existed = await self._ns(namespace).delete(rollout_id)
-        if existed:
-            self.metrics.rollouts_dropped.labels("delete").inc()
-        return existed
+        gone = await self._ns(namespace).remove(rollout_id)
+        self._count_dropped("delete", int(gone.existed), gone.freed_bytes)
+        return gone.existed
+
+    def _count_dropped(self, how: str, rollouts: int, freed: int | None) -> None:
+        self.metrics.rollouts_dropped.labels(how).inc(rollouts)
+        if freed:
+            self.metrics.dropped_bytes.labels(how).inc(freed)
+
+    async def batch_delete(
+        self, namespace: str, rollout_ids: Sequence[str]
+    ) -> list[Deleted | R3Error]:
+        """Delete many rollouts (a trainer done with a step): each its :class:`Deleted` or
+        the error it met, in request order; an id named twice is deleted once.  At most
+        ``max_batch`` ids, refused whole (nothing deleted) past it."""
+        if len(rollout_ids) > self.settings.max_batch:
+            raise LimitExceededError(
+                f"batch of {len(rollout_ids)} rollouts; the limit is {self.settings.max_batch} "
+                "(send the rest in another request: nothing was deleted)"
+            )
+        out = await self._ns(namespace).delete_many(
+            rollout_ids, concurrency=self.settings.batch_concurrency
+        )
+        gone = {d.rollout_id: d for d in out if isinstance(d, Deleted) and d.existed}
+        freed: int | None = 0
+        for d in gone.values():
+            freed = None if freed is None or d.freed_bytes is None else freed + d.freed_bytes
+        self._count_dropped("batch_delete", len(gone), freed)
+        return out
+
+    async def drop_consumed(
+        self, namespace: str, upto: object, cursor: str = "", max_rollouts: int | None = None
+    ) -> DropResult:
+        """One bounded step of dropping ``namespace``'s rollouts whose every row was computed
+        under a weight version ``<= upto`` (a decimal integer); resume with the answer's
+        cursor until it is ``""``.  ``max_rollouts``: rollout keys to examine in this call,
+        at most (and by default) ``drop_max_rollouts``; a call also stops after
+        ``drop_deadline_s``."""
+        limit = self.settings.drop_max_rollouts
+        if max_rollouts is not None:
+            if not 1 <= max_rollouts <= limit:
+                raise InvalidRequestError(
+                    f"max_rollouts must be between 1 and {limit} "
+                    f"(R3_CACHE_DROP_MAX_ROLLOUTS), got {max_rollouts}"
+                )
+            limit = max_rollouts
+        if len(cursor) > 64:
+            raise InvalidRequestError("cursor is not one a drop answered (over 64 characters)")
+        res = await self._ns(namespace).drop_consumed(
+            check_weight_version(upto),
+            cursor,
+            max_rollouts=limit,
+            deadline_s=self.settings.drop_deadline_s,
+            concurrency=self.settings.batch_concurrency,
+        )
+        self._count_dropped("drop_version", res.dropped, res.freed_bytes)
+        return res
 
     async def touch(self, namespace: str, rollout_id: str, ttl_s: int | None) -> None:
         """Reset a rollout's TTL (``None``: the default; 0: never expire; at most ten years)."""

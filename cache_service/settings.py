@@ -123,6 +123,19 @@ class ServiceSettings(BaseSettings):
         description="bytes one batch stat's answer may hold; the items past it are "
         "answered limit_exceeded (ask for them in another request)",
     )
+    drop_max_rollouts: int = Field(
+        default=4096,
+        ge=1,
+        le=1 << 16,
+        description="rollout keys one drop-by-weight-version call examines at most "
+        "(the caller resumes with the answer's cursor)",
+    )
+    drop_deadline_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=60,
+        description="seconds one drop-by-weight-version call walks before it answers with a cursor",
+    )
     default_ttl_s: int = Field(default=24 * 3600, ge=0)
     key_prefix: str = "r3"
     max_segments: int = Field(default=4096, ge=1)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from redis.asyncio.cluster import RedisCluster
 
-from cache_service.store.durability import DurableWrites
+from cache_service.store.base import StoreBase
 from r3_client import Deleted, DropResult, InvalidRequestError, R3Error
 
 __all__ = ["MAX_WEIGHT_VERSION", "StoreLifecycle", "check_weight_version"]
@@ -46,8 +46,24 @@ def _sum_freed(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a + b
 
 
-class StoreLifecycle(DurableWrites):
-    """Deletes: one rollout, many, and a namespace's rollouts up to a weight version."""
+class StoreLifecycle(StoreBase):
+    """Deletes: one rollout, many, and a namespace's rollouts up to a weight version.
+
+    Mixed into :class:`~cache_service.store.SegmentStore` before ``DurableWrites``, whose
+    ``_write`` (a script run, then the durability wait) every delete goes through.
+    """
+
+    if TYPE_CHECKING:
+
+        async def _write(
+            self,
+            key: str,
+            script: Any,
+            args: Sequence[Any],
+            acked: Callable[[Any], bool],
+            *,
+            keys: Sequence[str] = (),
+        ) -> Any: ...
 
     async def remove(self, rollout_id: str) -> Deleted:
         """Delete a rollout and its views; whether it existed and the bytes Redis freed."""

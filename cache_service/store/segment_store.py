@@ -17,6 +17,7 @@ import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from cache_service.store.base import RedisClient
+from cache_service.store.durability import DurableWrites
 from cache_service.store.lifecycle import StoreLifecycle
 from cache_service.store.reads import StoreReads
 from cache_service.store.settings import StoreSettings
@@ -121,7 +122,7 @@ def _check_blocks(hdr: FrameHeader) -> None:
         )
 
 
-class SegmentStore(StoreLifecycle, StoreReads):
+class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
     """Async segment store over redis-py asyncio (single Redis or Redis Cluster).
 
     Create with :meth:`connect` (pings with bounded retries) and close with

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
-from r3_client._answers import PutResult, RolloutInfo, ViewInfo
+from r3_client._answers import Deleted, DropResult, PutResult, RolloutInfo, ViewInfo
 from r3_client._client_core import (
     RETRYABLE,
     THREAD_DECODE_BYTES,
@@ -306,6 +306,42 @@ class RoutingClient:
         """Delete the rollout; True if it existed."""
         check_rollout_id(rollout_id)
         return self._retrying(lambda: self._t.delete(rollout_id))
+
+    def delete_many(self, rollout_ids: Sequence[str], *, chunk_size: int = 1024) -> list[Deleted]:
+        """Delete rollouts and their views, e.g. a step's once trained on: one request per
+        ``chunk_size`` ids (the service's ``max_batch`` is 1,024 by default); each id's
+        :class:`Deleted` (whether it existed, the bytes Redis freed), in order.  Every id is
+        checked before any I/O; an error the service answers for an id is raised (deleting
+        again is harmless)."""
+        out: list[Deleted] = []
+        for chunk in self._core.chunks(rollout_ids, chunk_size):
+            got = self._retrying(functools.partial(self._t.delete_many, chunk))
+            out += self._core.deleted(chunk, got)
+        return out
+
+    def drop_consumed(
+        self, upto: int | str, *, max_rollouts: int | None = None, max_calls: int | None = None
+    ) -> DropResult:
+        """Drop every rollout of this client's namespace whose every row (segments and
+        views) was computed under a weight version ``<= upto``: what a trainer at version
+        ``upto`` has consumed, including rollouts it aborted and never trained on.
+
+        Rollouts are dropped whole or kept whole (one with a newer segment or view, or a
+        weight version that is not a decimal integer, is kept).  The service bounds each
+        call (``max_rollouts`` keys, a deadline); this loops until the walk ends, or for
+        ``max_calls`` calls (the answer's ``cursor`` then says where to resume).  The
+        totals of every call, with the last call's cursor."""
+        version = self._core.drop_version(upto)
+        total: DropResult | None = None
+        calls = 0
+        while total is None or (total.cursor and (max_calls is None or calls < max_calls)):
+            cursor = total.cursor if total else ""
+            step = self._retrying(
+                functools.partial(self._t.drop_consumed, version, cursor, max_rollouts)
+            )
+            total = self._core.dropped(total, step)
+            calls += 1
+        return total
 
     def touch(self, rollout_id: str, ttl_s: int | None = None) -> None:
         """Reset the rollout's TTL (None = the service default, 0 = never expire)."""
@@ -872,6 +908,32 @@ class AsyncRoutingClient:
         """See :meth:`RoutingClient.delete`."""
         check_rollout_id(rollout_id)
         return await self._retrying(lambda: self._t.delete(rollout_id))
+
+    async def delete_many(
+        self, rollout_ids: Sequence[str], *, chunk_size: int = 1024
+    ) -> list[Deleted]:
+        """See :meth:`RoutingClient.delete_many`."""
+        out: list[Deleted] = []
+        for chunk in self._core.chunks(rollout_ids, chunk_size):
+            got = await self._retrying(functools.partial(self._t.delete_many, chunk))
+            out += self._core.deleted(chunk, got)
+        return out
+
+    async def drop_consumed(
+        self, upto: int | str, *, max_rollouts: int | None = None, max_calls: int | None = None
+    ) -> DropResult:
+        """See :meth:`RoutingClient.drop_consumed`."""
+        version = self._core.drop_version(upto)
+        total: DropResult | None = None
+        calls = 0
+        while total is None or (total.cursor and (max_calls is None or calls < max_calls)):
+            cursor = total.cursor if total else ""
+            step = await self._retrying(
+                functools.partial(self._t.drop_consumed, version, cursor, max_rollouts)
+            )
+            total = self._core.dropped(total, step)
+            calls += 1
+        return total
 
     async def rewind(self, rollout_id: str, rows: int) -> RolloutInfo:
         """See :meth:`RoutingClient.rewind`."""

@@ -8,17 +8,19 @@ with them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy.typing as npt
 
-from r3_client._answers import RolloutInfo
+from r3_client._answers import Deleted, DropResult, RolloutInfo
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     ConnectError,
     FormatError,
     FrameError,
+    InvalidRequestError,
     LimitExceededError,
     ProtocolError,
     R3Error,
@@ -173,6 +175,52 @@ class ClientCore:
             if isinstance(r, LimitExceededError):
                 return i
         return len(results)
+
+    @staticmethod
+    def deleted(
+        asked: Sequence[str], got: Sequence[tuple[str, dict[str, Any] | R3Error]]
+    ) -> list[Deleted]:
+        """A batch delete's answers for ``asked``; the first item's error is raised (the
+        other ids of the batch were deleted: deleting again is harmless); a
+        :class:`ProtocolError` when the service answered for other ids."""
+        if [rid for rid, _ in got] != list(asked):
+            raise ProtocolError("batch delete answered other ids than it was asked")
+        for _, r in got:
+            if isinstance(r, R3Error):
+                raise r
+        return [Deleted.from_dict(r) for _, r in got]  # type: ignore[arg-type]
+
+    @staticmethod
+    def dropped(total: DropResult | None, step: dict[str, Any]) -> DropResult:
+        """``total`` with one drop call's answer added (its cursor is the step's)."""
+        got = DropResult.from_dict(step)
+        if total is None:
+            return got
+        freed = (
+            None
+            if total.freed_bytes is None or got.freed_bytes is None
+            else total.freed_bytes + got.freed_bytes
+        )
+        return DropResult(
+            total.dropped + got.dropped,
+            total.kept_newer + got.kept_newer,
+            total.kept_unversioned + got.kept_unversioned,
+            freed,
+            total.examined + got.examined,
+            got.cursor,
+        )
+
+    @staticmethod
+    def drop_version(upto: int | str) -> str:
+        """``upto`` as the service takes it (decimal digits); :class:`InvalidRequestError`
+        before any I/O for a value that is not a weight version a drop compares."""
+        text = str(upto) if isinstance(upto, int) and not isinstance(upto, bool) else upto
+        if not isinstance(text, str) or not re.fullmatch(r"[0-9]{1,15}", text):
+            raise InvalidRequestError(
+                f"weight version {upto!r} is not one a drop can compare: a decimal integer "
+                "from 0 to 10**15 - 1"
+            )
+        return text
 
     @staticmethod
     def chunks(ids: Sequence[str], size: int) -> list[list[str]]:

@@ -132,6 +132,38 @@ class BatchStatResponse(_message.Message):
     items: _containers.RepeatedCompositeFieldContainer[BatchStatItem]
     def __init__(self, items: _Optional[_Iterable[_Union[BatchStatItem, _Mapping]]] = ...) -> None: ...
 
+class BatchDeleteRequest(_message.Message):
+    __slots__ = ("rollout_ids",)
+    ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    rollout_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BatchDeleteItem(_message.Message):
+    __slots__ = ("rollout_id", "deleted", "error")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    deleted: Deleted
+    error: Error
+    def __init__(self, rollout_id: _Optional[str] = ..., deleted: _Optional[_Union[Deleted, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class BatchDeleteResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[BatchDeleteItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[BatchDeleteItem, _Mapping]]] = ...) -> None: ...
+
+class DropConsumedRequest(_message.Message):
+    __slots__ = ("upto", "cursor", "max_rollouts")
+    UPTO_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    upto: str
+    cursor: str
+    max_rollouts: int
+    def __init__(self, upto: _Optional[str] = ..., cursor: _Optional[str] = ..., max_rollouts: _Optional[int] = ...) -> None: ...
+
 class Segment(_message.Message):
     __slots__ = ("start", "end", "model_id", "weight_version", "tokens_digest")
     START_FIELD_NUMBER: _ClassVar[int]
@@ -213,3 +245,29 @@ class PutSegmentResponse(_message.Message):
     shared: bool
     dedupe_hit: bool
     def __init__(self, status: _Optional[str] = ..., rollout_id: _Optional[str] = ..., segment: _Optional[_Union[Segment, _Mapping]] = ..., nbytes: _Optional[int] = ..., shared: _Optional[bool] = ..., dedupe_hit: _Optional[bool] = ...) -> None: ...
+
+class Deleted(_message.Message):
+    __slots__ = ("rollout_id", "existed", "freed_bytes")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    existed: bool
+    freed_bytes: int
+    def __init__(self, rollout_id: _Optional[str] = ..., existed: _Optional[bool] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
+class DropResult(_message.Message):
+    __slots__ = ("dropped", "kept_newer", "kept_unversioned", "freed_bytes", "examined", "cursor")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_NEWER_FIELD_NUMBER: _ClassVar[int]
+    KEPT_UNVERSIONED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXAMINED_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    kept_newer: int
+    kept_unversioned: int
+    freed_bytes: int
+    examined: int
+    cursor: str
+    def __init__(self, dropped: _Optional[int] = ..., kept_newer: _Optional[int] = ..., kept_unversioned: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., examined: _Optional[int] = ..., cursor: _Optional[str] = ...) -> None: ...

@@ -74,6 +74,16 @@ class RoutingCacheStub:
                 request_serializer=r3__cache__pb2.BatchStatRequest.SerializeToString,
                 response_deserializer=r3__cache__pb2.BatchStatResponse.FromString,
                 _registered_method=True)
+        self.BatchDelete = channel.unary_unary(
+                '/r3.cache.v1.RoutingCache/BatchDelete',
+                request_serializer=r3__cache__pb2.BatchDeleteRequest.SerializeToString,
+                response_deserializer=r3__cache__pb2.BatchDeleteResponse.FromString,
+                _registered_method=True)
+        self.DropConsumed = channel.unary_unary(
+                '/r3.cache.v1.RoutingCache/DropConsumed',
+                request_serializer=r3__cache__pb2.DropConsumedRequest.SerializeToString,
+                response_deserializer=r3__cache__pb2.DropResult.FromString,
+                _registered_method=True)
 
 
 class RoutingCacheServicer:
@@ -132,6 +142,21 @@ class RoutingCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BatchDelete(self, request, context):
+        """Delete many rollouts (and their views), in request order, each its outcome or its error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropConsumed(self, request, context):
+        """One bounded step of dropping the namespace's rollouts whose every row was computed
+        under a weight version <= upto (dropped whole or kept whole); resume with `cursor`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoutingCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +199,16 @@ def add_RoutingCacheServicer_to_server(servicer, server):
                     servicer.BatchStat,
                     request_deserializer=r3__cache__pb2.BatchStatRequest.FromString,
                     response_serializer=r3__cache__pb2.BatchStatResponse.SerializeToString,
+            ),
+            'BatchDelete': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchDelete,
+                    request_deserializer=r3__cache__pb2.BatchDeleteRequest.FromString,
+                    response_serializer=r3__cache__pb2.BatchDeleteResponse.SerializeToString,
+            ),
+            'DropConsumed': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropConsumed,
+                    request_deserializer=r3__cache__pb2.DropConsumedRequest.FromString,
+                    response_serializer=r3__cache__pb2.DropResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +427,60 @@ class RoutingCache:
             '/r3.cache.v1.RoutingCache/BatchStat',
             r3__cache__pb2.BatchStatRequest.SerializeToString,
             r3__cache__pb2.BatchStatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchDelete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/r3.cache.v1.RoutingCache/BatchDelete',
+            r3__cache__pb2.BatchDeleteRequest.SerializeToString,
+            r3__cache__pb2.BatchDeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropConsumed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/r3.cache.v1.RoutingCache/DropConsumed',
+            r3__cache__pb2.DropConsumedRequest.SerializeToString,
+            r3__cache__pb2.DropResult.FromString,
             options,
             channel_credentials,
             insecure,

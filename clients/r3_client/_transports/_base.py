@@ -48,6 +48,15 @@ class Transport(Protocol):
         """Delete; True if it existed."""
         ...
 
+    def delete_many(self, rollout_ids: Sequence[str]) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """Delete each rollout; each id's ``Deleted`` (plain form) or its error, in order."""
+        ...
+
+    def drop_consumed(self, upto: str, cursor: str, max_rollouts: int | None) -> dict[str, Any]:
+        """One bounded step of dropping rollouts up to a weight version (``DropResult``'s
+        plain form)."""
+        ...
+
     def touch(self, rollout_id: str, ttl_s: int | None) -> None:
         """Reset the TTL."""
         ...
@@ -107,6 +116,18 @@ class AsyncTransport(Protocol):
 
     async def delete(self, rollout_id: str) -> bool:
         """See :meth:`Transport.delete`."""
+        ...
+
+    async def delete_many(
+        self, rollout_ids: Sequence[str]
+    ) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """See :meth:`Transport.delete_many`."""
+        ...
+
+    async def drop_consumed(
+        self, upto: str, cursor: str, max_rollouts: int | None
+    ) -> dict[str, Any]:
+        """See :meth:`Transport.drop_consumed`."""
         ...
 
     async def touch(self, rollout_id: str, ttl_s: int | None) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from r3_client._answer_forms import from_message, to_plain
-from r3_client._answers import PutResult, RolloutInfo
+from r3_client._answers import Deleted, DropResult, PutResult, RolloutInfo
 from r3_client._config import Timeout
 from r3_client._exceptions import ProtocolError, R3Error, error_for_code, from_grpc
 from r3_client._proto import r3_cache_pb2 as pb
@@ -88,17 +88,21 @@ def _item(msg: pb.BatchItem) -> StreamItem:
     raise ProtocolError(f"batch item for {msg.rollout_id!r} has neither frame nor error")
 
 
-def _stat_items(msg: pb.BatchStatResponse) -> list[tuple[str, dict[str, Any] | R3Error]]:
+def _stat_items(msg: Any) -> list[tuple[str, dict[str, Any] | R3Error]]:
+    """A ``BatchStatResponse``'s or ``BatchDeleteResponse``'s items: each the record's
+    plain form or the error it names."""
     out: list[tuple[str, dict[str, Any] | R3Error]] = []
     for item in msg.items:
         which = item.WhichOneof("result")
         if which == "stat":
             out.append((item.rollout_id, _plain(item.stat, RolloutInfo)))
+        elif which == "deleted":
+            out.append((item.rollout_id, _plain(item.deleted, Deleted)))
         elif which == "error":
             e = item.error
             out.append((item.rollout_id, error_for_code(e.code, e.message, status=e.http_status)))
         else:
-            raise ProtocolError(f"batch stat item for {item.rollout_id!r} has neither result")
+            raise ProtocolError(f"batch item for {item.rollout_id!r} has no result")
     return out
 
 
@@ -156,6 +160,18 @@ class GrpcTransport:
         """See :class:`Transport`."""
         msg = self._call(self._stub.DeleteRollout, pb.RolloutRef(rollout_id=rollout_id))
         return bool(msg.existed)
+
+    def delete_many(self, rollout_ids: Sequence[str]) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """See :class:`Transport`."""
+        req = pb.BatchDeleteRequest(rollout_ids=list(rollout_ids))
+        return _stat_items(self._call(self._stub.BatchDelete, req))
+
+    def drop_consumed(self, upto: str, cursor: str, max_rollouts: int | None) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        req = pb.DropConsumedRequest(upto=upto, cursor=cursor)
+        if max_rollouts is not None:
+            req.max_rollouts = max_rollouts
+        return _plain(self._call(self._stub.DropConsumed, req), DropResult)
 
     def touch(self, rollout_id: str, ttl_s: int | None) -> None:
         """See :class:`Transport`."""
@@ -260,6 +276,22 @@ class AsyncGrpcTransport:
         """See :class:`Transport`."""
         msg = await self._call("DeleteRollout", pb.RolloutRef(rollout_id=rollout_id))
         return bool(msg.existed)
+
+    async def delete_many(
+        self, rollout_ids: Sequence[str]
+    ) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """See :class:`Transport`."""
+        req = pb.BatchDeleteRequest(rollout_ids=list(rollout_ids))
+        return _stat_items(await self._call("BatchDelete", req))
+
+    async def drop_consumed(
+        self, upto: str, cursor: str, max_rollouts: int | None
+    ) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        req = pb.DropConsumedRequest(upto=upto, cursor=cursor)
+        if max_rollouts is not None:
+            req.max_rollouts = max_rollouts
+        return _plain(await self._call("DropConsumed", req), DropResult)
 
     async def touch(self, rollout_id: str, ttl_s: int | None) -> None:
         """See :class:`Transport`."""

@@ -68,16 +68,20 @@ def _batch_body(
     return body
 
 
-def _stat_items(body: dict[str, Any]) -> list[tuple[str, dict[str, Any] | R3Error]]:
-    """``POST /v1/batch/stat``'s items: each a stat's JSON or the error it names."""
+def _stat_items(
+    body: dict[str, Any], field: str = "stat"
+) -> list[tuple[str, dict[str, Any] | R3Error]]:
+    """``POST /v1/batch/stat``'s items (``/v1/batch/delete``'s: ``field="deleted"``): each
+    the record's JSON or the error it names."""
+    what = f"batch {field}"
     items = body.get("items")
     if not isinstance(items, list):
-        raise ProtocolError("batch stat answer has no items list")
+        raise ProtocolError(f"{what} answer has no items list")
     out: list[tuple[str, dict[str, Any] | R3Error]] = []
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("rollout_id"), str):
-            raise ProtocolError("batch stat item is not an object with a rollout_id")
-        rid, stat, err = item["rollout_id"], item.get("stat"), item.get("error")
+            raise ProtocolError(f"{what} item is not an object with a rollout_id")
+        rid, stat, err = item["rollout_id"], item.get(field), item.get("error")
         if isinstance(stat, dict):
             out.append((rid, stat))
         elif isinstance(err, dict):
@@ -86,7 +90,7 @@ def _stat_items(body: dict[str, Any]) -> list[tuple[str, dict[str, Any] | R3Erro
             status = status if isinstance(status, int) else None
             out.append((rid, error_for_code(code, msg, status=status)))
         else:
-            raise ProtocolError(f"batch stat item for {rid!r} has neither stat nor error")
+            raise ProtocolError(f"{what} item for {rid!r} has neither {field} nor error")
     return out
 
 
@@ -194,6 +198,21 @@ class HTTPTransport:
             return False
         _raise_for(resp)
         return True
+
+    def delete_many(self, rollout_ids: Sequence[str]) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """See :class:`Transport`."""
+        with _translate():
+            resp = self._http.post("/v1/batch/delete", json={"rollout_ids": list(rollout_ids)})
+        _raise_for(resp)
+        return _stat_items(_json(resp), "deleted")
+
+    def drop_consumed(self, upto: str, cursor: str, max_rollouts: int | None) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        body = {"upto": upto, "cursor": cursor, "max_rollouts": max_rollouts}
+        with _translate():
+            resp = self._http.post("/v1/drop-consumed", json=body)
+        _raise_for(resp)
+        return _json(resp)
 
     def touch(self, rollout_id: str, ttl_s: int | None) -> None:
         """See :class:`Transport`."""
@@ -304,6 +323,27 @@ class AsyncHTTPTransport:
             return False
         _raise_for(resp)
         return True
+
+    async def delete_many(
+        self, rollout_ids: Sequence[str]
+    ) -> list[tuple[str, dict[str, Any] | R3Error]]:
+        """See :class:`Transport`."""
+        async with _atranslate():
+            resp = await self._http.post(
+                "/v1/batch/delete", json={"rollout_ids": list(rollout_ids)}
+            )
+        _raise_for(resp)
+        return _stat_items(_json(resp), "deleted")
+
+    async def drop_consumed(
+        self, upto: str, cursor: str, max_rollouts: int | None
+    ) -> dict[str, Any]:
+        """See :class:`Transport`."""
+        body = {"upto": upto, "cursor": cursor, "max_rollouts": max_rollouts}
+        async with _atranslate():
+            resp = await self._http.post("/v1/drop-consumed", json=body)
+        _raise_for(resp)
+        return _json(resp)
 
     async def touch(self, rollout_id: str, ttl_s: int | None) -> None:
         """See :class:`Transport`."""
