@@ -36,7 +36,7 @@ import torch
 if importlib.util.find_spec("verl") is None:
     pytest.skip("verl is not installed (the verl test extra)", allow_module_level=True)
 
-from r3_client import InvalidRequestError, RoutingClient, Segment
+from r3_client import InvalidRequestError, RolloutNotFoundError, RoutingClient, Segment
 from r3_client.integrations.verl import ExactReplayTrainer
 from tests.support.frames import rid
 from tests.support.service_process import KEY_A, Service
@@ -251,6 +251,9 @@ def test_fit_step_trains_each_token_in_its_state_and_step(
         ids = _store(client)
         ours = ActorGroup(verl, ids, lambda i, t, state: state)  # a real forward: its row's
         got = _step(verl, _trainer(verl, cls, ours, client), _batch(verl, ids))
+        for key in ids:  # the actor update trained on them: the step released them
+            with pytest.raises(RolloutNotFoundError):
+                client.stat(key)
     exact = ActorGroup(verl, ids, lambda i, t, _s: _exact_state(i, t))
     want = _step(verl, _trainer(verl, verl.trainer, exact), _batch(verl, ids))
     latest = ActorGroup(verl, ids, lambda i, t, _s: _latest_state(i, t))
@@ -263,6 +266,16 @@ def test_fit_step_trains_each_token_in_its_state_and_step(
     assert not np.allclose(latest.steps, exact.steps)
     assert ours.rows_per_step[0] > MINI_BATCH  # the extra states ride in their own step
     assert set(got.batch.keys()) == set(want.batch.keys())  # fit's batch: the originals
+
+
+def test_a_step_keeps_its_rollouts_when_told_to(verl: Any, service_single: Service) -> None:
+    cls = type("Trainer", (ExactReplayTrainer, verl.trainer), {"r3_release_step": False})
+    with RoutingClient(service_single.http_url, api_key=KEY_A) as client:
+        ids = _store(client)
+        group = ActorGroup(verl, ids, lambda i, t, state: state)
+        _step(verl, _trainer(verl, cls, group, client), _batch(verl, ids))
+        assert all(client.stat(key).num_rows > 0 for key in ids)
+        assert sum(d.existed for d in client.delete_many(ids)) == len(set(ids))
 
 
 def test_sequence_level_settings_are_refused(verl: Any, service_single: Service) -> None:

@@ -22,6 +22,7 @@ from r3_client import (
     RoutingClient,
 )
 from r3_client._proto import r3_cache_pb2 as pb
+from r3_client.integrations.release import arelease_step, release_step
 from tests.support.frames import TRAJ, frame_for, rid
 from tests.support.service_process import (
     KEY_A,
@@ -235,3 +236,23 @@ async def test_a_writer_racing_drops_through_the_service(svc: Service) -> None:
                 continue
             assert starts in ([0, 40], [0, 40, 80], [80]), starts
         c.delete_many(ids)
+
+
+async def test_release_step_after_a_step(svc: Service) -> None:
+    """The glue's call after a step: the step's rollouts, and with a consumed version every
+    rollout computed up to it (an aborted one never trained on included)."""
+    step, aborted, next_step = [rid() for _ in range(3)], rid(), rid()
+    with RoutingClient(svc.http_url, api_key=KEY_A) as c:
+        for r in step:
+            _put(c, r, ("800001",))
+        _put(c, aborted, ("800001",))
+        _put(c, next_step, ("800002",))
+        got = release_step(c, step, consumed_version=800001)
+        assert got.deleted == 3 and got.dropped >= 1  # the aborted one, by version
+        assert got.freed_bytes and got.freed_bytes > 4 * 1000
+        with pytest.raises(RolloutNotFoundError):
+            c.stat(aborted)
+        assert c.stat(next_step).num_rows == 40
+    async with AsyncRoutingClient(svc.grpc_url, api_key=KEY_A) as a:
+        done = await arelease_step(a, [next_step])
+        assert (done.deleted, done.dropped) == (1, 0)

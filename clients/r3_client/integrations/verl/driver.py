@@ -4,10 +4,11 @@ inside verl's own ``RayPPOTrainer.fit`` (:class:`ExactReplayTrainer`)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from r3_client._answers import RolloutInfo
 from r3_client._exceptions import InvalidRequestError, R3Error, ShapeError
 from r3_client._routing import Routing, check_rollout_id, token_digest
 from r3_client._views import ViewPolicy, applicable_views, check_policy
+from r3_client.integrations.release import release_step
 from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY, STATE_KEY
 from r3_client.layouts import Missing, verl_layout
 from r3_client.rank_local import StatsInHand, StatSource, StepCheck, check_step
@@ -22,6 +24,7 @@ from r3_client.rank_local import StatsInHand, StatSource, StepCheck, check_step
 if TYPE_CHECKING:
     from r3_client._client import RoutingClient
 
+_log = logging.getLogger(__name__)
 
 #: The ``non_tensor_batch`` key of an expanded batch's rows' original samples (``-1`` for
 #: the rows added to keep the batch divisible); each row's state is under ``STATE_KEY``.
@@ -683,6 +686,11 @@ class ExactReplayTrainer:
     """
 
     r3_source: StatSource | None = None
+    #: Once the actor update has trained on a step, delete the step's rollouts from the
+    #: cache (``r3_source.delete_many``, one request per 1,024 ids).  A source without it
+    #: (a ``DirectReader``: read-only) leaves them to their TTL; set False where something
+    #: after the update still reads them.  A failed delete is logged, never the step's.
+    r3_release_step: bool = True
     _r3_stats: tuple[tuple[str, ...], StatsInHand] | None = None
 
     def _r3_stat_source(self, batch: Any) -> StatsInHand:
@@ -751,6 +759,20 @@ class ExactReplayTrainer:
         before = config.actor.ppo_mini_batch_size
         config.actor.ppo_mini_batch_size = rows // n  # verl multiplies it by n again
         try:
-            return super()._update_actor(arranged)  # type: ignore[misc]
+            out = super()._update_actor(arranged)  # type: ignore[misc]
         finally:
             config.actor.ppo_mini_batch_size = before
+        self._r3_release(batch)
+        return out
+
+    def _r3_release(self, batch: Any) -> None:
+        """The step's rollouts leave the cache (``r3_release_step``), after its last read."""
+        source = self.r3_source
+        if not self.r3_release_step or not callable(getattr(source, "delete_many", None)):
+            return
+        ids = [str(x) for x in batch.non_tensor_batch[ROLLOUT_ID_KEY]]
+        try:
+            release_step(cast("RoutingClient", source), list(dict.fromkeys(ids)))
+        except R3Error as exc:  # the rollouts expire with their TTL: training goes on
+            _log.warning("r3: the step's %d rollouts were not deleted: %s", len(ids), exc)
+        self._r3_stats = None
