@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from r3_client import AsyncRoutingClient, Deleted, DropResult, RoutingClient
+    from r3_client._answers import Deleted, DropResult
+    from r3_client._client import AsyncRoutingClient, RoutingClient
 
 __all__ = ["StepRelease", "arelease_step", "release_step"]
 

@@ -16,7 +16,6 @@ from r3_client._answers import RolloutInfo
 from r3_client._exceptions import InvalidRequestError, R3Error, ShapeError
 from r3_client._routing import Routing, check_rollout_id, token_digest
 from r3_client._views import ViewPolicy, applicable_views, check_policy
-from r3_client.integrations.release import release_step
 from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY, STATE_KEY
 from r3_client.layouts import Missing, verl_layout
 from r3_client.rank_local import StatsInHand, StatSource, StepCheck, check_step
@@ -772,7 +771,7 @@ class ExactReplayTrainer:
             return
         ids = [str(x) for x in batch.non_tensor_batch[ROLLOUT_ID_KEY]]
         try:
-            release_step(cast("RoutingClient", source), list(dict.fromkeys(ids)))
+            cast("RoutingClient", source).delete_many(list(dict.fromkeys(ids)))
         except R3Error as exc:  # the rollouts expire with their TTL: training goes on
             _log.warning("r3: the step's %d rollouts were not deleted: %s", len(ids), exc)
         self._r3_stats = None
