@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -36,6 +37,11 @@ def check_serves(serves: int) -> int:
     if isinstance(serves, bool) or not isinstance(serves, int) or not 0 <= serves < 1 << 40:
         raise InvalidRequestError(f"view must be a row number >= 0, got {serves!r}")
     return serves
+
+
+#: How Redis refuses a write at ``maxmemory`` under ``noeviction`` (a command's ``OOM …``
+#: reply; inside a script, the script's error names ``maxmemory``).
+_FULL = re.compile(r"^OOM |used memory > 'maxmemory'")
 
 
 def _load(name: str) -> str:
@@ -103,5 +109,15 @@ class StoreBase:
                 yield
         except (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError) as exc:
             raise StoreUnavailableError(f"Redis is unreachable: {exc}") from exc
+        except rexc.ResponseError as exc:
+            if not _FULL.search(str(exc)):
+                raise StoreError(f"Redis error: {exc}") from exc
+            # noeviction at maxmemory: refused whole (Redis refuses a script at its first
+            # write command and never after one, scriptVerifyOOM), so a retry is safe
+            raise StoreUnavailableError(
+                "Redis is full (used memory > maxmemory): nothing was stored; rollouts "
+                "already trained on can be dropped (POST /v1/drop-consumed, "
+                "/v1/batch/delete; docs/service.md, Lifecycle) or maxmemory raised"
+            ) from exc
         except rexc.RedisError as exc:
             raise StoreError(f"Redis error: {exc}") from exc

@@ -23,6 +23,7 @@ from r3_client import (
     InvalidRequestError,
     RolloutNotFoundError,
     SegmentConflictError,
+    StoreUnavailableError,
 )
 from tests.support.frames import TRAJ, frame_for, rid
 
@@ -219,3 +220,44 @@ async def test_a_writer_racing_the_drop_never_leaves_half_a_rollout(store: Segme
             assert starts == [0, 40, 80]
     assert dropped + survivors >= len(ids)
     await store.delete_many(ids)
+
+
+async def test_a_full_redis_still_lets_rollouts_leave(tmp_path: Path) -> None:
+    """At ``maxmemory`` under ``noeviction`` (what deploy/ runs) Redis refuses the next put,
+    and that is when an operator drops: batch delete and drop by version still run, and
+    the put is accepted again after."""
+    proc = RedisProcess(
+        free_port(),
+        tmp_path,
+        appendonly=False,
+        extra_args=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction"),
+    ).start()
+    try:
+        st = await SegmentStore.connect(
+            StoreSettings(redis_url=proc.url, key_prefix="full", dedupe=False)
+        )
+        ids: list[str] = []
+        refused = None
+        for _ in range(2000):
+            r = rid()
+            try:
+                await st.put_segment(r, frame_for(TRAJ[:300], 0, version="3", digest=False))
+            except StoreUnavailableError as exc:  # a 503 that says why and what to do
+                refused = exc
+                break
+            ids.append(r)
+        assert refused is not None, f"never full: {len(ids)} puts"
+        assert "Redis is full" in str(refused) and "drop-consumed" in str(refused)
+        with pytest.raises(RolloutNotFoundError):  # nothing of the refused put was stored
+            await st.stat(r)
+        half = len(ids) // 2
+        got = await st.delete_many(ids[:half])
+        assert all(isinstance(g, Deleted) and g.existed for g in got)
+        res = await st.drop_consumed(3)
+        while not res.done:
+            res = await st.drop_consumed(3, res.cursor)
+        assert (await st.memory())["keys"] == 0
+        await st.put_segment(rid(), frame_for(TRAJ[:300], 0, version="4", digest=False))
+        await st.close()
+    finally:
+        proc.stop()
