@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -30,8 +33,27 @@ from tests.support.service_process import (
     METRICS_KEY,
     Service,
     grpc_md,
+    start_service,
     url_of,
 )
+
+
+@pytest.fixture(
+    scope="module", params=["single", pytest.param("cluster", marks=pytest.mark.cluster)]
+)
+def svc(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
+    """The service on the session's Redis, under a key prefix of its own: a drop by version
+    walks a whole namespace, and must not take the rollouts other test modules keep."""
+    if request.param == "single":
+        url, cluster = request.getfixturevalue("redis_single").url, False
+    else:
+        url, cluster = request.getfixturevalue("redis_cluster")[0].url, True
+    env = {"R3_CACHE_KEY_PREFIX": f"lc{uuid.uuid4().hex[:8]}"}
+    service = start_service(tmp_path_factory.mktemp("lifecycle"), url, cluster=cluster, env=env)
+    yield service
+    service.stop()
 
 
 def _put(c: RoutingClient, r: str, versions: tuple[str, ...]) -> None:
@@ -256,3 +278,23 @@ async def test_release_step_after_a_step(svc: Service) -> None:
     async with AsyncRoutingClient(svc.grpc_url, api_key=KEY_A) as a:
         done = await arelease_step(a, [next_step])
         assert (done.deleted, done.dropped) == (1, 0)
+
+
+def test_the_integrations_recipe_runs_as_written(svc: Service) -> None:
+    """docs/integrations.md's "After each step" block, executed against the service."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    section = text.split("## After each step", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    step_ids, stale, fresh = [rid() for _ in range(2)], rid(), rid()
+    with RoutingClient(svc.http_url, api_key=KEY_A) as r3:
+        for r in step_ids:
+            _put(r3, r, ("600010",))
+        _put(r3, stale, ("600009",))  # aborted two versions ago, never trained on
+        _put(r3, fresh, ("600011",))  # generated under the new weights: kept
+        ns = {"r3": r3, "step_ids": step_ids, "new_version": 600011, "max_staleness": 1}
+        exec(compile(block, "docs/integrations.md#after-each-step", "exec"), ns)
+        assert ns["done"].deleted == 2 and ns["done"].dropped >= 1
+        with pytest.raises(RolloutNotFoundError):
+            r3.stat(stale)
+        assert r3.stat(fresh).num_rows == 40
+        r3.delete(fresh)
