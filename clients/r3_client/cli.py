@@ -3,6 +3,8 @@
     r3 get <rollout_id> -o out.npy [--start N] [--end N] [--layers 1,3,5]
     r3 stat <rollout_id>
     r3 get-many ids.txt -o dir/          # one .npy per rollout, with a progress bar
+    r3 delete ids.txt                    # delete the listed rollouts (batched)
+    r3 drop --upto V                     # drop the namespace's rollouts up to weight version V
     r3 serve ...                         # the cache service (registered by cache_service)
     r3 demo | report | rl-demo ...       # engine tools (registered by sglang_r3)
 
@@ -63,7 +65,7 @@ def _stat(args: argparse.Namespace) -> int:
 
 
 def _get_many(args: argparse.Namespace) -> int:
-    ids = [ln.strip() for ln in Path(args.ids).read_text().splitlines() if ln.strip()]
+    ids = _ids(args.ids)
     args.output.mkdir(parents=True, exist_ok=True)
     failed = 0
     with _client(args) as c:
@@ -83,6 +85,28 @@ def _get_many(args: argparse.Namespace) -> int:
                 np.save(args.output / f"{rid}.npy", res.indices, allow_pickle=False)
     print(f"{len(ids) - failed} of {len(ids)} rollouts written to {args.output}")
     return 1 if failed else 0
+
+
+def _ids(path: str) -> list[str]:
+    return [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
+
+
+def _delete(args: argparse.Namespace) -> int:
+    ids = _ids(args.ids)
+    with _client(args) as c:
+        gone = c.delete_many(ids)
+    existed = {d.rollout_id for d in gone if d.existed}
+    freed = [d.freed_bytes for d in gone if d.existed]
+    shown = "unknown" if None in freed else f"{sum(f or 0 for f in freed)}"
+    print(f"{len(existed)} of {len(set(ids))} rollouts deleted; Redis freed {shown} bytes")
+    return 0
+
+
+def _drop(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        res = c.drop_consumed(args.upto)
+    print(json.dumps(asdict(res)))
+    return 0
 
 
 def _add_client_commands(sub: Any) -> None:
@@ -126,6 +150,23 @@ def _add_client_commands(sub: Any) -> None:
     p.add_argument("ids", help="text file, one rollout id per line")
     p.add_argument("-o", "--output", type=Path, required=True, help="output directory")
     p.set_defaults(func=_get_many)
+
+    p = sub.add_parser(
+        "delete",
+        parents=[common],
+        help="delete the rollouts listed in a file (one id per line) and their views",
+    )
+    p.add_argument("ids", help="text file, one rollout id per line")
+    p.set_defaults(func=_delete)
+
+    p = sub.add_parser(
+        "drop",
+        parents=[common],
+        help="drop every rollout of the key's namespace computed entirely under weight "
+        "versions <= --upto (docs/service.md, Lifecycle); prints the totals as JSON",
+    )
+    p.add_argument("--upto", required=True, help="a weight version: a decimal integer")
+    p.set_defaults(func=_drop)
 
 
 def _add_registered_commands(sub: Any) -> None:

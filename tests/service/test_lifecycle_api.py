@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import uuid
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from r3_client import (
     RoutingClient,
 )
 from r3_client._proto import r3_cache_pb2 as pb
+from r3_client.cli import main as cli_main
 from r3_client.integrations.release import arelease_step, release_step
 from tests.support.frames import TRAJ, frame_for, rid
 from tests.support.service_process import (
@@ -298,3 +300,28 @@ def test_the_integrations_recipe_runs_as_written(svc: Service) -> None:
             r3.stat(stale)
         assert r3.stat(fresh).num_rows == 40
         r3.delete(fresh)
+
+
+def test_the_operator_commands(
+    svc: Service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``r3 delete ids.txt`` and ``r3 drop --upto V`` against the service."""
+    listed, old, kept = [rid() for _ in range(3)], rid(), rid()
+    with RoutingClient(svc.http_url, api_key=KEY_A) as c:
+        for r in [*listed, old]:
+            _put(c, r, ("500001",))
+        _put(c, kept, ("500002",))
+    (tmp_path / "ids.txt").write_text("\n".join([*listed, rid()]) + "\n")
+    common = ["--url", svc.grpc_url, "--api-key", KEY_A]
+    assert cli_main(["delete", str(tmp_path / "ids.txt"), *common]) == 0
+    assert capsys.readouterr().out.startswith("3 of 4 rollouts deleted; Redis freed ")
+    assert cli_main(["drop", "--upto", "500001", *common]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["dropped"] >= 1 and res["cursor"] == "" and res["kept_newer"] >= 1
+    assert cli_main(["drop", "--upto", "five", *common]) == 1
+    assert "weight version 'five'" in capsys.readouterr().err
+    with RoutingClient(svc.http_url, api_key=KEY_A) as c:
+        with pytest.raises(RolloutNotFoundError):
+            c.stat(old)
+        assert c.stat(kept).num_rows == 40
+        c.delete(kept)
