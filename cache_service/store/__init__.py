@@ -1,7 +1,8 @@
 """The Redis segment store: rollouts as atomically-written, stitched segments.
 
-:class:`SegmentStore` (``segment_store``: connecting, puts, deletes, touches, rewinds,
-reader grants) is put together from ``reads`` (frames, stats, memory; parsed headers
+:class:`SegmentStore` (``segment_store``: connecting, puts, touches, rewinds, reader
+grants) is put together from ``lifecycle`` (deletes: one, many, and a namespace's rollouts
+up to a weight version), ``reads`` (frames, stats, memory; parsed headers
 kept by ``header_cache``), ``durability`` (durable writes, the start-up check) and
 ``base`` (client, Lua scripts, namespace, keys, the translation of redis-py errors);
 ``settings`` holds :class:`StoreSettings` and the namespace rule.  The Lua scripts are
