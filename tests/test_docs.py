@@ -170,6 +170,28 @@ def test_passthrough_benchmark_runs_quick() -> None:
     assert "load run: 0 errors" in out
 
 
+def test_lifecycle_benchmark_runs_small(tmp_path: Path) -> None:
+    """bench/lifecycle_bench.py end to end on 4 rollouts (its own Redis and service): every
+    way of removing them, over both transports, checked and written."""
+    out = _run_bench(
+        "lifecycle_bench.py", "--rollouts", "4", "--tokens", "32", "--distinct", "1",
+        "--kept", "1", "--unversioned", "1", "--other", "2", "--bound", "2", "--rounds", "1",
+        "--json", str(tmp_path / "lb.json"),
+    )  # fmt: skip
+    assert "`delete_many(ids)`" in out and "x one-by-one" in out
+    import json
+
+    summary = json.loads((tmp_path / "lb.json").read_text())["summary"]
+    assert {(s["transport"], s["phase"]) for s in summary} == {
+        (t, p)
+        for t in ("http", "grpc")
+        for p in ("one_by_one", "delete_many", "drop_consumed", "drop_bounded")
+    }
+    for s in summary:
+        assert s["requests_client"] == s["requests_service"] > 0
+        assert s["freed_reported_median"] > 0 and s["used_memory_fall_median"] > 0
+
+
 def _run_bench(script: str, *args: str) -> str:
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
