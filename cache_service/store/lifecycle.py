@@ -174,7 +174,9 @@ class StoreLifecycle(StoreBase):
         freed: int | None = 0
         stop = time.monotonic() + deadline_s
         while True:
-            scan_cursor, keys, exists = await self._scan(node, scan_cursor, scan_count)
+            # COUNT is a hint: a page may hold a few more keys than asked
+            count = max(1, min(scan_count, max_rollouts - examined))
+            scan_cursor, keys, exists = await self._scan(node, scan_cursor, count)
             if not exists:
                 return DropResult(dropped, newer, unversioned, freed, examined, "")
             examined += len(keys)
