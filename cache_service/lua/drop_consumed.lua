@@ -9,8 +9,12 @@
 --                       hashes before the delete, -1 when MEMORY is disabled)
 --          {0, 0}       no such rollout (expired, deleted, or dropped by a racing call)
 --          {-1, newest} kept: a segment or view is newer than upto (newest, a string)
---          {-2, 0}      kept: a weight version that is not a decimal integer
+--          {-2, 0}      kept: a weight version that is not a decimal integer, or a
+--                       segment info or view registration that does not parse
 local key, upto = KEYS[1], tonumber(ARGV[1])
+local kind = redis.call('TYPE', key)['ok']
+if kind == 'none' then return {0, 0} end
+if kind ~= 'hash' then return {-2, 0} end  -- not a rollout the store wrote: kept
 local fields = redis.call('HKEYS', key)
 if #fields == 0 then return {0, 0} end
 local newest, views = -1, {}
@@ -18,13 +22,21 @@ local function version(v)
   if type(v) ~= 'string' or not string.match(v, '^%d+$') or #v > 15 then return nil end
   return tonumber(v)
 end
+-- A record that does not parse (damaged in Redis) shows no version: its rollout is kept,
+-- counted with the unversioned, and the walk goes on.
+local function record(f)
+  local ok, rec = pcall(cmsgpack.unpack, redis.call('HGET', key, f))
+  if ok and type(rec) == 'table' then return rec end
+  return {}
+end
 for _, f in ipairs(fields) do
   local v, serves = nil, string.match(f, '^v:(%d+)$')
   if serves then
     views[#views + 1] = key .. ':v:' .. serves
-    v = version(cmsgpack.unpack(redis.call('HGET', key, f))[3])
+    v = version(record(f)[3])
   elseif string.sub(f, 1, 2) == 'h:' then
-    v = version(cmsgpack.unpack(redis.call('HGET', key, f))[1]['weight_version'])
+    local seg = record(f)[1]
+    v = version(type(seg) == 'table' and seg['weight_version'] or nil)
   else
     v = newest
   end

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
@@ -261,3 +262,35 @@ async def test_a_full_redis_still_lets_rollouts_leave(tmp_path: Path) -> None:
         await st.close()
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("field", ["v:40", "h:0:40"])
+@pytest.mark.parametrize("value", [b"\xc1", b"", b"\x93\x01\x02", b"\x91\x05", b"not msgpack"])
+async def test_a_damaged_version_record_keeps_its_rollout_and_the_walk_goes_on(
+    store: SegmentStore, field: str, value: bytes
+) -> None:
+    """A rollout whose segment info or view registration no longer parses (damaged in
+    Redis) cannot show its versions: it is kept, counted with the unversioned, and the
+    rest of the namespace is still dropped (found by the OpenAPI fuzzer: a damaged rollout
+    on the shared service made every drop call a 503)."""
+    damaged, fine = rid(), rid()
+    await _put(store, damaged, ("3",), view="3")
+    await _put(store, fine, ("3",))
+    await store._r.hset(store.key(damaged), field, value)  # type: ignore[misc]
+    res = await store.drop_consumed(3)
+    assert res.done and res.dropped == 1 and res.kept_unversioned == 1
+    with pytest.raises(RolloutNotFoundError):
+        await store.stat(fine)
+    assert (await store.delete_many([damaged]))[0] == Deleted(damaged, True, ANY)
+
+
+async def test_a_key_of_another_type_where_a_rollout_would_be_is_kept(
+    store: SegmentStore,
+) -> None:
+    fine, odd = rid(), rid()
+    await _put(store, fine, ("3",))
+    await store._r.set(store.key(odd), b"not a hash")  # type: ignore[misc]
+    res = await store.drop_consumed(3)
+    assert res.done and res.dropped == 1 and res.kept_unversioned == 1
+    assert await store._r.get(store.key(odd)) == b"not a hash"  # type: ignore[misc]
+    await store._r.delete(store.key(odd))  # type: ignore[misc]
