@@ -18,7 +18,6 @@ from urllib.parse import urlsplit, urlunsplit
 from cache_service.errors import error_message
 from cache_service.metrics import Metrics
 from cache_service.settings import ServiceSettings
-from cache_service.store.lifecycle import check_weight_version
 from cache_service.store.segment_store import SegmentStore
 from r3_client import (
     Deleted,
@@ -356,7 +355,7 @@ class RoutingService:
         return out
 
     async def drop_consumed(
-        self, namespace: str, upto: object, cursor: str = "", max_rollouts: int | None = None
+        self, namespace: str, upto: int | str, cursor: str = "", max_rollouts: int | None = None
     ) -> DropResult:
         """One bounded step of dropping ``namespace``'s rollouts whose every row was computed
         under a weight version ``<= upto`` (a decimal integer); resume with the answer's
@@ -371,10 +370,8 @@ class RoutingService:
                     f"(R3_CACHE_DROP_MAX_ROLLOUTS), got {max_rollouts}"
                 )
             limit = max_rollouts
-        if len(cursor) > 64:
-            raise InvalidRequestError("cursor is not one a drop answered (over 64 characters)")
         res = await self._ns(namespace).drop_consumed(
-            check_weight_version(upto),
+            upto,
             cursor,
             max_rollouts=limit,
             deadline_s=self.settings.drop_deadline_s,

@@ -12,30 +12,13 @@ from typing import TYPE_CHECKING, Any
 from redis.asyncio.cluster import RedisCluster
 
 from cache_service.store.base import StoreBase
-from r3_client import Deleted, DropResult, InvalidRequestError, R3Error
+from r3_client import Deleted, DropResult, InvalidRequestError, R3Error, check_weight_version
 
-__all__ = ["MAX_WEIGHT_VERSION", "StoreLifecycle", "check_weight_version"]
+__all__ = ["StoreLifecycle"]
 
-#: The largest weight version a drop compares: 15 decimal digits (exact in Lua's doubles).
-MAX_WEIGHT_VERSION = 10**15 - 1
 _CURSOR = re.compile(r"([0-9]{1,4})\.([0-9]{1,20})")
 #: Redis glob's special characters, escaped in a namespace's key pattern.
 _GLOB = re.compile(r"([*?\[\]\\])")
-
-
-def check_weight_version(upto: object) -> int:
-    """``upto`` as a weight version a drop compares (a decimal integer, 0 ..
-    :data:`MAX_WEIGHT_VERSION`, given as an int or its digits); :class:`InvalidRequestError`
-    saying why otherwise."""
-    if isinstance(upto, str) and re.fullmatch(r"[0-9]{1,15}", upto):
-        return int(upto)
-    if isinstance(upto, int) and not isinstance(upto, bool) and 0 <= upto <= MAX_WEIGHT_VERSION:
-        return upto
-    shown = repr(upto)[:40]
-    raise InvalidRequestError(
-        f"weight version {shown} is not one a drop can compare: a decimal integer from 0 to "
-        f"{MAX_WEIGHT_VERSION} (the step counter verl, slime, miles and AReaL write)"
-    )
 
 
 def _freed(mem: int) -> int | None:
@@ -135,7 +118,7 @@ class StoreLifecycle(StoreBase):
 
     async def drop_consumed(
         self,
-        upto: int,
+        upto: int | str,
         cursor: str = "",
         *,
         max_rollouts: int = 4096,

@@ -8,7 +8,6 @@ with them.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -20,7 +19,6 @@ from r3_client._exceptions import (
     ConnectError,
     FormatError,
     FrameError,
-    InvalidRequestError,
     LimitExceededError,
     ProtocolError,
     R3Error,
@@ -31,7 +29,7 @@ from r3_client._exceptions import (
     TransportError,
     error_for_code,
 )
-from r3_client._routing import Routing, Segment, check_rollout_id
+from r3_client._routing import Routing, Segment, check_rollout_id, check_weight_version
 from r3_client._transports import (
     AsyncGrpcTransport,
     AsyncHTTPTransport,
@@ -212,15 +210,9 @@ class ClientCore:
 
     @staticmethod
     def drop_version(upto: int | str) -> str:
-        """``upto`` as the service takes it (decimal digits); :class:`InvalidRequestError`
-        before any I/O for a value that is not a weight version a drop compares."""
-        text = str(upto) if isinstance(upto, int) and not isinstance(upto, bool) else upto
-        if not isinstance(text, str) or not re.fullmatch(r"[0-9]{1,15}", text):
-            raise InvalidRequestError(
-                f"weight version {upto!r} is not one a drop can compare: a decimal integer "
-                "from 0 to 10**15 - 1"
-            )
-        return text
+        """``upto`` as the service takes it (decimal digits), checked before any I/O
+        (:func:`~r3_client.check_weight_version`)."""
+        return str(check_weight_version(upto))
 
     @staticmethod
     def chunks(ids: Sequence[str], size: int) -> list[list[str]]:

@@ -105,6 +105,26 @@ def token_digest(token_ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> str
     return hashlib.sha256(arr.astype("<u4").tobytes()).hexdigest()
 
 
+#: The largest weight version a drop by version compares: 15 decimal digits (exact in the
+#: doubles of Redis's Lua, where the versions are compared).
+MAX_WEIGHT_VERSION = 10**15 - 1
+
+
+def check_weight_version(upto: object) -> int:
+    """``upto`` as a weight version a drop compares (a decimal integer, 0 ..
+    :data:`MAX_WEIGHT_VERSION`, given as an int or its digits); :class:`InvalidRequestError`
+    saying why otherwise (the one rule the client, before any I/O, and the service apply)."""
+    if isinstance(upto, str) and re.fullmatch(r"[0-9]{1,15}", upto):
+        return int(upto)
+    if isinstance(upto, int) and not isinstance(upto, bool) and 0 <= upto <= MAX_WEIGHT_VERSION:
+        return upto
+    shown = repr(upto)[:40]
+    raise InvalidRequestError(
+        f"weight version {shown} is not one a drop can compare: a decimal integer from 0 to "
+        f"{MAX_WEIGHT_VERSION} (the step counter verl, slime, miles and AReaL write)"
+    )
+
+
 def check_text(name: str, value: object) -> str:
     """Return ``value`` if it is a printable string of at most 256 characters, else raise
     :class:`FormatError` (the rule for a segment's ``model_id`` and ``weight_version``)."""
