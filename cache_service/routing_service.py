@@ -29,7 +29,7 @@ from r3_client import (
     RolloutInfo,
     read_header,
 )
-from r3_client.wire import MAX_LAYER_ID, quote_items, to_plain
+from r3_client.wire import MAX_LAYER_ID, freed_total, quote_items, to_plain
 
 #: The largest row index a frame may end at (the codec refuses ``end > 2**40``).
 _MAX_ROWS = 1 << 40
@@ -348,9 +348,7 @@ class RoutingService:
             rollout_ids, concurrency=self.settings.batch_concurrency
         )
         gone = {d.rollout_id: d for d in out if isinstance(d, Deleted) and d.existed}
-        freed: int | None = 0
-        for d in gone.values():
-            freed = None if freed is None or d.freed_bytes is None else freed + d.freed_bytes
+        freed = freed_total(d.freed_bytes for d in gone.values())
         self._count_dropped("batch_delete", len(gone), freed)
         return out
 

@@ -13,6 +13,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from cache_service.store.base import StoreBase
 from r3_client import Deleted, DropResult, InvalidRequestError, R3Error, check_weight_version
+from r3_client.wire import freed_total
 
 __all__ = ["StoreLifecycle"]
 
@@ -23,10 +24,6 @@ _GLOB = re.compile(r"([*?\[\]\\])")
 
 def _freed(mem: int) -> int | None:
     return None if mem < 0 else mem
-
-
-def _sum_freed(a: int | None, b: int | None) -> int | None:
-    return None if a is None or b is None else a + b
 
 
 class StoreLifecycle(StoreBase):
@@ -166,7 +163,7 @@ class StoreLifecycle(StoreBase):
             for status, mem in await asyncio.gather(*(one(k.decode()) for k in keys)):
                 if status == 1:
                     dropped += 1
-                    freed = _sum_freed(freed, _freed(mem))
+                    freed = freed_total((freed, _freed(mem)))
                 elif status == -1:
                     newer += 1
                 elif status == -2:

@@ -8,6 +8,7 @@ the gRPC messages and their ``.proto`` definitions are derived from them
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ __all__ = [
     "RolloutInfo",
     "SegmentInfo",
     "ViewInfo",
+    "freed_total",
 ]
 
 
@@ -137,6 +139,18 @@ class DropResult:
     def from_dict(cls, d: dict[str, Any]) -> DropResult:
         """From the service's answer (its plain form); :class:`ProtocolError` otherwise."""
         return from_plain(cls, d)
+
+
+def freed_total(parts: Iterable[int | None]) -> int | None:
+    """Bytes freed by several deletes (:attr:`Deleted.freed_bytes`,
+    :attr:`DropResult.freed_bytes`), summed; None when any part is unknown (``MEMORY``
+    disabled)."""
+    total = 0
+    for part in parts:
+        if part is None:
+            return None
+        total += part
+    return total
 
 
 #: Each record's gRPC message in ``r3_cache.proto`` (generated from the dataclasses).

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import numpy.typing as npt
 
-from r3_client._answers import Deleted, DropResult, RolloutInfo
+from r3_client._answers import Deleted, DropResult, RolloutInfo, freed_total
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     ConnectError,
@@ -194,16 +194,11 @@ class ClientCore:
         got = DropResult.from_dict(step)
         if total is None:
             return got
-        freed = (
-            None
-            if total.freed_bytes is None or got.freed_bytes is None
-            else total.freed_bytes + got.freed_bytes
-        )
         return DropResult(
             total.dropped + got.dropped,
             total.kept_newer + got.kept_newer,
             total.kept_unversioned + got.kept_unversioned,
-            freed,
+            freed_total((total.freed_bytes, got.freed_bytes)),
             total.examined + got.examined,
             got.cursor,
         )

@@ -49,7 +49,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from r3_client._answer_forms import proto_messages, to_message, to_plain
-from r3_client._answers import PROTO_MESSAGES, PutResult, RolloutInfo, SegmentInfo, ViewInfo
+from r3_client._answers import (
+    PROTO_MESSAGES,
+    PutResult,
+    RolloutInfo,
+    SegmentInfo,
+    ViewInfo,
+    freed_total,
+)
 from r3_client._exceptions import quote_items
 from r3_client._lazy import lazy_attributes
 from r3_client._routing import MAX_LAYER_ID, layer_positions
@@ -135,6 +142,7 @@ __all__ = [
     "encode_frame_item",
     "encode_trailer",
     "frame_head",
+    "freed_total",
     "is_context_frame",
     "is_frame_head",
     "join_frame",

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from r3_client._answers import Deleted, DropResult, freed_total
+
 if TYPE_CHECKING:
-    from r3_client._answers import Deleted, DropResult
     from r3_client._client import AsyncRoutingClient, RoutingClient
 
 __all__ = ["StepRelease", "arelease_step", "release_step"]
@@ -34,7 +35,7 @@ class StepRelease:
 
 def _summed(gone: Sequence[Deleted], dropped: DropResult | None) -> StepRelease:
     parts = [d.freed_bytes for d in gone] + ([dropped.freed_bytes] if dropped else [])
-    freed = None if None in parts else sum(p or 0 for p in parts)
+    freed = freed_total(parts)
     return StepRelease(
         sum(d.existed for d in gone), dropped.dropped if dropped is not None else 0, freed
     )
