@@ -41,6 +41,11 @@ def _message(record: Any, cls: type[M]) -> M:
     return message
 
 
+def _item_error(exc: R3Error) -> pb.Error:
+    """A batch item's error: the code, the message and the HTTP status its own call answers."""
+    return pb.Error(code=exc.code, message=error_message(exc), http_status=status_for(exc).http)
+
+
 class RoutingCacheServicer:
     """Translates gRPC requests into :class:`RoutingService` calls and errors into statuses.
 
@@ -216,11 +221,7 @@ class RoutingCacheServicer:
                 stats: dict[int, pb.RolloutStat] = {}
                 for rid, res in zip(ids, results, strict=True):
                     if isinstance(res, R3Error):
-                        status = status_for(res).http
-                        err = pb.Error(
-                            code=res.code, message=error_message(res), http_status=status
-                        )
-                        out.items.append(pb.BatchStatItem(rollout_id=rid, error=err))
+                        out.items.append(pb.BatchStatItem(rollout_id=rid, error=_item_error(res)))
                     else:
                         stat = stats.get(id(res))
                         if stat is None:
@@ -245,10 +246,7 @@ class RoutingCacheServicer:
             out = pb.BatchDeleteResponse()
             for rid, res in zip(ids, results, strict=True):
                 if isinstance(res, R3Error):
-                    err = pb.Error(
-                        code=res.code, message=error_message(res), http_status=status_for(res).http
-                    )
-                    out.items.append(pb.BatchDeleteItem(rollout_id=rid, error=err))
+                    out.items.append(pb.BatchDeleteItem(rollout_id=rid, error=_item_error(res)))
                 else:
                     deleted = _message(res, pb.Deleted)
                     out.items.append(pb.BatchDeleteItem(rollout_id=rid, deleted=deleted))
@@ -333,10 +331,7 @@ class RoutingCacheServicer:
                 self.metrics.bytes_out.labels("grpc").inc(len(res))
                 yield pb.BatchItem(rollout_id=rid, frame=res)
             else:
-                err = pb.Error(
-                    code=res.code, message=error_message(res), http_status=status_for(res).http
-                )
-                yield pb.BatchItem(rollout_id=rid, error=err)
+                yield pb.BatchItem(rollout_id=rid, error=_item_error(res))
 
 
 _OPS = {

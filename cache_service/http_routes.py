@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -145,6 +145,14 @@ class BatchStatResponse(BaseModel):
     """One item per id asked, in request order."""
 
     items: list[BatchStatItem]
+
+
+def _item_error(exc: R3Error) -> dict[str, Any]:
+    """A batch item's ``error`` and ``status`` fields: what the id's own call would answer."""
+    return {
+        "error": ErrorBody(code=exc.code, message=error_message(exc)),
+        "status": status_for(exc).http,
+    }
 
 
 # ---- dependencies -------------------------------------------------------------------------------
@@ -343,11 +351,7 @@ async def batch_stat(req: BatchStatRequest, svc: ServiceDep, ns: NamespaceDep) -
         items = [
             BatchStatItem(rollout_id=rid, stat=res)
             if isinstance(res, RolloutInfo)
-            else BatchStatItem(
-                rollout_id=rid,
-                error=ErrorBody(code=res.code, message=error_message(res)),
-                status=status_for(res).http,
-            )
+            else BatchStatItem(rollout_id=rid, **_item_error(res))
             for rid, res in zip(req.rollout_ids, results, strict=True)
         ]
         return BatchStatResponse(items=items).model_dump_json().encode()
@@ -366,11 +370,7 @@ async def batch_delete(
         items=[
             BatchDeleteItem(rollout_id=rid, deleted=res)
             if isinstance(res, Deleted)
-            else BatchDeleteItem(
-                rollout_id=rid,
-                error=ErrorBody(code=res.code, message=error_message(res)),
-                status=status_for(res).http,
-            )
+            else BatchDeleteItem(rollout_id=rid, **_item_error(res))
             for rid, res in zip(req.rollout_ids, results, strict=True)
         ]
     )
