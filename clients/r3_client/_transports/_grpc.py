@@ -88,7 +88,7 @@ def _item(msg: pb.BatchItem) -> StreamItem:
     raise ProtocolError(f"batch item for {msg.rollout_id!r} has neither frame nor error")
 
 
-def _stat_items(msg: Any) -> list[tuple[str, dict[str, Any] | R3Error]]:
+def _batch_items(msg: Any) -> list[tuple[str, dict[str, Any] | R3Error]]:
     """A ``BatchStatResponse``'s or ``BatchDeleteResponse``'s items: each the record's
     plain form or the error it names."""
     out: list[tuple[str, dict[str, Any] | R3Error]] = []
@@ -154,7 +154,7 @@ class GrpcTransport:
     def stat_many(self, rollout_ids: Sequence[str]) -> list[tuple[str, dict[str, Any] | R3Error]]:
         """See :class:`Transport`."""
         req = pb.BatchStatRequest(rollout_ids=list(rollout_ids))
-        return _stat_items(self._call(self._stub.BatchStat, req))
+        return _batch_items(self._call(self._stub.BatchStat, req))
 
     def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport`."""
@@ -164,7 +164,7 @@ class GrpcTransport:
     def delete_many(self, rollout_ids: Sequence[str]) -> list[tuple[str, dict[str, Any] | R3Error]]:
         """See :class:`Transport`."""
         req = pb.BatchDeleteRequest(rollout_ids=list(rollout_ids))
-        return _stat_items(self._call(self._stub.BatchDelete, req))
+        return _batch_items(self._call(self._stub.BatchDelete, req))
 
     def drop_consumed(self, upto: str, cursor: str, max_rollouts: int | None) -> dict[str, Any]:
         """See :class:`Transport`."""
@@ -270,7 +270,7 @@ class AsyncGrpcTransport:
     ) -> list[tuple[str, dict[str, Any] | R3Error]]:
         """See :class:`Transport`."""
         req = pb.BatchStatRequest(rollout_ids=list(rollout_ids))
-        return _stat_items(await self._call("BatchStat", req))
+        return _batch_items(await self._call("BatchStat", req))
 
     async def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport`."""
@@ -282,7 +282,7 @@ class AsyncGrpcTransport:
     ) -> list[tuple[str, dict[str, Any] | R3Error]]:
         """See :class:`Transport`."""
         req = pb.BatchDeleteRequest(rollout_ids=list(rollout_ids))
-        return _stat_items(await self._call("BatchDelete", req))
+        return _batch_items(await self._call("BatchDelete", req))
 
     async def drop_consumed(
         self, upto: str, cursor: str, max_rollouts: int | None

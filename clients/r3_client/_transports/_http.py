@@ -68,7 +68,7 @@ def _batch_body(
     return body
 
 
-def _stat_items(
+def _batch_items(
     body: dict[str, Any], field: str = "stat"
 ) -> list[tuple[str, dict[str, Any] | R3Error]]:
     """``POST /v1/batch/stat``'s items (``/v1/batch/delete``'s: ``field="deleted"``): each
@@ -188,7 +188,7 @@ class HTTPTransport:
         with _translate():
             resp = self._http.post("/v1/batch/stat", json={"rollout_ids": list(rollout_ids)})
         _raise_for(resp)
-        return _stat_items(_json(resp))
+        return _batch_items(_json(resp))
 
     def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport` (404 is "did not exist", not an error)."""
@@ -204,7 +204,7 @@ class HTTPTransport:
         with _translate():
             resp = self._http.post("/v1/batch/delete", json={"rollout_ids": list(rollout_ids)})
         _raise_for(resp)
-        return _stat_items(_json(resp), "deleted")
+        return _batch_items(_json(resp), "deleted")
 
     def drop_consumed(self, upto: str, cursor: str, max_rollouts: int | None) -> dict[str, Any]:
         """See :class:`Transport`."""
@@ -313,7 +313,7 @@ class AsyncHTTPTransport:
         async with _atranslate():
             resp = await self._http.post("/v1/batch/stat", json={"rollout_ids": list(rollout_ids)})
         _raise_for(resp)
-        return _stat_items(_json(resp))
+        return _batch_items(_json(resp))
 
     async def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport`."""
@@ -333,7 +333,7 @@ class AsyncHTTPTransport:
                 "/v1/batch/delete", json={"rollout_ids": list(rollout_ids)}
             )
         _raise_for(resp)
-        return _stat_items(_json(resp), "deleted")
+        return _batch_items(_json(resp), "deleted")
 
     async def drop_consumed(
         self, upto: str, cursor: str, max_rollouts: int | None
