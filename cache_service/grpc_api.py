@@ -171,7 +171,10 @@ class RoutingCacheServicer:
 
         async def run(ns: str, request: pb.PutSegmentRequest) -> pb.PutSegmentResponse:
             view = request.view if request.HasField("view") else None
-            r = await self.service.put_segment(ns, request.rollout_id, request.frame, view=view)
+            share = request.share if request.HasField("share") else None
+            r = await self.service.put_segment(
+                ns, request.rollout_id, request.frame, view=view, share=share
+            )
             return _message(r, pb.PutSegmentResponse)
 
         return await self._call("PutSegment", pb.PutSegmentRequest, context, run)

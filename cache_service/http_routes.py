@@ -102,7 +102,8 @@ class DropConsumedRequest(BaseModel):
 
     upto: StrictInt | StrictStr = Field(union_mode="left_to_right")
     cursor: str = Field(default="", max_length=64)
-    max_rollouts: int | None = None
+    # a JSON integer: "5", true and 5.0 are not counts (the service checks the range)
+    max_rollouts: StrictInt | None = None
 
 
 class ReadPlanResponse(BaseModel):
@@ -175,6 +176,13 @@ ViewQ = Annotated[
     int | None,
     Query(ge=0, le=(1 << 40) - 1, description="the view serving this row (docs/store.md, Views)"),
 ]
+ShareQ = Annotated[
+    bool | None,
+    Query(
+        description="true: keep the segment in a blob other rollouts share (a GRPO group's "
+        "prompt); false: keep it private; absent: the store's rule (docs/store.md)"
+    ),
+]
 LayersQ = Annotated[
     str | None, Query(description="comma-separated absolute MoE layer ids", max_length=8192)
 ]
@@ -211,12 +219,18 @@ operations = APIRouter(tags=["operations"])
     },
 )
 async def put_segment(
-    rollout_id: str, request: Request, svc: ServiceDep, ns: NamespaceDep, view: ViewQ = None
+    rollout_id: str,
+    request: Request,
+    svc: ServiceDep,
+    ns: NamespaceDep,
+    view: ViewQ = None,
+    share: ShareQ = None,
 ) -> JSONResponse:
-    """Store one segment of a rollout (``view``: of its view serving that row). Idempotent;
-    a differing overlap is a 409."""
+    """Store one segment of a rollout (``view``: of its view serving that row; ``share``:
+    whether it is kept in a blob other rollouts share). Idempotent; a differing overlap is a
+    409."""
     body = await request.body()  # bounded by RequestGuard while it streamed in
-    res = await svc.put_segment(ns, rollout_id, body, view=view)
+    res = await svc.put_segment(ns, rollout_id, body, view=view, share=share)
     return JSONResponse(to_plain(res), status_code=201 if res.status == "stored" else 200)
 
 

@@ -183,10 +183,23 @@ class RoutingService:
         return view
 
     async def put_segment(
-        self, namespace: str, rollout_id: str, frame: bytes, *, view: int | None = None
+        self,
+        namespace: str,
+        rollout_id: str,
+        frame: bytes,
+        *,
+        view: int | None = None,
+        share: bool | None = None,
     ) -> PutResult:
         """Validate limits, then store one segment frame (see :meth:`SegmentStore.put_segment`;
-        ``view``: as the rows of the rollout's view serving that row)."""
+        ``view``: as the rows of the rollout's view serving that row; ``share``: True to keep
+        it in a blob other rollouts share, False to keep it private, None for the store's
+        rule).  A view with ``share=True`` is refused: views are never shared."""
+        if view is not None and share:
+            raise InvalidRequestError(
+                "views are never shared: a view's rows are what one call recomputed, and "
+                "they live and go with its rollout; put it without share"
+            )
         if len(frame) > self.settings.max_body_bytes:
             raise LimitExceededError(
                 f"frame is {len(frame)} bytes; the limit is {self.settings.max_body_bytes}"
@@ -197,7 +210,7 @@ class RoutingService:
                 f"segment has {hdr.num_rows} token rows; the limit is "
                 f"{self.settings.max_tokens_per_segment} per segment"
             )
-        res = await self._ns(namespace).put_segment(rollout_id, frame, view=view)
+        res = await self._ns(namespace).put_segment(rollout_id, frame, view=view, share=share)
         if res.dedupe_hit:
             self.metrics.dedupe_hits.inc()
             self.metrics.dedupe_bytes.inc(res.nbytes)
@@ -338,7 +351,12 @@ class RoutingService:
     ) -> list[Deleted | R3Error]:
         """Delete many rollouts (a trainer done with a step): each its :class:`Deleted` or
         the error it met, in request order; an id named twice is deleted once.  At most
-        ``max_batch`` ids, refused whole (nothing deleted) past it."""
+        ``max_batch`` ids, refused whole (nothing deleted) past it; an empty list is refused
+        too, on gRPC as HTTP's request model refuses it."""
+        if not rollout_ids:
+            raise InvalidRequestError(
+                "rollout_ids: name at least 1 rollout to delete, got none (nothing was deleted)"
+            )
         if len(rollout_ids) > self.settings.max_batch:
             raise LimitExceededError(
                 f"batch of {len(rollout_ids)} rollouts; the limit is {self.settings.max_batch} "

@@ -130,6 +130,14 @@ class ServiceSettings(BaseSettings):
         description="rollout keys one drop-by-weight-version call examines at most "
         "(the caller resumes with the answer's cursor)",
     )
+    drop_cursor_secret: str | None = Field(
+        default=None,
+        min_length=16,
+        repr=False,
+        description="keys the tag on drop-by-weight-version cursors, so the service resumes "
+        "only walks it answered; the same on every replica; unset = derived from the key "
+        "prefix and the Redis URL (then whoever knows both can forge a cursor)",
+    )
     drop_deadline_s: float = Field(
         default=5.0,
         gt=0,
@@ -278,6 +286,7 @@ class ServiceSettings(BaseSettings):
             max_rollout_gap_rows=self.max_rollout_gap_rows,
             max_rollout_bytes=self.max_rollout_bytes,
             max_views=self.max_views,
+            cursor_secret=self.drop_cursor_secret or "",
         )
 
 

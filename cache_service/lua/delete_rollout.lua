@@ -1,9 +1,11 @@
 -- Delete a rollout and its views (each view is its own hash in the rollout's slot).
 -- KEYS[1]  rollout hash
--- Returns  {deleted, memory}: deleted = the rollout keys deleted (0: there was none);
---          memory = MEMORY USAGE (every field) of the rollout hash and its views' hashes
---          before the delete, what Redis frees (shared blobs excepted: they expire);
---          -1 when the operator disabled MEMORY
+-- Returns  {deleted, memory, blob1, token1, ...}: deleted = the rollout keys deleted (0:
+--          there was none); memory = MEMORY USAGE (every field) of the rollout hash and its
+--          views' hashes before the delete (-1 when the operator disabled MEMORY); then
+--          each shared blob the rollout referenced and its reference token ("" for a
+--          reference written before tokens were kept), for the caller to release in the
+--          blob's own slot (unref_blob.lua) now that nothing here points at it
 local key = KEYS[1]
 local function usage(k)
   local m = redis.pcall('MEMORY', 'USAGE', k, 'SAMPLES', '0')
@@ -23,4 +25,13 @@ for _, f in ipairs(redis.call('HKEYS', key)) do
     redis.call('DEL', vkey)
   end
 end
-return {redis.call('DEL', key), mem}
+local out = {0, mem}
+for _, f in ipairs(redis.call('HKEYS', key)) do
+  local r = string.match(f, '^r:(%d+:%d+)$')
+  if r then
+    out[#out + 1] = redis.call('HGET', key, f)
+    out[#out + 1] = redis.call('HGET', key, 't:' .. r) or ''
+  end
+end
+out[1] = redis.call('DEL', key)
+return out

@@ -5,8 +5,10 @@
 -- decimal integer <= upto; the check and the delete are one script, so a writer racing
 -- the drop either lands first (the rollout is then kept, or dropped with its rows) or
 -- finds the rollout gone: never half a rollout.
--- Returns  {1, memory}  dropped (memory: MEMORY USAGE of the rollout and its views'
---                       hashes before the delete, -1 when MEMORY is disabled)
+-- Returns  {1, memory, blob1, token1, ...}  dropped (memory: MEMORY USAGE of the rollout
+--                       and its views' hashes before the delete, -1 when MEMORY is
+--                       disabled; then each shared blob it referenced and the token of
+--                       that reference, released by the caller: delete_rollout.lua)
 --          {0, 0}       no such rollout (expired, deleted, or dropped by a racing call)
 --          {-1, newest} kept: a segment or view is newer than upto (newest, a string)
 --          {-2, 0}      kept: a weight version that is not a decimal integer, or a
@@ -58,5 +60,13 @@ for _, vkey in ipairs(views) do
   end
   redis.call('DEL', vkey)
 end
+local out = {1, mem}
+for _, f in ipairs(fields) do
+  local r = string.match(f, '^r:(%d+:%d+)$')
+  if r then
+    out[#out + 1] = redis.call('HGET', key, f)
+    out[#out + 1] = redis.call('HGET', key, 't:' .. r) or ''
+  end
+end
 redis.call('DEL', key)
-return {1, mem}
+return out

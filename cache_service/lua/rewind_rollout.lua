@@ -3,7 +3,9 @@
 -- KEYS[1]  rollout hash
 -- ARGV     rows (>= 1), ttl_ms (0 = no expiry)
 -- Returns  {} when the rollout does not exist | {"straddle", "<a>:<b>"} when a segment
---          covers [rows-1, rows] (it cannot be cut without decoding) | {"ok", removed}
+--          covers [rows-1, rows] (it cannot be cut without decoding) | {"ok", removed,
+--          blob1, token1, ...}: the shared blobs the dropped segments referenced and their
+--          reference tokens, released by the caller (delete_rollout.lua)
 local key = KEYS[1]
 if redis.call('EXISTS', key) == 0 then return {} end
 local rows, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -16,7 +18,7 @@ for _, f in ipairs(redis.call('HKEYS', key)) do
     if a >= rows then drop[#drop + 1] = a .. ':' .. b end
   end
 end
-local gone = {}
+local gone, released = {}, {}
 for _, r in ipairs(drop) do gone[r] = true end
 for _, f in ipairs(redis.call('HKEYS', key)) do
   -- a chunked segment's chunk fields, k:<a>:<b>:... (r3_client/_stored.py)
@@ -29,7 +31,12 @@ for _, r in ipairs(drop) do
   redis.call('HINCRBY', key, 'b', -info[3])
   if info[4] then redis.call('HINCRBY', key, 'sb', -info[3]) end
   redis.call('HINCRBY', key, 'n', -1)
-  redis.call('HDEL', key, 's:' .. r, 'd:' .. r, 'h:' .. r, 'r:' .. r)
+  local blob = redis.call('HGET', key, 'r:' .. r)
+  if blob then
+    released[#released + 1] = blob
+    released[#released + 1] = redis.call('HGET', key, 't:' .. r) or ''
+  end
+  redis.call('HDEL', key, 's:' .. r, 'd:' .. r, 'h:' .. r, 'r:' .. r, 't:' .. r)
 end
 -- Views serving a dropped segment go with it; the others get the rollout's TTL.
 local keys = {key}
@@ -45,4 +52,6 @@ end
 for _, k in ipairs(keys) do
   if ttl > 0 then redis.call('PEXPIRE', k, ttl) else redis.call('PERSIST', k) end
 end
-return {'ok', #drop}
+local out = {'ok', #drop}
+for _, v in ipairs(released) do out[#out + 1] = v end
+return out

@@ -26,20 +26,26 @@ Redis and on a cluster.  Fields:
   duplicate;
 * ``h:<a>:<b>`` — segment info, msgpack ``[segment (range, model, weight version,
   token digest), codec, frame bytes, shared]``;
-* ``r:<a>:<b>`` — for a *shared* segment, the blob key holding its frame;
+* ``r:<a>:<b>`` — for a *shared* segment, the blob key holding its frame, and
+  ``t:<a>:<b>`` the token of the reference this rollout holds in that blob;
 * ``c:<digest>`` — a format-v2 context (E, K, layer ids, relabel table), stored by the
   frame that carries it; a continuation frame names it and is refused until it is there;
 * ``b`` / ``sb`` / ``n`` — total frame bytes / bytes of shared segments / segment count.
 
-GRPO prompt dedupe: a segment with a token digest is stored once per
-(namespace, E, K, layers, range, model id, weight version, token digest) in a
-blob hash ``<prefix>[:<namespace>]:blob:{<sha>}`` (fields ``f``, the frame or its head,
-``d``, its content digest, and the chunk fields of a chunked frame) and referenced from
-every rollout that puts it, so the n samples of one prompt keep one copy of the prompt's
-rows.  If two writers send different rows under the same share key (non-deterministic
-numerics), the second keeps its own copy: sharing never changes what a rollout reads.  A
-blob's TTL is kept at least as long as that of every rollout referencing it (refreshed on
-each put and touch); deleting a rollout leaves shared blobs to expire.
+GRPO prompt dedupe: a segment put as shared (``share``; by default one from row 0) with a
+token digest is stored once per (namespace, E, K, layers, range, model id, weight version,
+token digest) in a blob hash ``<prefix>[:<namespace>]:blob:{<sha>}`` (fields ``f``, the
+frame or its head, ``d``, its content digest, the chunk fields of a chunked frame, and one
+``x:<token>`` per referencing put with ``rc`` their count) and referenced from every
+rollout that puts it, so the n samples of one prompt keep one copy of the prompt's rows.
+If two writers send different rows under the same share key (non-deterministic numerics),
+the second keeps its own copy: sharing never changes what a rollout reads.  A reference is
+taken (``put_blob.lua``) before the rollout points at the blob and released
+(``unref_blob.lua``) after the pointer is gone (delete, drop, rewind, a refused put); the
+release that leaves none deletes the blob, so deletes free what they remove
+(docs/store.md, "GRPO prompt dedupe").  A blob's TTL is kept at least as long as that of
+every rollout referencing it (refreshed on each put and touch): the backstop for a
+reference a crashed writer left behind.
 
 Durability (``StoreSettings.durability``): ``ack`` answers once Redis has applied a
 write (what survives a crash is then up to that Redis's AOF policy); ``replicas``

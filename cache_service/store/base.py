@@ -8,10 +8,10 @@ import asyncio
 import copy
 import hashlib
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import Self
+from typing import TYPE_CHECKING, Any, Self
 
 import msgpack
 import redis.asyncio as aioredis
@@ -51,6 +51,18 @@ def _load(name: str) -> str:
 class StoreBase:
     """Connection, scripts, namespace and keys: what every part of the store shares."""
 
+    if TYPE_CHECKING:  # DurableWrites (durability.py) implements it
+
+        async def _write(
+            self,
+            key: str,
+            script: Any,
+            args: Sequence[Any],
+            acked: Callable[[Any], bool],
+            *,
+            keys: Sequence[str] = (),
+        ) -> Any: ...
+
     def __init__(self, client: RedisClient, settings: StoreSettings) -> None:
         self._r = client
         self.settings = settings
@@ -61,6 +73,7 @@ class StoreBase:
         self._rewind = client.register_script(_load("rewind_rollout.lua"))
         self._put_blob = client.register_script(_load("put_blob.lua"))
         self._keep_blob = client.register_script(_load("keep_blob.lua"))
+        self._unref_blob = client.register_script(_load("unref_blob.lua"))
         self._delete = client.register_script(_load("delete_rollout.lua"))
         self._drop = client.register_script(_load("drop_consumed.lua"))
         self._view_put = client.register_script(_load("put_view.lua"))
@@ -95,6 +108,28 @@ class StoreBase:
     def _blob_key(self, meta: bytes, segment: Segment) -> str:
         share = hashlib.sha256(meta + msgpack.packb(segment.to_dict())).hexdigest()
         return f"{self._prefix}:blob:{{{share}}}"
+
+    async def _release(self, refs: Sequence[bytes | str]) -> int | None:
+        """Release blob references ``[blob key, token, …]`` (what the delete, drop and
+        rewind scripts answer, or the one a refused put took); the bytes the blobs this
+        deleted held (None when MEMORY is disabled).
+
+        Each blob lives in its own slot, so each release is its own script, run only after
+        the rollout's field that pointed at the blob is gone (or was never written).  The
+        caller holds a ``_guarded`` slot; sequential for the same reason as ``_keep_blobs``.
+        A token of ``""`` is a reference written before tokens were kept: that blob is left
+        to its TTL.
+        """
+        freed: int | None = 0
+        for blob, token in zip(refs[::2], refs[1::2], strict=True):
+            tok = token.decode() if isinstance(token, bytes) else token
+            if not tok:
+                continue
+            name = blob.decode() if isinstance(blob, bytes) else blob
+            released, mem = await self._write(name, self._unref_blob, [tok], lambda r: bool(r[0]))
+            if int(released) and freed is not None:
+                freed = None if int(mem) < 0 else freed + int(mem)
+        return freed
 
     @asynccontextmanager
     async def _guarded(self) -> AsyncIterator[None]:

@@ -6,18 +6,18 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
+from cache_service.store import cursor as drop_cursor
 from cache_service.store.base import StoreBase
-from r3_client import Deleted, DropResult, InvalidRequestError, R3Error, check_weight_version
+from r3_client import Deleted, DropResult, R3Error, check_weight_version
 from r3_client.wire import freed_total
 
 __all__ = ["StoreLifecycle"]
 
-_CURSOR = re.compile(r"([0-9]{1,4})\.([0-9]{1,20})")
 #: Redis glob's special characters, escaped in a namespace's key pattern.
 _GLOB = re.compile(r"([*?\[\]\\])")
 
@@ -33,25 +33,17 @@ class StoreLifecycle(StoreBase):
     ``_write`` (a script run, then the durability wait) every delete goes through.
     """
 
-    if TYPE_CHECKING:
-
-        async def _write(
-            self,
-            key: str,
-            script: Any,
-            args: Sequence[Any],
-            acked: Callable[[Any], bool],
-            *,
-            keys: Sequence[str] = (),
-        ) -> Any: ...
-
     async def remove(self, rollout_id: str) -> Deleted:
-        """Delete a rollout and its views; whether it existed and the bytes Redis freed."""
+        """Delete a rollout and its views, then release the shared blobs it referenced
+        (a blob no other rollout references goes with it); whether it existed and the bytes
+        Redis freed, blobs included."""
         key = self.key(rollout_id)
         async with self._guarded():
             res = await self._write(key, self._delete, [], lambda r: bool(r[0]))
-        existed = bool(int(res[0]))
-        return Deleted(rollout_id, existed, _freed(int(res[1])) if existed else 0)
+            if not int(res[0]):
+                return Deleted(rollout_id, False, 0)
+            blobs = await self._release(res[2:])
+        return Deleted(rollout_id, True, freed_total((_freed(int(res[1])), blobs)))
 
     async def delete(self, rollout_id: str) -> bool:
         """Delete a rollout; True if it existed."""
@@ -135,20 +127,19 @@ class StoreLifecycle(StoreBase):
         """
         upto = check_weight_version(upto)
         node, scan_cursor = 0, 0
+        secret = self.settings.cursor_secret.encode()  # a cursor is this store's answer
         if cursor:
-            m = _CURSOR.fullmatch(cursor)
-            if m is None or int(m.group(2)) >= 1 << 64:
-                raise InvalidRequestError(
-                    f"cursor {cursor[:40]!r} is not one a drop answered: pass the answer's "
-                    "cursor, or none to start"
-                )
-            node, scan_cursor = int(m.group(1)), int(m.group(2))
+            node, scan_cursor = drop_cursor.parse(secret, self._prefix, upto, cursor)
         gate = asyncio.Semaphore(concurrency)
 
         async def one(key: str) -> tuple[int, int]:
             async with gate, self._guarded():
                 res = await self._write(key, self._drop, [str(upto)], lambda r: int(r[0]) == 1)
-            return int(res[0]), int(res[1]) if int(res[0]) == 1 else 0
+                if int(res[0]) != 1:
+                    return int(res[0]), 0
+                blobs = await self._release(res[2:])
+            freed = freed_total((_freed(int(res[1])), blobs))
+            return 1, -1 if freed is None else freed
 
         dropped = newer = unversioned = examined = 0
         freed: int | None = 0
@@ -172,6 +163,5 @@ class StoreLifecycle(StoreBase):
                 node += 1
             if examined >= max_rollouts or time.monotonic() >= stop:
                 # the next node may not exist: the next call then answers done at once
-                return DropResult(
-                    dropped, newer, unversioned, freed, examined, f"{node}.{scan_cursor}"
-                )
+                nxt = drop_cursor.issue(secret, self._prefix, upto, node, scan_cursor)
+                return DropResult(dropped, newer, unversioned, freed, examined, nxt)

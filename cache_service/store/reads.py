@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 from redis.asyncio.cluster import RedisCluster
@@ -142,7 +142,7 @@ class StoreReads(StoreBase):
                 seg_start, seg_end = int(a), int(b)
                 value: Stored = v
                 if v[:1] == b"@":  # shared segment: read in the blob's own slot
-                    value = await self._blob(rollout_id, v[1:].decode(), want, layers)
+                    value = await self._blob(rollout_id, key, f, v, want, layers)
                 elif is_frame_head(v):
                     value = Chunked(v, pieces.get((seg_start, seg_end), {}))
                 segments.append((seg_start, seg_end, value))
@@ -165,19 +165,28 @@ class StoreReads(StoreBase):
     async def _blob(
         self,
         rollout_id: str,
-        blob: str,
+        key: str,
+        field: bytes,
+        pointer: bytes,
         spans: Sequence[tuple[int, int | None]],
         layers: Sequence[int] | None,
     ) -> Stored:
         """A shared segment's frame (or its head and the chunks ``spans`` and ``layers``
         need), read from its blob: the frame field and the field names in one round trip,
-        the wanted chunks in a second."""
+        the wanted chunks in a second.
+
+        A blob is deleted only after the last rollout pointing at it is gone, so a blob
+        missing here means the rollout was deleted (or dropped, or rewound) while this
+        read ran: :class:`RolloutNotFoundError`, not damage.  Only a rollout that still
+        points at a missing blob (it outlived the blob's TTL) is a :class:`StoreError`.
+        """
+        blob = pointer[1:].decode()
         pipe = self._r.pipeline(transaction=False)
         pipe.hget(blob, "f")
         pipe.hkeys(blob)
         value, names = await pipe.execute()
         if not isinstance(value, bytes):
-            raise StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
+            await self._blob_gone(rollout_id, key, field, pointer)
         if not is_frame_head(value):
             return value
         wanted = [
@@ -187,8 +196,17 @@ class StoreReads(StoreBase):
         ]
         got_values: list[Any] = await self._r.hmget(blob, [f for f, _ in wanted]) if wanted else []
         if any(v is None for v in got_values):
-            raise StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
+            await self._blob_gone(rollout_id, key, field, pointer)
         return Chunked(value, {i: v for (_, i), v in zip(wanted, got_values, strict=True)})
+
+    async def _blob_gone(self, rollout_id: str, key: str, field: bytes, pointer: bytes) -> NoReturn:
+        """Raise what a missing blob means: the rollout left the store mid-read (it no
+        longer points at the blob), or the blob expired under it."""
+        if await self._r.hget(key, field) != pointer:
+            raise RolloutNotFoundError(
+                f"rollout {rollout_id} not found (deleted while it was being read)"
+            )
+        raise StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
 
     async def get_frame(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -264,7 +265,13 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
 
     # ---- writes ------------------------------------------------------------------------
     async def put_segment(
-        self, rollout_id: str, frame: bytes, *, ttl_s: int | None = None, view: int | None = None
+        self,
+        rollout_id: str,
+        frame: bytes,
+        *,
+        ttl_s: int | None = None,
+        view: int | None = None,
+        share: bool | None = None,
     ) -> PutResult:
         """Check ``frame``'s header and store it unchanged as one segment of ``rollout_id``.
 
@@ -281,51 +288,85 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
         ``view``: store the frame as rows of the rollout's *view* serving row ``view``
         (docs/store.md, "Views"): rows the engine recomputed, at or below ``view``, that
         the tokens of the segment starting at ``view`` attended to.
+
+        ``share``: keep the frame in a blob shared by every rollout that puts the same
+        segment (GRPO prompt dedupe; docs/store.md): True for a segment the writer knows
+        others share (the engine: a GRPO group's prompt), False for one it knows they do
+        not, None for the store's rule, which shares a segment from row 0 only (a later
+        segment's share key holds its rollout's own trajectory, so nobody shares it).  A
+        frame without a token digest, or with dedupe off, is always stored privately;
+        views are never shared (:class:`InvalidRequestError` for ``share=True``).
         """
         if view is not None:
+            if share:
+                raise InvalidRequestError(
+                    "a view is never shared: its rows are what one call recomputed, and "
+                    "they live and go with its rollout; put it without share"
+                )
             return await self._put_view(rollout_id, frame, view, ttl_s)
         key = self.key(rollout_id)
         ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
         if ttl < 0:
             raise InvalidRequestError(f"ttl must be >= 0 seconds, got {ttl}")
-        return await self._put_at(rollout_id, key, frame, ttl, self.settings.max_gap_rows)
+        return await self._put_at(
+            rollout_id, key, frame, ttl, self.settings.max_gap_rows, share=share
+        )
 
     async def _put_at(
-        self, rollout_id: str, key: str, frame: bytes, ttl: int, max_gap: int, *, share: bool = True
+        self,
+        rollout_id: str,
+        key: str,
+        frame: bytes,
+        ttl: int,
+        max_gap: int,
+        *,
+        share: bool | None = None,
     ) -> PutResult:
-        """Store ``frame`` as one segment of the hash at ``key`` (a rollout's or a view's).
+        """Store ``frame`` as one segment of the rollout hash at ``key``.
 
-        ``share``: keep a frame with a token digest once in a shared blob (GRPO prompts).
-        Views are never shared: ``touch`` extends the blobs a rollout's own segments
-        reference, and a view's blob must not expire before the view.
+        A shared segment is two scripts in two slots, ordered so that no rollout ever
+        points at a missing blob: ``put_blob.lua`` stores the blob (or finds it) and takes
+        a reference with a fresh token, then ``put_segment.lua`` writes the rollout's
+        pointer and the token beside it.  When the rollout does not keep that reference
+        (refused, or a duplicate of a segment stored earlier) it is released again.  If
+        the rollout write itself fails (Redis gone, a wait unconfirmed) the reference is
+        kept, since the pointer may have been written: at worst a blob outlives its last
+        rollout until its TTL.
         """
         hdr, context = await self._checked_header(rollout_id, key, frame)
         assert hdr.segment is not None
         segment = hdr.segment
         meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
         value, chunks = self._stored_form(frame, hdr)
-        ref, dedupe_hit = "", False
+        ref, token, dedupe_hit = "", "", False
+        if share is None:
+            share = segment.start == 0
         async with self._guarded():
             if share and segment.tokens_digest and self.settings.dedupe:
-                blob = self._blob_key(meta, segment)
+                blob, token = self._blob_key(meta, segment), secrets.token_hex(8)
                 shared = await self._write(
                     blob,
                     self._put_blob,
-                    [value, hdr.digest, ttl * 1000, *chunks],
+                    [value, hdr.digest, ttl * 1000, token, key, *chunks],
                     _BLOB_ACKED.__contains__,
                 )
                 if shared in (b"new", b"same"):
                     value, ref, dedupe_hit = b"@" + blob.encode(), blob, shared == b"same"
                     chunks = []  # they live in the blob
+                else:
+                    token = ""  # no reference taken: a private copy
             info = msgpack.packb(
                 [segment.to_dict(), hdr.codec, len(frame), bool(ref)], use_bin_type=True
             )
             args = [meta, segment.start, segment.end, value, hdr.digest, info, ttl * 1000]
             args += [self.settings.max_segments, len(frame), ref, *context]
-            args += [max_gap, self.settings.max_rollout_gap_rows, *chunks]
+            args += [max_gap, self.settings.max_rollout_gap_rows, token, *chunks]
             res = await self._write(key, self._put, args, lambda r: r[0] in _PUT_ACKED)
-            if res[0] in (b"stored", b"duplicate"):
-                await self._keep_blobs(res[1:], ttl * 1000)
+            acked = res[0] in _PUT_ACKED
+            if token and not (acked and res[1] == b"1"):
+                await self._release([ref, token])
+            if acked:
+                await self._keep_blobs(res[2:], ttl * 1000)
         status = res[0].decode()
         if status == "stored" or status == "duplicate":
             hit = dedupe_hit and status == "stored"
@@ -578,6 +619,8 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
         ttl = self.settings.default_ttl_s if ttl_s is None else ttl_s
         async with self._guarded():
             res = await self._write(key, self._rewind, [rows, ttl * 1000], bool)
+            if res and res[0] == b"ok":
+                await self._release(res[2:])  # the dropped segments' shared blobs
         if not res:
             raise RolloutNotFoundError(f"rollout {rollout_id} not found")
         if res[0] == b"straddle":

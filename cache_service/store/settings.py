@@ -3,8 +3,9 @@ done) and the rule for tenant namespace names."""
 
 from __future__ import annotations
 
+import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from r3_client import InvalidRequestError
 
@@ -39,6 +40,13 @@ class StoreSettings:
     in the segment's field and each chunk in a field of its own (a ranged read fetches
     only the chunks it needs), ``whole`` keeps the frame in one field (what services
     before issue 44 read).  Reads take both (docs/store.md, "Layout").
+
+    ``cursor_secret`` keys the tag a drop's cursor carries (:mod:`cache_service.store.cursor`):
+    a cursor the store did not answer is refused.  Every replica of the service must have
+    the same one.  Empty (the default) derives it from what the replicas of one deployment
+    share, the key prefix and the Redis URL (its password included): no configuration, but
+    whoever knows both can forge a cursor.  An operator sets it to a secret
+    (``R3_CACHE_DROP_CURSOR_SECRET``) so that clients cannot.
     """
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -60,8 +68,12 @@ class StoreSettings:
     max_rollout_bytes: int = 1 << 31
     max_views: int = 256
     layout: str = "chunked"
+    cursor_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        if not self.cursor_secret:
+            derived = f"r3-drop-cursor\0{self.key_prefix}\0{self.redis_url}".encode()
+            object.__setattr__(self, "cursor_secret", hashlib.sha256(derived).hexdigest())
         if self.layout not in STORE_LAYOUTS:
             raise ValueError(f"layout must be one of {STORE_LAYOUTS}, not {self.layout!r}")
         if self.durability not in DURABILITY_MODES:

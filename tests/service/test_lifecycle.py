@@ -19,6 +19,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from cache_service.redis_proc import RedisProcess, free_port
 from cache_service.store import SegmentStore, StoreSettings
+from cache_service.store import cursor as drop_cursor
 from r3_client import (
     Deleted,
     InvalidRequestError,
@@ -76,9 +77,9 @@ async def test_delete_many_answers_every_id_and_frees_what_redis_held(
     assert got[0] == got[2]  # named twice, deleted once, answered the same
     assert deleted[1].freed_bytes == 0
     assert all((g.freed_bytes or 0) > 2000 for g in deleted if g.existed)
-    # views went with their rollouts; shared prompt blobs stay until their TTL (others may
-    # reference them)
-    assert {k for k in await _keys(store) if b":blob:" not in k} == set()
+    # views went with their rollouts, and the shared prompt blobs with the last rollout
+    # referencing them (issue 52)
+    assert await _keys(store) == set()
     for r in ids[:4]:
         with pytest.raises(RolloutNotFoundError):
             await store.stat(r)
@@ -172,9 +173,75 @@ async def test_drop_refuses_a_cursor_it_did_not_answer(store: SegmentStore, curs
         await store.drop_consumed(3, cursor)
 
 
+def _cursor(st: SegmentStore, upto: int, node: int, scan: int) -> str:
+    """The cursor ``st`` answers for that position of a drop up to ``upto``."""
+    return drop_cursor.issue(st.settings.cursor_secret.encode(), st._prefix, upto, node, scan)
+
+
 async def test_a_cursor_past_the_last_node_ends_the_walk(store: SegmentStore) -> None:
-    res = await store.drop_consumed(3, "99.0")
+    res = await store.drop_consumed(3, _cursor(store, 3, 99, 0))
     assert res.done and res.examined == 0
+
+
+async def test_drop_refuses_made_up_and_forged_cursors(store: SegmentStore) -> None:
+    """Well-formed positions nobody answered, tags that do not match, another namespace's
+    cursor, another weight version's and another secret's: each refused, nothing read."""
+    ids = [rid() for _ in range(6)]
+    for r in ids:
+        await _put(store, r, ("1",))
+    part = await store.drop_consumed(0, max_rollouts=1, scan_count=1)  # drops nothing
+    assert part.cursor and part.dropped == 0
+    node, scan, tag = part.cursor.split(".")
+    other = store.for_namespace("othertenant")
+    twin = StoreSettings(
+        redis_url=store.settings.redis_url,
+        cluster=store.settings.cluster,
+        key_prefix=store.settings.key_prefix,
+        cursor_secret="another-secret-0123456789",
+    )
+    stranger = await SegmentStore.connect(twin)
+    flipped = tag[:-1] + ("0" if tag[-1] != "0" else "1")
+    refused = [
+        (store, 3, c)
+        for c in (
+            "0.12345",
+            "9999.99",
+            "0.18446744073709551615",
+            f"0.12345.{tag}",  # a real tag on a position it was not issued for
+            f"{node}.{scan}.{flipped}",
+            f"{node}.{scan}.{'0' * 32}",
+            f"{node}.{scan}.{tag.upper()}",
+            f"0{node}.{scan}.{tag}",  # one position, one spelling
+            f"{node}.{scan}.{tag}0",
+        )
+    ]
+    refused += [
+        (store, 3, part.cursor),  # issued for upto 0
+        (other, 0, part.cursor),  # another namespace
+        (stranger, 0, part.cursor),  # a replica with another secret
+    ]
+    for st, upto, cursor in refused:
+        with pytest.raises(InvalidRequestError, match="cursor"):
+            await st.drop_consumed(upto, cursor)
+    for r in ids:
+        assert (await store.stat(r)).num_rows == 40  # nothing lost
+    # a replica with the same settings (the default secret: derived from them) resumes it
+    same = await SegmentStore.connect(
+        StoreSettings(
+            redis_url=store.settings.redis_url,
+            cluster=store.settings.cluster,
+            key_prefix=store.settings.key_prefix,
+        )
+    )
+    assert same.settings.cursor_secret == store.settings.cursor_secret
+    res, calls = await same.drop_consumed(0, part.cursor, max_rollouts=1, scan_count=1), 1
+    while not res.done:  # an answered cursor resumes, and the walk ends
+        res = await same.drop_consumed(0, res.cursor, max_rollouts=1, scan_count=1)
+        calls += 1
+        assert calls < 1000
+    await same.close()
+    await stranger.close()
+    await store.delete_many(ids)
 
 
 async def test_a_writer_racing_the_drop_never_leaves_half_a_rollout(store: SegmentStore) -> None:

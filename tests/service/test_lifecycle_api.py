@@ -12,6 +12,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -325,3 +326,123 @@ def test_the_operator_commands(
             c.stat(old)
         assert c.stat(kept).num_rows == 40
         c.delete(kept)
+
+
+def test_an_empty_batch_delete_is_refused_on_both_transports(svc: Service) -> None:
+    with svc.http(KEY_A) as h:
+        resp = h.post("/v1/batch/delete", json={"rollout_ids": []})
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error"]["code"] == "invalid_request"
+    assert "rollout_ids" in resp.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as info:
+        svc.stub().BatchDelete(pb.BatchDeleteRequest(rollout_ids=[]), metadata=grpc_md())
+    err: Any = info.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rollout_ids" in err.details() and "at least 1" in err.details()
+    assert dict(err.trailing_metadata())["r3-error-code"] == "invalid_request"
+
+
+@pytest.mark.parametrize("value", ["5", True, False, 5.0, "", None, [5], {"n": 5}])
+def test_drop_max_rollouts_is_a_strict_integer(svc: Service, value: object) -> None:
+    """``max_rollouts`` is a JSON integer or absent: ``"5"`` and ``true`` are not counts
+    (``null`` is absent: the service's bound)."""
+    r = rid()
+    with RoutingClient(svc.http_url, api_key=KEY_A) as c:
+        _put(c, r, ("1",))
+        with svc.http(KEY_A) as h:
+            resp = h.post("/v1/drop-consumed", json={"upto": 3, "max_rollouts": value})
+        if value is None:
+            assert resp.status_code == 200, resp.text
+        else:
+            assert resp.status_code == 422, (value, resp.text)
+            assert resp.json()["error"]["code"] == "invalid_request"
+            assert "max_rollouts" in resp.json()["error"]["message"]
+            assert c.stat(r).num_rows == 40  # nothing read, nothing lost
+        c.delete(r)
+
+
+@pytest.mark.parametrize("value", [0, -1, -(1 << 63), 4097, 1 << 20, (1 << 63) - 1])
+def test_drop_max_rollouts_out_of_range_is_refused_alike(svc: Service, value: int) -> None:
+    """Past ``R3_CACHE_DROP_MAX_ROLLOUTS`` (4,096) or below 1: HTTP's 400 and gRPC's
+    INVALID_ARGUMENT say the same, and nothing is dropped."""
+    r = rid()
+    with RoutingClient(svc.http_url, api_key=KEY_A) as c:
+        _put(c, r, ("1",))
+        with svc.http(KEY_A) as h:
+            resp = h.post("/v1/drop-consumed", json={"upto": 3, "max_rollouts": value})
+        assert resp.status_code == 400, resp.text
+        http_msg = resp.json()["error"]["message"]
+        assert "max_rollouts must be between 1 and" in http_msg
+        req = pb.DropConsumedRequest(upto="3", max_rollouts=value)
+        with pytest.raises(grpc.RpcError) as info:
+            svc.stub().DropConsumed(req, metadata=grpc_md())
+        err: Any = info.value
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == http_msg
+        with pytest.raises(InvalidRequestError, match="max_rollouts"):
+            c.drop_consumed(3, max_rollouts=value)
+        assert c.stat(r).num_rows == 40
+        c.delete(r)
+
+
+@pytest.mark.parametrize(
+    "cursor", ["0.12345", "9999.99", "0.18446744073709551615", "0.12345." + "0" * 32]
+)
+def test_a_made_up_cursor_is_refused_on_both_transports(svc: Service, cursor: str) -> None:
+    """Well-formed positions the service never answered: a 400 / INVALID_ARGUMENT, and no
+    SCAN resumes there (nothing is dropped, though every rollout is up to the version)."""
+    r = rid()
+    with RoutingClient(svc.http_url, api_key=KEY_A) as c:
+        _put(c, r, ("1",))
+        with svc.http(KEY_A) as h:
+            resp = h.post("/v1/drop-consumed", json={"upto": 3, "cursor": cursor})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "invalid_request"
+        assert "cursor" in resp.json()["error"]["message"]
+        req = pb.DropConsumedRequest(upto="3", cursor=cursor)
+        with pytest.raises(grpc.RpcError) as info:
+            svc.stub().DropConsumed(req, metadata=grpc_md())
+        err: Any = info.value
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "cursor" in err.details()
+        assert c.stat(r).num_rows == 40  # nothing dropped
+        c.delete(r)
+
+
+def test_a_cursor_is_good_only_for_its_namespace_and_version(svc: Service, transport: str) -> None:
+    """A cursor tenant A was answered is refused to tenant B and to a drop up to another
+    version, on both transports; A resumes with it and the walk ends."""
+    mine, theirs = [rid() for _ in range(6)], rid()
+    with RoutingClient(url_of(svc, transport), api_key=KEY_B) as b:
+        _put(b, theirs, ("1",))
+    with RoutingClient(url_of(svc, transport), api_key=KEY_A) as c:
+        for r in mine:
+            _put(c, r, ("1",))
+        part = c.drop_consumed(3, max_rollouts=1, max_calls=1)
+        assert part.cursor, part
+    for key, upto in ((KEY_B, "3"), (KEY_A, "4")):
+        with svc.http(key) as h:
+            resp = h.post("/v1/drop-consumed", json={"upto": upto, "cursor": part.cursor})
+        assert resp.status_code == 400, resp.text
+        assert "not one this service answered" in resp.json()["error"]["message"]
+        req = pb.DropConsumedRequest(upto=upto, cursor=part.cursor)
+        with pytest.raises(grpc.RpcError) as info:
+            svc.stub().DropConsumed(req, metadata=grpc_md(key))
+        err: Any = info.value
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with RoutingClient(url_of(svc, transport), api_key=KEY_B) as b:
+        assert b.stat(theirs).num_rows == 40  # B's rollouts: untouched
+        b.delete(theirs)
+    cursor, dropped, calls = part.cursor, part.dropped, 0
+    with svc.http(KEY_A) as h:
+        while cursor:  # the answered cursor resumes, over HTTP whatever the first call was
+            body = {"upto": 3, "cursor": cursor, "max_rollouts": 2}
+            resp = h.post("/v1/drop-consumed", json=body)
+            assert resp.status_code == 200, resp.text
+            cursor, dropped = resp.json()["cursor"], dropped + resp.json()["dropped"]
+            calls += 1
+            assert calls < 1000
+    assert dropped >= len(mine)
+    with RoutingClient(url_of(svc, transport), api_key=KEY_A) as c:
+        for r in mine:
+            with pytest.raises(RolloutNotFoundError):
+                c.stat(r)

@@ -142,3 +142,25 @@ def test_direct_read_secret_needs_real_entropy() -> None:
         with pytest.raises(ValidationError, match="token_urlsafe") as info:
             ServiceSettings(direct_read_secret=weak)
         assert weak not in str(info.value)
+
+
+def test_the_drop_cursor_secret_is_a_store_setting_every_replica_shares(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = "redis://:pw@redis.r3.svc:6379/0"
+    monkeypatch.setenv("R3_CACHE_DROP_CURSOR_SECRET", "s" * 24)
+    s = ServiceSettings()
+    assert s.store_settings(url).cursor_secret == "s" * 24
+    assert "s" * 24 not in repr(s) and "s" * 24 not in repr(s.store_settings(url))
+    monkeypatch.delenv("R3_CACHE_DROP_CURSOR_SECRET")
+    # unset: derived from what the replicas of one deployment share, the same on each
+    a, b = ServiceSettings().store_settings(url), ServiceSettings().store_settings(url)
+    assert a.cursor_secret == b.cursor_secret and len(a.cursor_secret) == 64
+    assert "pw" not in a.cursor_secret
+    for other in (
+        ServiceSettings(key_prefix="r3b").store_settings(url),
+        ServiceSettings().store_settings("redis://:pw@other:6379/0"),
+    ):
+        assert other.cursor_secret != a.cursor_secret
+    with pytest.raises(ValidationError, match="drop_cursor_secret"):
+        ServiceSettings(drop_cursor_secret="short")

@@ -6,9 +6,12 @@ view serving row 40).  Tokens ``1 … 40`` attended to the first computation, to
 ``41 … 100`` to the view's rows.  A 101-token sample replayed under one routing has some
 tokens off their state: ``generated`` gives tokens 41 … 100 the first computation (60
 tokens), ``latest`` gives tokens 1 … 40 the view's rows (40 tokens, every one attended to
-rows ``[0, t)`` and ``t > 0`` reaches the view's first row, 0); ``exact`` of the first
-state over 41 tokens has none, of the whole 101 tokens with no state given the same 60
-as ``generated``.  Each report is logged and counted.
+rows ``[0, t)`` and ``t > 0`` reaches the view's first row, 0); ``exact`` never has any:
+of the first state over 41 tokens nothing to expand, of the whole 101 tokens with no state
+given one sample the exact replay expands into two (one more sample of 41 tokens), counted
+under its own name (``expansion_totals``), never as off-state (issue 53: it was counted as
+60 off-state tokens, a false alarm on the default path).  Each report is logged and
+counted.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ import logging
 import pytest
 
 from r3_client import InvalidRequestError, RoutingClient, ShapeError
-from r3_client.rank_local import StepCheck, check_step, checked_totals, off_state_totals
+from r3_client.rank_local import (
+    StepCheck,
+    check_step,
+    checked_totals,
+    expansion_totals,
+    off_state_totals,
+)
 from r3_client.synthetic import synthetic_routing
 from tests.support.frames import LAYERS, TRAJ, E, K, frame_for, rid
 from tests.support.service_process import KEY_A, Service, url_of
@@ -85,22 +94,24 @@ def _ratio(policy: str) -> float | None:
 
 
 def test_a_step_with_views_reports_its_off_state_tokens(
-    service_single: Service, transport: str, caplog: pytest.LogCaptureFixture
+    service_single: Service, transport: str, step_check_logs: pytest.LogCaptureFixture
 ) -> None:
+    caplog = step_check_logs
     with RoutingClient(url_of(service_single, transport), api_key=KEY_A) as c:
         r = _store_with_view(c)
         plain = _plain(c, 30)
         assert [(v.serves, v.start, v.end) for v in c.stat(r).views] == [(40, 0, 40)]
-        for policy, num_tokens, states, off in (
-            ("generated", 101, None, 60),
-            ("latest", 101, None, 40),
-            ("exact", 41, [0], 0),
-            ("exact", 101, None, 60),
-            ("exact", 101, [40], 0),  # the second state: tokens 41 … 100, all on it
+        for policy, num_tokens, states, off, expanded in (
+            ("generated", 101, None, 60, (0, 0, 0)),
+            ("latest", 101, None, 40, (0, 0, 0)),
+            ("exact", 41, [0], 0, (0, 0, 0)),
+            ("exact", 101, None, 0, (1, 1, 41)),  # expanded: one more sample of 41 tokens
+            ("exact", 101, [40], 0, (0, 0, 0)),  # the second state: tokens 41 … 100, all on it
         ):
             before, prom_before, steps = _totals(policy), _prometheus(policy), _steps(policy)
+            cut_before = expansion_totals()
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger=LOGGER):
+            with caplog.at_level(logging.INFO):
                 both = None if states is None else [None, *states]
                 got = check_step(c, [plain, r], [31, num_tokens], view=policy, states=both)  # type: ignore[arg-type]
             assert got == StepCheck(
@@ -110,14 +121,29 @@ def test_a_step_with_views_reports_its_off_state_tokens(
                 off_state_tokens=off,
                 tokens=30 + num_tokens - 1,
                 policy=policy,
+                expanded_samples=expanded[0],
+                extra_samples=expanded[1],
+                extra_tokens=expanded[2],
             ), (policy, num_tokens, states)
+            cut = expansion_totals()
+            assert (cut["samples"], cut["extra_samples"], cut["extra_tokens"]) == tuple(
+                cut_before[k] + d
+                for k, d in zip(("samples", "extra_samples", "extra_tokens"), expanded, strict=True)
+            )
+            infos = [m for m in caplog.records if m.name == LOGGER and m.levelno == logging.INFO]
+            assert len(infos) == (1 if expanded[0] else 0)
+            if expanded[0]:
+                assert "1 of 2 samples span several routing states" in infos[0].getMessage()
+                assert "(1 more samples, 41 tokens forwarded again)" in infos[0].getMessage()
             # Every step checked is counted, off-state tokens or not.
             tokens = 30 + num_tokens - 1
             assert _steps(policy) == tuple(
                 n + d for n, d in zip(steps, (1, 2, tokens) * 2, strict=False)
             )
             assert _ratio(policy) in (None, off / tokens)
-            warned = [m for m in caplog.records if m.name == LOGGER]
+            warned = [
+                m for m in caplog.records if m.name == LOGGER and m.levelno >= logging.WARNING
+            ]
             after = _totals(policy)
             if not off:
                 assert warned == [] and after == before
@@ -134,7 +160,7 @@ def test_a_step_with_views_reports_its_off_state_tokens(
                 assert prom_after == (prom_before[0] + 1, prom_before[1] + off)
         # a step without views: nothing off, nothing logged
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger=LOGGER):
+        with caplog.at_level(logging.INFO):
             got = check_step(c, [plain], [31], view="generated")
         assert got == StepCheck(1, 0, 0, 0, 30, "generated")
         assert not [m for m in caplog.records if m.name == LOGGER]
@@ -159,3 +185,6 @@ def test_the_policy_and_states_are_checked(service_single: Service) -> None:
         assert "states start at rows [0, 40]" in msg
         assert f"sample 2 (rollout '{plain}') replays a state starting at row 5" in msg
         assert check_step(c, [plain, r], [31, 41], states=[0, None]).off_state_tokens == 0
+        # a state given whose sample reaches past it: refused here, as every fetch refuses it
+        with pytest.raises(ShapeError, match=r"replays the state of rows \[0, 40\) but its "):
+            check_step(c, [r], [101], states=[0])

@@ -275,9 +275,10 @@ async def test_grpo_prompt_segments_are_stored_once(store: SegmentStore) -> None
         assert np.array_equal(np.sort(got.indices[:100], -1), np.sort(prompt, -1))
         assert np.array_equal(np.sort(got.indices[100:], -1), np.sort(resp, -1))
     st = await store.stat(ids[0])
-    # every segment with a token digest is shareable; only the prompt was actually shared
-    assert [s.shared for s in st.segments] == [True, True]
-    assert st.shared_bytes == st.stored_bytes
+    # by the store's rule only a segment from row 0 is kept in a blob (issue 52: segments
+    # nobody shares are not blobs); the response is the rollout's own
+    assert [s.shared for s in st.segments] == [True, False]
+    assert st.shared_bytes == puts[0].nbytes < st.stored_bytes
     bare = await store.put_segment(rid(), encode_frame(prompt, num_experts=E, layer_ids=LAYERS))
     assert not bare.shared  # no digest: nothing to share by
     # same share key, different rows (non-deterministic numerics): a private copy, not a lie
