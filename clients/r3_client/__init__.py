@@ -26,6 +26,8 @@ from r3_client._exceptions import (
     ExpertIdError,
     FormatError,
     FrameError,
+    FrameworkImportError,
+    IntegrationError,
     InvalidRequestError,
     LimitExceededError,
     MegatronReplayError,
@@ -43,6 +45,7 @@ from r3_client._exceptions import (
     TransportError,
     TruncatedFrameError,
     UnsupportedFrameError,
+    UsageError,
 )
 from r3_client._lazy import lazy_attributes
 from r3_client._routing import (
@@ -113,6 +116,8 @@ __all__ = [
     "Frame",
     "FrameError",
     "FrameHeader",
+    "FrameworkImportError",
+    "IntegrationError",
     "InvalidRequestError",
     "LimitExceededError",
     "MegatronReplayError",
@@ -140,6 +145,7 @@ __all__ = [
     "TransportError",
     "TruncatedFrameError",
     "UnsupportedFrameError",
+    "UsageError",
     "ViewInfo",
     "ViewPolicy",
     "canonical_rows",

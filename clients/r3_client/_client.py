@@ -16,7 +16,7 @@ import asyncio
 import functools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing, closing
 from dataclasses import dataclass
@@ -155,14 +155,22 @@ class RoutingClient:
         segment: Segment | None = None,
         codec: CodecName = "auto",
         view: int | None = None,
+        share: bool | None = None,
     ) -> PutResult:
         """Store one segment: a :class:`Routing`, an array ``[rows, L, K]`` (with
         ``num_experts`` and ``layer_ids``), or an encoded frame.
 
         ``view``: store it as (part of) the rollout's view serving row ``view``: rows the
         engine recomputed below that row, which the tokens from that row on attended to
-        (what the SGLang extension writes; docs/store.md, "Views")."""
+        (what the SGLang extension writes; docs/store.md, "Views").
+
+        ``share``: True keeps the segment in a blob every rollout putting the same segment
+        shares (a GRPO group's prompt; it needs the segment's token digest, else it is kept
+        privately), False keeps it private, None leaves it to the store's rule (segments
+        from row 0 are shared); the answer's ``shared`` says which.  A view is never shared
+        (``share=True`` with ``view`` is an :class:`InvalidRequestError`)."""
         check_rollout_id(rollout_id)
+        opts = self._core.put_options(view, share)
         frame = self._core.frame(
             routing,
             num_experts=num_experts,
@@ -171,11 +179,7 @@ class RoutingClient:
             segment=segment,
             codec=codec,
         )
-        if view is None:
-            return PutResult.from_dict(self._retrying(lambda: self._t.put(rollout_id, frame)))
-        return PutResult.from_dict(
-            self._retrying(lambda: self._t.put(rollout_id, frame, view=view))
-        )
+        return PutResult.from_dict(self._retrying(lambda: self._t.put(rollout_id, frame, **opts)))
 
     def get_frame(
         self,
@@ -373,7 +377,7 @@ class RoutingClient:
         return_errors: bool = False,
         decode_workers: int = 2,
         view: ViewPolicy = "generated",
-    ) -> Iterator[Result]:
+    ) -> Generator[Result, None, None]:
         """``(rollout_id, Routing)`` for each id, streamed in request order.
 
         One batch request per ``chunk_size`` ids.  Every id is answered exactly
@@ -388,7 +392,7 @@ class RoutingClient:
         """
         self._core.check_range(start, end)
         if one_routing_policy(view) == "latest":
-            for rid, res in self.get_many(
+            generated = self.get_many(
                 rollout_ids,
                 start=start,
                 end=end,
@@ -397,15 +401,17 @@ class RoutingClient:
                 progress=progress,
                 return_errors=return_errors,
                 decode_workers=decode_workers,
-            ):
-                if isinstance(res, Routing):
-                    try:
-                        res = self._latest(rid, res, layers)
-                    except R3Error as exc:
-                        if not return_errors:
-                            raise
-                        res = exc
-                yield rid, res
+            )
+            with closing(generated):  # a refusal here releases the stream before it raises
+                for rid, res in generated:
+                    if isinstance(res, Routing):
+                        try:
+                            res = self._latest(rid, res, layers)
+                        except R3Error as exc:
+                            if not return_errors:
+                                raise
+                            res = exc
+                    yield rid, res
             return
         for rid, got in self._stream(
             rollout_ids,
@@ -430,7 +436,7 @@ class RoutingClient:
         return_errors: bool = False,
         decode_workers: int = 2,
         decode: Literal[True] = True,
-    ) -> Iterator[Result]: ...
+    ) -> Generator[Result, None, None]: ...
 
     @overload
     def get_ranges(
@@ -443,7 +449,7 @@ class RoutingClient:
         return_errors: bool = False,
         decode_workers: int = 2,
         decode: bool,
-    ) -> Iterator[tuple[str, Routing | FetchedRange | R3Error]]: ...
+    ) -> Generator[tuple[str, Routing | FetchedRange | R3Error], None, None]: ...
 
     def get_ranges(
         self,
@@ -455,7 +461,7 @@ class RoutingClient:
         return_errors: bool = False,
         decode_workers: int = 2,
         decode: bool = True,
-    ) -> Iterator[tuple[str, Routing | FetchedRange | R3Error]]:
+    ) -> Generator[tuple[str, Routing | FetchedRange | R3Error], None, None]:
         """``(rollout_id, Routing)`` for each ``(rollout_id, start, end[, state])`` read, in
         order: rows ``[start, end)`` of absolute MoE ``layers``.
 
@@ -770,9 +776,11 @@ class AsyncRoutingClient:
         segment: Segment | None = None,
         codec: CodecName = "auto",
         view: int | None = None,
+        share: bool | None = None,
     ) -> PutResult:
         """See :meth:`RoutingClient.put`."""
         check_rollout_id(rollout_id)
+        opts = self._core.put_options(view, share)
         frame = self._core.frame(
             routing,
             num_experts=num_experts,
@@ -781,10 +789,8 @@ class AsyncRoutingClient:
             segment=segment,
             codec=codec,
         )
-        if view is None:
-            return PutResult.from_dict(await self._retrying(lambda: self._t.put(rollout_id, frame)))
         return PutResult.from_dict(
-            await self._retrying(lambda: self._t.put(rollout_id, frame, view=view))
+            await self._retrying(lambda: self._t.put(rollout_id, frame, **opts))
         )
 
     async def get_frame(
@@ -952,7 +958,7 @@ class AsyncRoutingClient:
         end: int | None,
         layers: Sequence[int] | None,
         return_errors: bool,
-    ) -> AsyncIterator[Result]:
+    ) -> AsyncGenerator[Result, None]:
         cur = Cursor(self._core, chunk, return_errors, (start, end, layers))
         while cur.remaining:
             try:
@@ -984,7 +990,7 @@ class AsyncRoutingClient:
         progress: bool = False,
         return_errors: bool = False,
         view: ViewPolicy = "generated",
-    ) -> AsyncIterator[Result]:
+    ) -> AsyncGenerator[Result, None]:
         """``(rollout_id, Routing)`` as they arrive, ``concurrency`` batch streams at once.
 
         Order follows arrival (ids of one chunk stay in order).  At most
@@ -1003,22 +1009,31 @@ class AsyncRoutingClient:
         async def run(chunk: list[str]) -> None:
             async with gate:
                 try:
-                    async for res in self._chunk(chunk, start, end, layers, return_errors):
-                        if latest and isinstance(res[1], Routing):
-                            try:
-                                res = (res[0], await self._latest(res[0], res[1], layers))
-                            except R3Error as exc:
-                                if not return_errors:
-                                    raise
-                                res = (res[0], exc)
-                        await queue.put(res)
+                    # Closed on every exit, a cancel included (the consumer refused or went
+                    # away): its stream is released before the refusal reaches the caller,
+                    # never by the loop's finalizer of an abandoned generator.
+                    async with aclosing(
+                        self._chunk(chunk, start, end, layers, return_errors)
+                    ) as results:
+                        async for res in results:
+                            if latest and isinstance(res[1], Routing):
+                                try:
+                                    res = (res[0], await self._latest(res[0], res[1], layers))
+                                except R3Error as exc:
+                                    if not return_errors:
+                                        raise
+                                    res = (res[0], exc)
+                            await queue.put(res)
                 except Exception as exc:  # handed to the consumer, which re-raises
                     # Only Exception: a CancelledError (the consumer went away) must
                     # propagate, or this task would wait on a full queue forever.
                     await queue.put(exc)
 
+        workers: list[asyncio.Future[None]] = []
+
         async def produce() -> None:
-            await asyncio.gather(*(run(c) for c in chunks))
+            workers.extend(asyncio.ensure_future(run(c)) for c in chunks)
+            await asyncio.gather(*workers)
             await queue.put(None)
 
         producer = asyncio.ensure_future(produce())
@@ -1031,7 +1046,11 @@ class AsyncRoutingClient:
                 yield got
         finally:
             producer.cancel()
-            # Wait for the workers to finish unwinding, so none outlives the call
-            # (asyncio.wait neither raises the producer's CancelledError nor swallows ours).
-            await asyncio.wait([producer])
+            for worker in workers:
+                worker.cancel()
+            # Wait for every worker to finish unwinding (its stream closed), so none outlives
+            # the call: the producer's gather ends as soon as one worker is cancelled, while
+            # the others may still be closing theirs (asyncio.wait neither raises their
+            # CancelledError nor swallows ours).
+            await asyncio.wait([producer, *workers])
             bar.close()

@@ -19,6 +19,7 @@ from r3_client._exceptions import (
     ConnectError,
     FormatError,
     FrameError,
+    InvalidRequestError,
     LimitExceededError,
     ProtocolError,
     R3Error,
@@ -87,6 +88,24 @@ class ClientCore:
             segment=segment,
             codec=codec,
         )
+
+    @staticmethod
+    def put_options(view: int | None, share: bool | None) -> dict[str, Any]:
+        """A put's ``view`` and ``share``, checked before any I/O, as the transport's keyword
+        arguments (only those set: a transport without them still serves plain puts)."""
+        if share is not None and not isinstance(share, bool):
+            raise InvalidRequestError(f"share must be True, False or None, got {share!r}")
+        if view is not None and share:
+            raise InvalidRequestError(
+                "views are never shared: a view's rows are what one call recomputed; "
+                "put it without share"
+            )
+        opts: dict[str, Any] = {}
+        if view is not None:
+            opts["view"] = view
+        if share is not None:
+            opts["share"] = share
+        return opts
 
     @staticmethod
     def check_range(start: int, end: int | None) -> None:

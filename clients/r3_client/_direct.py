@@ -23,9 +23,9 @@ key pattern) are read only for the rollouts that have views, when the policy nee
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
@@ -177,7 +177,7 @@ class DirectReader:
 
     def fetch_many(
         self, rollout_ids: Sequence[str], *, chunk_size: int = 16, concurrency: int = 2
-    ) -> Iterator[tuple[str, list[bytes] | R3Error]]:
+    ) -> Generator[tuple[str, list[bytes] | R3Error], None, None]:
         """Each rollout's frames, in order: context frames (only those its continuation
         frames need), then its stored segment frames by start, as Redis returned them
         (no copy; ``b"".join(frames)`` is exactly what the service's whole-rollout GET
@@ -194,8 +194,9 @@ class DirectReader:
         redis-py parsing another (parsing holds the GIL, so more threads than that
         mostly wait for it); at most ``concurrency`` chunks wait for the consumer.
         """
-        for rid, got in self._reads(rollout_ids, None, chunk_size, concurrency):
-            yield rid, got if isinstance(got, R3Error) else [_whole(f) for f in got.frames]
+        with closing(self._reads(rollout_ids, None, chunk_size, concurrency)) as reads:
+            for rid, got in reads:
+                yield rid, got if isinstance(got, R3Error) else [_whole(f) for f in got.frames]
 
     def _reads(
         self,
@@ -204,21 +205,27 @@ class DirectReader:
         chunk_size: int,
         concurrency: int,
         wants: dict[str, _Want] | None = None,
-    ) -> Iterator[tuple[str, _Read | R3Error]]:
+    ) -> Generator[tuple[str, _Read | R3Error], None, None]:
         """:meth:`fetch_many`'s chunks in flight, each rollout with the views ``span``
         needs (:meth:`_fetch_chunk`); ``wants``: only the fields a ranged read of each
-        rollout needs (:meth:`_read_wanted`), instead of whole hashes."""
+        rollout needs (:meth:`_read_wanted`), instead of whole hashes.  Closed early (its
+        consumer refused a read), the chunks not yet started are dropped and those in
+        flight finish, so every connection is back in the pool when it returns."""
         ids = [check_rollout_id(r) for r in rollout_ids]
         chunks = [ids[i : i + chunk_size] for i in range(0, len(ids), max(1, chunk_size))]
         width = max(1, concurrency)
         with ThreadPoolExecutor(width, thread_name_prefix="r3-fetch") as pool:
             pending: deque[Future[list[tuple[str, _Read | R3Error]]]] = deque()
-            for chunk in chunks:
-                pending.append(pool.submit(self._fetch_chunk, chunk, span, wants))
-                if len(pending) >= width:
+            try:
+                for chunk in chunks:
+                    pending.append(pool.submit(self._fetch_chunk, chunk, span, wants))
+                    if len(pending) >= width:
+                        yield from pending.popleft().result()
+                while pending:
                     yield from pending.popleft().result()
-            while pending:
-                yield from pending.popleft().result()
+            finally:
+                for fut in pending:
+                    fut.cancel()
 
     def _fetch_chunk(
         self, chunk: list[str], span: _Span, wants: dict[str, _Want] | None = None
@@ -499,7 +506,13 @@ class DirectReader:
             return RolloutNotFoundError(f"rollout {rollout_id} not found")
         raw = sorted((int(f.split(b":")[1]), f, v) for f, v in fields.items() if f[:2] == b"s:")
         if any(not isinstance(v, bytes | Chunked) for _, _, v in raw):
-            return StoreError(f"rollout {rollout_id}: a shared segment's data has expired")
+            # A blob goes only after the last rollout pointing at it is gone (docs/store.md,
+            # "GRPO prompt dedupe"), so this rollout was deleted after its hash was read, or
+            # outlived its blob's TTL; one read cannot tell which.
+            return StoreError(
+                f"rollout {rollout_id}: a shared segment's data is gone (the rollout was "
+                "deleted while it was read, or its shared blob expired)"
+            )
         segments = [(a, _segment_value(f, v, fields)) for a, f, v in raw]
         planted = _context_in_segment(fields)
         if planted is not None:  # decoded, it would read as a gap of -1 rows
@@ -585,7 +598,7 @@ class DirectReader:
         workers: int = 2,
         concurrency: int = 2,
         view: ViewPolicy = "generated",
-    ) -> Iterator[Result]:
+    ) -> Generator[Result, None, None]:
         """``(rollout_id, Routing)`` for each id, in order: :meth:`fetch_many`, decoded and
         trimmed to ``[start, end)`` / ``layers``.  A rollout that cannot be read or
         decoded raises, or with ``return_errors`` is yielded as ``(id, R3Error)``.
@@ -617,9 +630,10 @@ class DirectReader:
             except R3Error as exc:
                 return exc
 
-        with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
+        reads = self._reads(rollout_ids, span, chunk_size, concurrency)
+        with closing(reads), ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
             pending: deque[tuple[str, Future[Routing | R3Error]]] = deque()
-            for rid, got in self._reads(rollout_ids, span, chunk_size, concurrency):
+            for rid, got in reads:
                 pending.append((rid, pool.submit(decode, rid, got)))
                 while len(pending) > 2 * width or (pending and pending[0][1].done()):
                     yield self._ready(pending.popleft(), return_errors)
@@ -642,7 +656,7 @@ class DirectReader:
         workers: int = 2,
         concurrency: int = 2,
         decode: Literal[True] = True,
-    ) -> Iterator[Result]: ...
+    ) -> Generator[Result, None, None]: ...
 
     @overload
     def get_ranges(
@@ -656,7 +670,7 @@ class DirectReader:
         workers: int = 2,
         concurrency: int = 2,
         decode: bool,
-    ) -> Iterator[tuple[str, Routing | FetchedRange | R3Error]]: ...
+    ) -> Generator[tuple[str, Routing | FetchedRange | R3Error], None, None]: ...
 
     def get_ranges(
         self,
@@ -669,7 +683,7 @@ class DirectReader:
         workers: int = 2,
         concurrency: int = 2,
         decode: bool = True,
-    ) -> Iterator[tuple[str, Routing | FetchedRange | R3Error]]:
+    ) -> Generator[tuple[str, Routing | FetchedRange | R3Error], None, None]:
         """``(rollout_id, Routing)`` for each ``(rollout_id, start, end[, state])`` read, in
         order, as :meth:`RoutingClient.get_ranges` answers it under the same ``view``
         (``exact`` by default: each read in its state, none past it).  ``decode=False``:
@@ -735,23 +749,22 @@ class DirectReader:
         for rid, a, b, _, _ in items:
             _add_span(wants.setdefault(rid, ([], layers))[0], a, b)
         fetched = self._reads(order, span, chunk_size, concurrency, wants)
-        try:
-            with ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
-                held: dict[str, _Read | R3Error] = {}  # rollouts with reads still to submit
-                pending: deque[tuple[str, Future[Routing | FetchedRange | R3Error]]] = deque()
-                for n, (rid, a, b, state, upto) in enumerate(items):
-                    if rid not in held:  # its first read in this window: the next fetched
-                        got_id, held[rid] = next(fetched)
-                        assert got_id == rid, (got_id, rid)
-                    got = held.pop(rid) if n in last else held[rid]
-                    pending.append((rid, pool.submit(answer, rid, got, a, b, state, upto)))
-                    del got  # the job holds the frames; the last one drops them
-                    while len(pending) > 2 * width or (pending and pending[0][1].done()):
-                        yield self._ready(pending.popleft(), return_errors)
-                while pending:
+        # Closed on every exit (a refusal, a consumer that stops): the reads in flight end
+        # and their connections return to the pool before this generator's caller goes on.
+        with closing(fetched), ThreadPoolExecutor(width, thread_name_prefix="r3-decode") as pool:
+            held: dict[str, _Read | R3Error] = {}  # rollouts with reads still to submit
+            pending: deque[tuple[str, Future[Routing | FetchedRange | R3Error]]] = deque()
+            for n, (rid, a, b, state, upto) in enumerate(items):
+                if rid not in held:  # its first read in this window: the next fetched
+                    got_id, held[rid] = next(fetched)
+                    assert got_id == rid, (got_id, rid)
+                got = held.pop(rid) if n in last else held[rid]
+                pending.append((rid, pool.submit(answer, rid, got, a, b, state, upto)))
+                del got  # the job holds the frames; the last one drops them
+                while len(pending) > 2 * width or (pending and pending[0][1].done()):
                     yield self._ready(pending.popleft(), return_errors)
-        finally:
-            del fetched  # the fetch generator's last reference: closed now, not with a traceback
+            while pending:
+                yield self._ready(pending.popleft(), return_errors)
 
     @staticmethod
     def _range_windows(
@@ -785,9 +798,10 @@ class DirectReader:
     ) -> Routing:
         """One rollout's routing, as :meth:`get_many` reads it (and as
         :meth:`RoutingClient.get` answers it, under the same ``view``)."""
-        ((_, routing),) = self.get_many(
-            [rollout_id], start=start, end=end, layers=layers, view=view, workers=1
-        )
+        with closing(
+            self.get_many([rollout_id], start=start, end=end, layers=layers, view=view, workers=1)
+        ) as answers:
+            ((_, routing),) = answers
         assert isinstance(routing, Routing)  # errors raise: return_errors is off
         return routing
 
@@ -805,7 +819,8 @@ class DirectReader:
         has some and the policy applies them)."""
         policy = check_policy(view)
         span: _Span = None if policy == "generated" else (0, None)
-        ((rid, got),) = self._reads([rollout_id], span, 1, 1)
+        with closing(self._reads([rollout_id], span, 1, 1)) as reads:
+            ((rid, got),) = reads
         if isinstance(got, R3Error):
             raise got
         outside = _outside(rid, 0, None, got.stored_end)

@@ -21,6 +21,9 @@
     ├── ServiceError                    an error answer with a code this library does not know
     ├── ReplayError (ValueError)        the trainer cannot replay routing as given (model, shapes)
     │   └── MegatronReplayError         Megatron-Core cannot replay as configured or as given
+    ├── UsageError (TypeError)          an argument of the wrong kind (a caller's bug)
+    ├── IntegrationError (RuntimeError) a framework not set up as its glue needs
+    │   └── FrameworkImportError        the framework a glue wraps cannot be imported (ImportError)
     └── TransportError                  the request failed on the way (it may not have arrived)
         ├── ConnectError                cannot connect (refused, DNS, TLS)
         ├── RequestTimeoutError         no complete answer within the timeout
@@ -46,6 +49,8 @@ __all__ = [
     "ExpertIdError",
     "FormatError",
     "FrameError",
+    "FrameworkImportError",
+    "IntegrationError",
     "InvalidRequestError",
     "LimitExceededError",
     "MegatronReplayError",
@@ -63,6 +68,7 @@ __all__ = [
     "TransportError",
     "TruncatedFrameError",
     "UnsupportedFrameError",
+    "UsageError",
     "error_for_code",
     "from_grpc",
     "from_httpx",
@@ -227,6 +233,26 @@ class MegatronReplayError(ReplayError):
     """Megatron-Core cannot replay routing as configured (e.g. fused routing) or as given."""
 
     code = "megatron_replay_error"
+
+
+class UsageError(R3Error, TypeError):
+    """An argument of the wrong kind given to the library (a required one left out, a source
+    without the method it is used for): a caller's bug, raised before anything is read."""
+
+    code = "usage_error"
+
+
+class IntegrationError(R3Error, RuntimeError):
+    """A framework is not set up as its glue needs: a hook installed twice, a hook whose
+    upstream signature moved, a model without routers, a process group of another size."""
+
+    code = "integration_error"
+
+
+class FrameworkImportError(IntegrationError, ImportError):
+    """The framework a glue wraps (or the class a path names) cannot be imported."""
+
+    code = "framework_import_error"
 
 
 class TransportError(R3Error):

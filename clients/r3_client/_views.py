@@ -140,11 +140,6 @@ def states_of(
     return out
 
 
-def state_starts(views: Sequence[ViewInfo], num_rows: int) -> list[int]:
-    """The first row of each state (:func:`states_of`): ``0`` and each view's ``serves``."""
-    return [a for a, _, _ in states_of(views, num_rows)]
-
-
 #: One ranged read: ``(rollout_id, start, end)``; with the first row of the state it is read
 #: under (``exact``; :func:`read_views`) as a fourth element; and, fifth, the end of the rows
 #: its sample spans (a rank reads part of a sample: ``exact`` refuses the read when the
@@ -279,13 +274,12 @@ def piece_sources(views: Sequence[ViewInfo], start: int, end: int) -> tuple[View
     return tuple(v for v in views if id(v) in won)
 
 
-def off_state_tokens(
-    views: Sequence[ViewInfo], num_rows: int, policy: str, state: int | None, num_tokens: int
-) -> int:
-    """How many of a sample's trained tokens are replayed with a routing other than the one
-    they attended to: the sample has ``num_tokens`` tokens (so rows ``[0, num_tokens - 1)``),
-    its rollout ``num_rows`` rows and applicable ``views``; it replays ``policy`` (under
-    ``exact``, its ``state``, and trains only the tokens after that state's first row).
+def off_state_tokens(views: Sequence[ViewInfo], num_rows: int, policy: str, num_tokens: int) -> int:
+    """How many of a sample's tokens a one-routing ``policy`` (``generated``: no view
+    applied; ``latest``: every view) replays with a routing other than the one they
+    attended to: the sample has ``num_tokens`` tokens (so rows ``[0, num_tokens - 1)``),
+    its rollout ``num_rows`` rows and applicable ``views``.  (``exact`` replays each state
+    with its own routing, or refuses: none of its tokens are off.)
 
     Token ``t`` (``1 <= t < num_tokens``) belongs to the state whose rows ``(a, b]`` hold
     ``t``; it attended to rows ``[0, t)`` with that state's views applied.  It is off its
@@ -293,34 +287,19 @@ def off_state_tokens(
     has a row below ``t``.  A view whose rows happen to equal the first computation still
     counts: which rows the engine recomputed is known, what they hold is not read here.
     """
+    if policy not in ("generated", "latest"):
+        raise InvalidRequestError(f"off_state_tokens counts a one-routing policy, not {policy!r}")
     rows = max(0, min(num_rows, num_tokens - 1))
     if rows == 0 or not views:
         return 0
-    all_views = tuple(views)
-    replayed: tuple[ViewInfo, ...] | None
-    first = 0
-    if policy == "generated":
-        replayed = ()
-    elif policy == "latest":
-        replayed = all_views
-    else:
-        replayed = None
-        first = 0 if state is None else int(state)
-        for a, _, applied in states_of(views, num_rows):
-            if a == first:
-                replayed = applied
-        if replayed is None:  # not a state of the rollout: every trained token is off
-            return max(0, rows - first)
+    replayed = () if policy == "generated" else tuple(views)
     off = 0
-    for a, b, applied in states_of(views, rows):
-        lo = max(a, first)  # tokens lo + 1 .. b are trained in this state
-        if lo >= b:
-            continue
+    for a, b, applied in states_of(views, rows):  # tokens a + 1 .. b are in this state
         differ = [v for v in set(applied) ^ set(replayed) if v.end > v.start]
         if not differ:
             continue
         low = min(v.start for v in differ)  # token t is off once t > low
-        off += max(0, b - max(lo, low))
+        off += max(0, b - max(a, low))
     return off
 
 
@@ -333,13 +312,17 @@ Steps: TypeAlias = Generator[ViewInfo, Routing, T]
 
 
 def run_steps(steps: Steps[T], rows_of: ViewRows) -> T:
-    """Drive ``steps``, reading each view it asks for with ``rows_of``; its answer."""
+    """Drive ``steps``, reading each view it asks for with ``rows_of``; its answer.  A read
+    that raises closes ``steps`` before the error goes on (the rows it holds let go then,
+    not when a traceback that keeps it is freed)."""
     try:
         v = next(steps)
         while True:
             v = steps.send(rows_of(v))
     except StopIteration as done:
         return cast(T, done.value)
+    finally:
+        steps.close()
 
 
 async def arun_steps(steps: Steps[T], rows_of: Callable[[ViewInfo], Awaitable[Routing]]) -> T:
@@ -350,6 +333,8 @@ async def arun_steps(steps: Steps[T], rows_of: Callable[[ViewInfo], Awaitable[Ro
             v = steps.send(await rows_of(v))
     except StopIteration as done:
         return cast(T, done.value)
+    finally:
+        steps.close()
 
 
 def served(

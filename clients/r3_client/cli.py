@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from contextlib import closing
 from dataclasses import asdict
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -69,7 +70,7 @@ def _get_many(args: argparse.Namespace) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     failed = 0
     with _client(args) as c:
-        for rid, res in c.get_many(
+        answers = c.get_many(
             ids,
             start=args.start,
             end=args.end,
@@ -77,12 +78,14 @@ def _get_many(args: argparse.Namespace) -> int:
             progress=True,
             return_errors=True,
             view=args.view,
-        ):
-            if isinstance(res, R3Error):
-                failed += 1
-                print(f"{rid}: {res.code}: {res}", file=sys.stderr)
-            else:
-                np.save(args.output / f"{rid}.npy", res.indices, allow_pickle=False)
+        )
+        with closing(answers):  # a failed write releases the stream before the client closes
+            for rid, res in answers:
+                if isinstance(res, R3Error):
+                    failed += 1
+                    print(f"{rid}: {res.code}: {res}", file=sys.stderr)
+                else:
+                    np.save(args.output / f"{rid}.npy", res.indices, allow_pickle=False)
     print(f"{len(ids) - failed} of {len(ids)} rollouts written to {args.output}")
     return 1 if failed else 0
 

@@ -25,28 +25,32 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from r3_client._answers import RolloutInfo
 from r3_client._exceptions import InvalidRequestError, R3Error, RolloutNotFoundError, ShapeError
 from r3_client._fetched import FetchedRange
 from r3_client._kernels import native as _native
-from r3_client._routing import Routing, check_rollout_id, token_digest
+from r3_client._routing import Routing, check_rollout_id
+from r3_client._step_check import (
+    StatsInHand,
+    StatSource,
+    StepCheck,
+    check_step,
+    checked_totals,
+    count_replay,
+    expansion_totals,
+    off_state_totals,
+)
 from r3_client._views import (
     RangeRead,
     ViewPolicy,
-    applicable_views,
     check_policy,
-    off_state_tokens,
-    state_starts,
 )
 from r3_client.codec.into import IntoPlan
 from r3_client.layouts import (
@@ -69,6 +73,8 @@ __all__ = [
     "StepCheck",
     "check_step",
     "checked_totals",
+    "count_replay",
+    "expansion_totals",
     "fetch_megatron_rank_batch",
     "fetch_plan_rows",
     "fetch_verl_rank_slice",
@@ -96,42 +102,6 @@ class RangeSource(Protocol):
         order, under ``view`` (:meth:`RoutingClient.get_ranges
         <r3_client.RoutingClient.get_ranges>`)."""
         ...
-
-
-class StatSource(Protocol):
-    """What :func:`check_step` asks: a rollout's stat."""
-
-    def stat(self, rollout_id: str) -> RolloutInfo:
-        """What is stored for the rollout."""
-        ...
-
-
-class StatsInHand:
-    """A :class:`StatSource` answering from stats already read (``None`` or a
-    :class:`~r3_client.RolloutNotFoundError`: not stored), so one batched stat serves
-    several checks of a step (:func:`check_step`, :func:`r3_client.expand_states`)."""
-
-    def __init__(self, infos: dict[str, RolloutInfo | R3Error | None]) -> None:
-        self.infos = infos
-
-    def stat(self, rollout_id: str) -> RolloutInfo:
-        """The stat in hand, or the error its read answered."""
-        info = self.infos[rollout_id]
-        if info is None:
-            raise RolloutNotFoundError(f"rollout {rollout_id!r} not found")
-        if isinstance(info, R3Error):
-            raise info
-        return info
-
-    def stat_many(self, rollout_ids: Sequence[str]) -> list[RolloutInfo | R3Error]:
-        """Each stat in hand or its error, in order (no threads, no I/O)."""
-        out: list[RolloutInfo | R3Error] = []
-        for rid in rollout_ids:
-            try:
-                out.append(self.stat(rid))
-            except R3Error as exc:
-                out.append(exc)
-        return out
 
 
 def _who(i: int, rid: str) -> str:
@@ -316,16 +286,17 @@ def fetch_plan_rows(
     kw: dict[str, Any] = {"decode": False} if _takes_decode(type(source)) else {}
     answers = source.get_ranges(reads, layers=layers, view=policy, return_errors=True, **kw)
     planned: list[tuple[int, int, int, int, FetchedRange, IntoPlan]] = []
-    for (i, a, b, at), (_, got) in zip(runs, answers, strict=True):
-        if isinstance(got, FetchedRange):
-            into = got.plan()
-            if into is not None:
-                target(i, into.layer_ids, into.topk)
-                if at >= 0:  # (a run that only says the layers and K places no row)
-                    planned.append((i, a, b, at, got, into))
-                continue
-            got = got.routing()
-        place(i, a, b, at, _checked(got, i, ids[i], a, b, plan))
+    with _released(answers):
+        for (i, a, b, at), (_, got) in zip(runs, answers, strict=True):
+            if isinstance(got, FetchedRange):
+                into = got.plan()
+                if into is not None:
+                    target(i, into.layer_ids, into.topk)
+                    if at >= 0:  # (a run that only says the layers and K places no row)
+                        planned.append((i, a, b, at, got, into))
+                    continue
+                got = got.routing()
+            place(i, a, b, at, _checked(got, i, ids[i], a, b, plan))
     if planned:
         assert local is not None
         _decode_planned(local, planned, ids, plan, missing, gap_fill, place)
@@ -380,6 +351,24 @@ def _decode_planned(
             win[...] = arr
 
 
+@contextmanager
+def _released(answers: Iterator[Any]) -> Iterator[None]:
+    """Close ``answers`` (a source's ``get_ranges`` generator) on leaving, error or not.
+
+    A refused run raises with the rest of the read still unconsumed: the generator is
+    suspended inside its batch stream (an open HTTP response, a gRPC call, Redis reads in
+    flight).  Closed here, that is released before the error reaches the caller; left to
+    whatever frees the generator, a traceback cycle kept the stream open until the garbage
+    collector ran, and a finalizer closing it inside httpcore's pool lock waited on that
+    lock for good (issue 53).  A caller's own source may answer a plain iterator."""
+    try:
+        yield
+    finally:
+        close = getattr(answers, "close", None)
+        if close is not None:
+            close()
+
+
 @functools.cache
 def _takes_decode(kind: type) -> bool:
     """Whether a source type's ``get_ranges`` takes ``decode=`` (RoutingClient and
@@ -427,288 +416,3 @@ def prefetched(
                 yield head, fut.result()
         for head, fut in window:
             yield head, fut.result()
-
-
-_log = logging.getLogger("r3_client.rank_local")
-
-
-@dataclass(frozen=True)
-class StepCheck:
-    """What :func:`check_step` found in a step that can be replayed.
-
-    ``samples``: the step's samples; ``samples_with_views``: those whose rollout has views
-    (positions the engine computed more than once); ``off_state_samples`` /
-    ``off_state_tokens``: the samples with tokens, and those tokens, that the replay under
-    ``policy`` gives a routing other than the one they attended to
-    (:func:`r3_client._views.off_state_tokens`); ``tokens``: the step's tokens with a
-    routing row (``num_tokens - 1`` per sample).
-    """
-
-    samples: int
-    samples_with_views: int
-    off_state_samples: int
-    off_state_tokens: int
-    tokens: int
-    policy: str
-
-
-_totals_lock = threading.Lock()
-#: Process-wide off-state totals, by policy (:func:`off_state_totals`).
-_off_state: dict[str, dict[str, int]] = {}
-#: Process-wide totals of the steps checked, by policy (:func:`checked_totals`).
-_steps: dict[str, dict[str, int]] = {}
-#: The Prometheus collectors once made (one entry); None without prometheus_client.
-_collectors: list[_Collectors | None] = []
-
-
-@dataclass(frozen=True)
-class _Collectors:
-    """The trainer process's ``r3_client_*`` series, each labelled ``policy``."""
-
-    off_samples: Any  # r3_client_off_state_samples_total
-    off_tokens: Any  # r3_client_off_state_tokens_total
-    steps: Any  # r3_client_steps_checked_total
-    samples: Any  # r3_client_step_samples_total
-    tokens: Any  # r3_client_step_tokens_total
-    ratio: Any  # r3_client_step_off_state_ratio (gauge: the last step checked)
-
-
-def _prometheus() -> _Collectors | None:
-    """The ``r3_client_*`` collectors in prometheus_client's default registry, made on
-    first use; None where prometheus_client is not installed.  Call with ``_totals_lock``
-    held."""
-    if not _collectors:
-        try:
-            from prometheus_client import REGISTRY, Counter, Gauge
-        except ImportError:
-            _collectors.append(None)
-            return None
-        off = (
-            "check_step found replayed with a routing other than the one they attended to "
-            "(rollouts with views), by read policy"
-        )
-        made: list[Any] = []
-        for kind, name, doc in (
-            (Counter, "r3_client_off_state_samples", f"training samples {off}"),
-            (Counter, "r3_client_off_state_tokens", f"tokens {off}"),
-            (Counter, "r3_client_steps_checked", "steps check_step passed, by read policy"),
-            (Counter, "r3_client_step_samples", "samples of the steps check_step passed"),
-            (Counter, "r3_client_step_tokens", "tokens with a routing row of those steps"),
-            (
-                Gauge,
-                "r3_client_step_off_state_ratio",
-                "off-state tokens / tokens of the last step check_step passed, by read policy",
-            ),
-        ):
-            try:
-                made.append(kind(name, doc, ["policy"]))
-            except ValueError:  # already registered (the module was reloaded)
-                made.append(getattr(REGISTRY, "_names_to_collectors", {}).get(name))
-        _collectors.append(_Collectors(*made) if all(c is not None for c in made) else None)
-    return _collectors[0]
-
-
-def off_state_totals() -> dict[str, dict[str, int]]:
-    """The samples and tokens :func:`check_step` has found replayed off their own state in
-    this process, by policy: ``{policy: {"samples": n, "tokens": n}}`` (also exported as
-    the Prometheus counters ``r3_client_off_state_samples_total`` and
-    ``r3_client_off_state_tokens_total``, label ``policy``, where prometheus_client is
-    installed)."""
-    with _totals_lock:
-        return {policy: dict(counts) for policy, counts in _off_state.items()}
-
-
-def checked_totals() -> dict[str, dict[str, int]]:
-    """The steps :func:`check_step` has passed in this process, their samples and their
-    tokens with a routing row, by policy: ``{policy: {"steps": n, "samples": n, "tokens":
-    n}}``, the denominators of :func:`off_state_totals` (also exported as the Prometheus
-    counters ``r3_client_steps_checked_total``, ``r3_client_step_samples_total`` and
-    ``r3_client_step_tokens_total``, label ``policy``, beside the gauge
-    ``r3_client_step_off_state_ratio``, the last step's off-state tokens / tokens)."""
-    with _totals_lock:
-        return {policy: dict(counts) for policy, counts in _steps.items()}
-
-
-def _report(found: StepCheck) -> None:
-    """Count a checked step; warn about and count its off-state replay when it has one."""
-    off = found.off_state_tokens > 0
-    if off:
-        _log.warning(
-            "%d of %d samples (%d of %d tokens) will be replayed off their own state under "
-            "policy %r: those tokens attended to another routing than the one replayed; "
-            'view="exact" with expansion (r3_client.expand_states) replays each state with '
-            "its own",
-            found.off_state_samples,
-            found.samples,
-            found.off_state_tokens,
-            found.tokens,
-            found.policy,
-        )
-    with _totals_lock:
-        step = _steps.setdefault(found.policy, {"steps": 0, "samples": 0, "tokens": 0})
-        step["steps"] += 1
-        step["samples"] += found.samples
-        step["tokens"] += found.tokens
-        if off:
-            counts = _off_state.setdefault(found.policy, {"samples": 0, "tokens": 0})
-            counts["samples"] += found.off_state_samples
-            counts["tokens"] += found.off_state_tokens
-        prom = _prometheus()
-    if prom is None:
-        return
-    policy = found.policy
-    prom.steps.labels(policy=policy).inc()
-    prom.samples.labels(policy=policy).inc(found.samples)
-    prom.tokens.labels(policy=policy).inc(found.tokens)
-    ratio = found.off_state_tokens / found.tokens if found.tokens else 0.0
-    prom.ratio.labels(policy=policy).set(ratio)
-    if off:
-        prom.off_samples.labels(policy=policy).inc(found.off_state_samples)
-        prom.off_tokens.labels(policy=policy).inc(found.off_state_tokens)
-
-
-def check_step(
-    source: StatSource,
-    rollout_ids: Sequence[str],
-    num_tokens: Sequence[int] | npt.ArrayLike,
-    *,
-    missing: Missing = "raise",
-    tokens: Sequence[Sequence[int]] | None = None,
-    longer: Sequence[bool] | bool = True,
-    workers: int = 16,
-    view: ViewPolicy = "exact",
-    states: Sequence[int | None] | None = None,
-) -> StepCheck:
-    """Before dispatch: every rollout of the step exists and holds a row for each token
-    of its sample but the last (``num_tokens[i] - 1`` rows, no gap unless
-    ``missing="fill"``).  Metadata only, no rows: one batched request per 1,024 ids
-    where ``source`` has ``stat_many`` (:class:`~r3_client.RoutingClient`), else one
-    ``stat`` per rollout, ``workers`` at a time.
-
-    ``tokens``: each sample's token ids; a stored segment that recorded a token digest
-    and lies within them must have been computed from them (rows from other tokens: an
-    earlier attempt's, another sample's).  ``longer``: whether a rollout may hold more
-    rows than its sample needs (per sample, or for all): a trainer that cut a response
-    allows it, one whose sample should be the whole rollout does not.
-
-    ``view``: the policy the ranks replay under; ``states`` (``exact`` only): the state
-    each sample replays (its first row; ``None`` is ``0``), which must start a state of its
-    rollout (:func:`r3_client._views.states_of`).  Returns a :class:`StepCheck`: how many
-    tokens the replay gives a routing other than the one they attended to (rollouts with
-    views: a sample under ``generated`` / ``latest``, or one holding several states under
-    ``exact``); when some are, it logs a warning and counts them (:func:`off_state_totals`).
-    Every step that passes is counted too (:func:`checked_totals`).
-
-    Raises one :class:`~r3_client.ShapeError` or :class:`~r3_client.RolloutNotFoundError`
-    listing the first failing samples; any other error (auth, an unreachable service)
-    raises as it is; :class:`~r3_client.InvalidRequestError` for a bad ``view`` or
-    ``states`` given under another policy."""
-    policy = check_policy(view)
-    ids = [check_rollout_id(r) for r in rollout_ids]
-    need = np.asarray(num_tokens, dtype=np.int64).reshape(-1) - 1
-    if need.shape[0] != len(ids):
-        raise ShapeError(f"{len(ids)} rollout ids for {need.shape[0]} token counts")
-    if tokens is not None and len(tokens) != len(ids):
-        raise ShapeError(f"{len(ids)} rollout ids for {len(tokens)} token lists")
-    may_be_longer = [bool(longer)] * len(ids) if isinstance(longer, bool) else list(longer)
-    if len(may_be_longer) != len(ids):
-        raise ShapeError(f"{len(ids)} rollout ids for {len(may_be_longer)} 'longer' flags")
-    if states is not None and policy != "exact":
-        raise InvalidRequestError(
-            'states name the state each sample replays, which only view="exact" reads; '
-            f"view={policy!r} replays one routing for every token"
-        )
-    if states is not None and len(states) != len(ids):
-        raise ShapeError(f"{len(ids)} rollout ids for {len(states)} states")
-    state_of: list[int | None] = [None] * len(ids)
-    if states is not None:
-        state_of = [None if s is None else int(s) for s in states]
-    seen: list[RolloutInfo | None] = [None] * len(ids)
-
-    many = getattr(source, "stat_many", None)
-    infos: list[RolloutInfo | R3Error] | None = many(ids) if many is not None else None
-
-    def one(i: int) -> str | None:
-        try:
-            got = source.stat(ids[i]) if infos is None else infos[i]
-            if isinstance(got, R3Error):
-                raise got
-            info = got
-        except RolloutNotFoundError:
-            return f"{_who(i, ids[i])} is not in the cache"
-        if info.num_rows < need[i]:
-            return f"{_who(i, ids[i])} holds {info.num_rows} rows, its sample needs {need[i]}"
-        if info.num_rows > need[i] and not may_be_longer[i]:
-            return (
-                f"{_who(i, ids[i])} holds {info.num_rows} rows, more than its sample's "
-                f"{need[i]}, and the sample was not cut short"
-            )
-        if tokens is not None:
-            seq = [int(t) for t in tokens[i]]
-            for seg in (s.segment for s in info.segments):
-                checkable = seg.tokens_digest and seg.end <= len(seq)
-                if checkable and token_digest(seq[: seg.end]) != seg.tokens_digest:
-                    return (
-                        f"{_who(i, ids[i])}: stored rows [{seg.start}, {seg.end}) were "
-                        "computed from other tokens than the sample's (token digest differs)"
-                    )
-        if missing == "raise":
-            covered = 0
-            for seg in sorted((s.segment for s in info.segments), key=lambda s: s.start):
-                if covered < seg.start and covered < need[i]:
-                    return (
-                        f"{_who(i, ids[i])} has no rows [{covered}, {seg.start}): nobody "
-                        "shipped them"
-                    )
-                covered = max(covered, seg.end)
-        if policy == "exact" and state_of[i] is not None:
-            starts = state_starts(applicable_views(info), info.num_rows)
-            if state_of[i] not in starts:
-                return (
-                    f"{_who(i, ids[i])} replays a state starting at row {state_of[i]}; its "
-                    f"rollout's states start at rows {starts}"
-                )
-        seen[i] = info
-        return None
-
-    if infos is not None:
-        problems = [p for p in map(one, range(len(ids))) if p is not None]
-    else:
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="r3-check") as pool:
-            problems = [p for p in pool.map(one, range(len(ids))) if p is not None]
-    if problems:
-        shown = "; ".join(problems[:5]) + (
-            f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-        )
-        cls = RolloutNotFoundError if all("not in the cache" in p for p in problems) else ShapeError
-        raise cls(f"{len(problems)} of {len(ids)} samples cannot be replayed: {shown}")
-    return _step_check(seen, need, policy, state_of)
-
-
-def _step_check(
-    infos: Sequence[RolloutInfo | None],
-    need: npt.NDArray[np.int64],
-    policy: str,
-    state_of: Sequence[int | None],
-) -> StepCheck:
-    """:func:`check_step`'s answer for a step that passed its checks, reported when some
-    of its tokens are replayed off their own state."""
-    with_views = off_samples = off_tokens = 0
-    for i, info in enumerate(infos):
-        views = () if info is None else applicable_views(info)
-        if info is None or not views:
-            continue
-        with_views += 1
-        off = off_state_tokens(views, info.num_rows, policy, state_of[i], int(need[i]) + 1)
-        off_samples += off > 0
-        off_tokens += off
-    found = StepCheck(
-        samples=len(infos),
-        samples_with_views=with_views,
-        off_state_samples=off_samples,
-        off_state_tokens=off_tokens,
-        tokens=int(np.maximum(need, 0).sum()),
-        policy=policy,
-    )
-    _report(found)
-    return found

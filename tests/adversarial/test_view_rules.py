@@ -17,6 +17,7 @@ single Redis and a Redis Cluster, over HTTP, gRPC, the async client and ``Direct
 from __future__ import annotations
 
 import asyncio
+import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -234,11 +235,21 @@ def test_views_live_as_long_as_their_rollout(backend: tuple[Service, Any], trans
         rollout, view = _ttls(admin, r, 40)
         assert view > 60_000 and abs(rollout - view) < 5_000
         c.put(r, frame_for(rows(40, seed=6), 80, version="v3"), view=120)  # a view write too
-        assert len({round(t / 10_000) for t in (*_ttls(admin, r, 40), *_ttls(admin, r, 120))}) == 1
+        ttls = (*_ttls(admin, r, 40), *_ttls(admin, r, 120))
+        # One write set all four: within a few seconds of each other (rounding the TTLs to
+        # 10 s buckets was flaky when they straddled a bucket edge).
+        assert min(ttls) > 60_000 and max(ttls) - min(ttls) < 5_000, ttls
 
-        info = c.stat(r)
-        alone = admin.memory_usage(key(r), samples=0)
-        views = sum(admin.memory_usage(f"{key(r)}:v:{s}", samples=0) for s in (40, 120))
+        # A hash Redis is still rehashing incrementally holds both tables (128 B more here,
+        # a 16-bucket table) until serverCron finishes it: read both sides again until they
+        # agree, within a second (seen flaky once in CI and once here: 6456 == 3408 + 2920)
+        for _ in range(20):
+            info = c.stat(r)
+            alone = admin.memory_usage(key(r), samples=0)
+            views = sum(admin.memory_usage(f"{key(r)}:v:{s}", samples=0) for s in (40, 120))
+            if info.memory_bytes == alone + views:
+                break
+            time.sleep(0.05)
         assert info.memory_bytes == alone + views
 
         assert c.delete(r)

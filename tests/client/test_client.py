@@ -43,7 +43,9 @@ def test_sync_client_every_call(service_single: Service, transport: str) -> None
         assert (res.status, res.segment.end, res.shared) == ("stored", 100, False)
         assert c.put(r, routing).status == "duplicate"
         seg = Segment(100, 200, "m", "w2", token_digest(range(200)))
-        assert c.put(r, TRAJ[100:200], num_experts=64, layer_ids=LAYERS, segment=seg).shared
+        # past row 0 the store's rule keeps a segment private: shared because the put says so
+        res = c.put(r, TRAJ[100:200], num_experts=64, layer_ids=LAYERS, segment=seg, share=True)
+        assert res.shared
         assert c.put(r, frame_for(TRAJ[200:], 200)).status == "stored"  # a ready frame
         got = c.get(r)
         assert (got.start, got.end, got.layer_ids) == (0, 300, LAYERS)

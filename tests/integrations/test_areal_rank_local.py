@@ -593,10 +593,15 @@ def test_an_expanded_step_replays_each_sample_in_its_own_state(svc: Service) -> 
         _, cu, _ = ref_padded_cu(X_LENGTHS, 1)
         with pytest.raises(InvalidRequestError, match="expand the sample"):
             fetch_areal_rank_targets(client, ids, seqlens=X_LENGTHS, cu_seqlens=cu)
-        # before dispatch: expanded, no token replayed off its state; unexpanded, some
+        # before dispatch: expanded, no token replayed off its state and nothing to expand;
+        # unexpanded, none off either (exact never replays one), two samples to expand
         found = check_step(client, x_ids, lengths, states=exp.state_rows)
         assert found.off_state_tokens == 0 and found.samples_with_views == 5
-        assert check_step(client, ids, X_LENGTHS).off_state_tokens > 0
+        assert (found.expanded_samples, found.extra_samples, found.extra_tokens) == (0, 0, 0)
+        found = check_step(client, ids, X_LENGTHS)
+        assert found.off_state_tokens == 0 and found.off_state_samples == 0
+        assert (found.expanded_samples, found.extra_samples) == (2, exp.extra_samples)
+        assert found.extra_tokens == exp.extra_tokens == 13 + 27 + 11
 
 
 def _key_of(rollout: str) -> int:

@@ -1133,10 +1133,16 @@ def test_expanded_samples_replay_each_state_on_every_rank(svc: Service, framewor
                 acc[p : p + len(mask)] += np.asarray(mask)
             want = o.loss_mask if o.loss_mask is not None else [1] * o.response_length
             assert acc[p:].tolist() == list(want), origin
-        # before dispatch: the copies replay no token off its state, the originals do
+        # before dispatch: the copies replay no token off its state and expand nothing; the
+        # originals none off either (exact never replays one): three samples to expand, one
+        # more copy than expand_samples made (it drops sample 3's prompt-only state)
         found = module.check_samples(copies, client)
         assert found.off_state_tokens == 0 and found.samples_with_views == 6
-        assert module.check_samples(originals, client).off_state_tokens > 0
+        assert (found.expanded_samples, found.extra_samples, found.extra_tokens) == (0, 0, 0)
+        found = module.check_samples(originals, client)
+        assert found.off_state_tokens == 0 and found.off_state_samples == 0
+        assert (found.expanded_samples, found.extra_samples) == (3, len(copies) - 4 + 1)
+        assert found.extra_tokens == 13 + 27 + 11 + 3
         # every rank: the copies' replay equals their fill of each copy's own state's rows
         fields = own_fields(framework, copies, states)
         counts = [len(c.tokens) for c in copies]

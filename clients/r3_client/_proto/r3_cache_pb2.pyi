@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PutSegmentRequest(_message.Message):
-    __slots__ = ("rollout_id", "frame", "view")
+    __slots__ = ("rollout_id", "frame", "view", "share")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     frame: bytes
     view: int
-    def __init__(self, rollout_id: _Optional[str] = ..., frame: _Optional[bytes] = ..., view: _Optional[int] = ...) -> None: ...
+    share: bool
+    def __init__(self, rollout_id: _Optional[str] = ..., frame: _Optional[bytes] = ..., view: _Optional[int] = ..., share: _Optional[bool] = ...) -> None: ...
 
 class GetRolloutRequest(_message.Message):
     __slots__ = ("rollout_id", "start", "end", "layers", "view")

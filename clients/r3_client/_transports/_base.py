@@ -19,8 +19,19 @@ __all__ = ["AsyncTransport", "Transport"]
 class Transport(Protocol):
     """Blocking transport."""
 
-    def put(self, rollout_id: str, frame: bytes, *, view: int | None = None) -> dict[str, Any]:
-        """Store one segment frame (``view``: as the view serving that row); the receipt."""
+    def put(
+        self,
+        rollout_id: str,
+        frame: bytes,
+        *,
+        view: int | None = None,
+        share: bool | None = None,
+    ) -> dict[str, Any]:
+        """Store one segment frame (``view``: as the view serving that row; ``share``: kept
+        in a blob other rollouts share, or private, or None: the store's rule); the receipt.
+
+        The clients pass ``view`` and ``share`` only when set, so a transport without them
+        still serves plain puts."""
         ...
 
     def get(
@@ -87,7 +98,12 @@ class AsyncTransport(Protocol):
     """Asyncio transport: the same operations."""
 
     async def put(
-        self, rollout_id: str, frame: bytes, *, view: int | None = None
+        self,
+        rollout_id: str,
+        frame: bytes,
+        *,
+        view: int | None = None,
+        share: bool | None = None,
     ) -> dict[str, Any]:
         """See :meth:`Transport.put`."""
         ...

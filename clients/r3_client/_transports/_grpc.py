@@ -53,10 +53,14 @@ def _get_request(
     return req
 
 
-def _put_request(rollout_id: str, frame: bytes, view: int | None) -> pb.PutSegmentRequest:
+def _put_request(
+    rollout_id: str, frame: bytes, view: int | None, share: bool | None
+) -> pb.PutSegmentRequest:
     req = pb.PutSegmentRequest(rollout_id=rollout_id, frame=frame)
     if view is not None:
         req.view = view
+    if share is not None:
+        req.share = share
     return req
 
 
@@ -127,9 +131,16 @@ class GrpcTransport:
         except grpc.RpcError as exc:
             raise from_grpc(exc) from None
 
-    def put(self, rollout_id: str, frame: bytes, *, view: int | None = None) -> dict[str, Any]:
+    def put(
+        self,
+        rollout_id: str,
+        frame: bytes,
+        *,
+        view: int | None = None,
+        share: bool | None = None,
+    ) -> dict[str, Any]:
         """See :class:`Transport`."""
-        req = _put_request(rollout_id, frame, view)
+        req = _put_request(rollout_id, frame, view, share)
         return _plain(self._call(self._stub.PutSegment, req), PutResult)
 
     def get(
@@ -240,10 +251,15 @@ class AsyncGrpcTransport:
             raise from_grpc(exc) from None
 
     async def put(
-        self, rollout_id: str, frame: bytes, *, view: int | None = None
+        self,
+        rollout_id: str,
+        frame: bytes,
+        *,
+        view: int | None = None,
+        share: bool | None = None,
     ) -> dict[str, Any]:
         """See :class:`Transport`."""
-        req = _put_request(rollout_id, frame, view)
+        req = _put_request(rollout_id, frame, view, share)
         return _plain(await self._call("PutSegment", req), PutResult)
 
     async def get(

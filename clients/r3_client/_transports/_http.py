@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -48,6 +49,14 @@ def _params(
     if layers is not None:
         p["layers"] = ",".join(str(int(x)) for x in layers)
     return p
+
+
+def _put_params(view: int | None, share: bool | None) -> dict[str, Any] | None:
+    """A put's query: ``view`` and ``share`` when set (``share`` as ``true``/``false``)."""
+    p: dict[str, Any] = {} if view is None else {"view": view}
+    if share is not None:
+        p["share"] = "true" if share else "false"
+    return p or None
 
 
 def _batch_body(
@@ -125,6 +134,56 @@ async def _atranslate() -> AsyncIterator[None]:
         raise from_httpx(exc) from exc
 
 
+async def _whole(resp: httpx.Response) -> httpx.Response:
+    """``resp`` (sent with ``stream=True``) with its body read, as a response of its own.
+
+    Read from ``resp.stream``, not ``aread()``: httpx closes a response itself once its
+    body is read, where this library cannot keep a cancel out of the close (:func:`_aclose`).
+    """
+    assert isinstance(resp.stream, httpx.AsyncByteStream)
+    body = b"".join([part async for part in resp.stream])
+    return httpx.Response(
+        resp.status_code, headers=resp.headers, content=body, request=resp.request
+    )
+
+
+async def _aclose(resp: httpx.Response) -> None:
+    """Close ``resp`` to the end, even when this task is cancelled meanwhile.
+
+    httpcore marks a response closed before its close is done, so a cancel landing inside
+    the close (``get_many`` cancels its other streams when one is refused) left the pool's
+    request and its connection held for good, and the pool ran dry (issue 53;
+    encode/httpcore#1115).  The close runs in a task of its own, which that cancel does not
+    reach, and the caller waits for it before the cancel goes on."""
+    closing = asyncio.ensure_future(resp.aclose())
+    try:
+        await asyncio.shield(closing)
+    except asyncio.CancelledError:
+        await asyncio.wait([closing])
+        raise
+
+
+async def _asend(http: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """``request`` sent (``stream=True``) in a task of its own, so that a cancel reaches the
+    caller and never the pool: httpcore 1.0.9 keeps a connection it created for a request
+    cancelled between the connection's assignment and its use, neither idle, closed nor
+    usable, and ``max_connections`` of them leave every later request waiting out its pool
+    timeout (encode/httpcore#1093).  A cancelled caller waits for the answer's head
+    (bounded by the client's connect and read timeouts), closes it, then is cancelled."""
+    sending = asyncio.ensure_future(http.send(request, stream=True))
+    try:
+        return await asyncio.shield(sending)
+    except asyncio.CancelledError:
+        while not sending.done():
+            try:
+                await asyncio.wait([sending])
+            except asyncio.CancelledError:  # (cancelled again: the send still ends first)
+                continue
+        if not sending.cancelled() and sending.exception() is None:
+            await _aclose(sending.result())
+        raise
+
+
 def _client_kwargs(url: str, api_key: str | None, timeout: Timeout) -> dict[str, Any]:
     return {
         "base_url": url,
@@ -141,12 +200,19 @@ class HTTPTransport:
     ) -> None:
         self._http = httpx.Client(**_client_kwargs(url, api_key, timeout))
 
-    def put(self, rollout_id: str, frame: bytes, *, view: int | None = None) -> dict[str, Any]:
+    def put(
+        self,
+        rollout_id: str,
+        frame: bytes,
+        *,
+        view: int | None = None,
+        share: bool | None = None,
+    ) -> dict[str, Any]:
         """See :class:`Transport`."""
         with _translate():
             resp = self._http.put(
                 _path(rollout_id, "/segments"),
-                params=None if view is None else {"view": view},
+                params=_put_params(view, share),
                 content=frame,
                 headers={"Content-Type": FRAME_MEDIA_TYPE},
             )
@@ -270,16 +336,21 @@ class AsyncHTTPTransport:
         )
 
     async def put(
-        self, rollout_id: str, frame: bytes, *, view: int | None = None
+        self,
+        rollout_id: str,
+        frame: bytes,
+        *,
+        view: int | None = None,
+        share: bool | None = None,
     ) -> dict[str, Any]:
         """See :class:`Transport`."""
-        async with _atranslate():
-            resp = await self._http.put(
-                _path(rollout_id, "/segments"),
-                params=None if view is None else {"view": view},
-                content=frame,
-                headers={"Content-Type": FRAME_MEDIA_TYPE},
-            )
+        resp = await self._send(
+            "PUT",
+            _path(rollout_id, "/segments"),
+            params=_put_params(view, share),
+            content=frame,
+            headers={"Content-Type": FRAME_MEDIA_TYPE},
+        )
         _raise_for(resp)
         return _json(resp)
 
@@ -293,16 +364,13 @@ class AsyncHTTPTransport:
         view: int | None = None,
     ) -> bytes:
         """See :class:`Transport`."""
-        params = _params(start, end, layers, view)
-        async with _atranslate():
-            resp = await self._http.get(_path(rollout_id), params=params)
+        resp = await self._send("GET", _path(rollout_id), params=_params(start, end, layers, view))
         _raise_for(resp)
         return resp.content
 
     async def stat(self, rollout_id: str) -> dict[str, Any]:
         """See :class:`Transport`."""
-        async with _atranslate():
-            resp = await self._http.get(_path(rollout_id, "/stat"))
+        resp = await self._send("GET", _path(rollout_id, "/stat"))
         _raise_for(resp)
         return _json(resp)
 
@@ -310,15 +378,13 @@ class AsyncHTTPTransport:
         self, rollout_ids: Sequence[str]
     ) -> list[tuple[str, dict[str, Any] | R3Error]]:
         """See :class:`Transport`."""
-        async with _atranslate():
-            resp = await self._http.post("/v1/batch/stat", json={"rollout_ids": list(rollout_ids)})
+        resp = await self._send("POST", "/v1/batch/stat", json={"rollout_ids": list(rollout_ids)})
         _raise_for(resp)
         return _batch_items(_json(resp))
 
     async def delete(self, rollout_id: str) -> bool:
         """See :class:`Transport`."""
-        async with _atranslate():
-            resp = await self._http.delete(_path(rollout_id))
+        resp = await self._send("DELETE", _path(rollout_id))
         if resp.status_code == 404:
             return False
         _raise_for(resp)
@@ -328,10 +394,7 @@ class AsyncHTTPTransport:
         self, rollout_ids: Sequence[str]
     ) -> list[tuple[str, dict[str, Any] | R3Error]]:
         """See :class:`Transport`."""
-        async with _atranslate():
-            resp = await self._http.post(
-                "/v1/batch/delete", json={"rollout_ids": list(rollout_ids)}
-            )
+        resp = await self._send("POST", "/v1/batch/delete", json={"rollout_ids": list(rollout_ids)})
         _raise_for(resp)
         return _batch_items(_json(resp), "deleted")
 
@@ -340,21 +403,18 @@ class AsyncHTTPTransport:
     ) -> dict[str, Any]:
         """See :class:`Transport`."""
         body = {"upto": upto, "cursor": cursor, "max_rollouts": max_rollouts}
-        async with _atranslate():
-            resp = await self._http.post("/v1/drop-consumed", json=body)
+        resp = await self._send("POST", "/v1/drop-consumed", json=body)
         _raise_for(resp)
         return _json(resp)
 
     async def touch(self, rollout_id: str, ttl_s: int | None) -> None:
         """See :class:`Transport`."""
-        async with _atranslate():
-            resp = await self._http.post(_path(rollout_id, "/touch"), json={"ttl_s": ttl_s})
+        resp = await self._send("POST", _path(rollout_id, "/touch"), json={"ttl_s": ttl_s})
         _raise_for(resp)
 
     async def rewind(self, rollout_id: str, rows: int) -> dict[str, Any]:
         """See :class:`Transport`."""
-        async with _atranslate():
-            resp = await self._http.post(_path(rollout_id, "/rewind"), json={"rows": rows})
+        resp = await self._send("POST", _path(rollout_id, "/rewind"), json={"rows": rows})
         _raise_for(resp)
         return _json(resp)
 
@@ -366,21 +426,34 @@ class AsyncHTTPTransport:
         layers: Sequence[int] | None,
         ranges: Sequence[tuple[int, int]] | None = None,
     ) -> AsyncGenerator[StreamItem, None]:
-        """See :class:`Transport`."""
+        """See :class:`Transport`.  The response is closed on every exit (the stream's end,
+        an error, the consumer closing this generator, a cancel), by :func:`_aclose`."""
         dec = StreamDecoder()
-        async with (
-            _atranslate(),
-            self._http.stream(
-                "POST", "/v1/batch/get", json=_batch_body(rollout_ids, start, end, layers, ranges)
-            ) as resp,
-        ):
-            if resp.status_code >= 400:
-                await resp.aread()
-                raise _error(resp)
-            async for chunk in resp.aiter_raw(1 << 20):
-                for item in dec.feed(chunk):
-                    yield item
+        body = _batch_body(rollout_ids, start, end, layers, ranges)
+        async with _atranslate():
+            resp = await _asend(
+                self._http, self._http.build_request("POST", "/v1/batch/get", json=body)
+            )
+            try:
+                if resp.status_code >= 400:
+                    raise _error(await _whole(resp))
+                assert isinstance(resp.stream, httpx.AsyncByteStream)
+                async for chunk in resp.stream:  # (not aiter_raw: it closes resp itself)
+                    for item in dec.feed(chunk):
+                        yield item
+            finally:
+                await _aclose(resp)
         dec.close()
+
+    async def _send(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        """One request and its answer read whole, the response closed by :func:`_aclose`
+        whatever happens (every call but the batch stream)."""
+        async with _atranslate():
+            resp = await _asend(self._http, self._http.build_request(method, url, **kw))
+            try:
+                return await _whole(resp)
+            finally:
+                await _aclose(resp)
 
     async def aclose(self) -> None:
         """See :class:`AsyncTransport`."""

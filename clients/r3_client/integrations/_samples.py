@@ -15,6 +15,7 @@ import copy
 import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,15 @@ import numpy as np
 import numpy.typing as npt
 
 from r3_client._answers import RolloutInfo
-from r3_client._exceptions import InvalidRequestError, R3Error, RolloutNotFoundError, ShapeError
+from r3_client._exceptions import (
+    FrameworkImportError,
+    IntegrationError,
+    InvalidRequestError,
+    R3Error,
+    RolloutNotFoundError,
+    ShapeError,
+    UsageError,
+)
 from r3_client._routing import Routing, check_rollout_id
 from r3_client._views import ViewPolicy, applicable_views, check_policy
 from r3_client.expansion import Expansion, expand_states, rollout_states
@@ -43,6 +52,7 @@ from r3_client.rank_local import (
     StatSource,
     StepCheck,
     check_step,
+    count_replay,
     fetch_plan_rows,
 )
 
@@ -73,10 +83,10 @@ class Framework:
 
 
 def sample_key(fw: Framework, sample: Any) -> str:
-    """The rollout key ``sample`` was generated under; ValueError when it has none."""
+    """The rollout key ``sample`` was generated under; InvalidRequestError when it has none."""
     key = getattr(sample, fw.key_field, None)
     if not key:
-        raise ValueError(
+        raise InvalidRequestError(
             f"{fw.name} sample (index={getattr(sample, 'index', '?')}) has no {fw.key_field}: "
             f"it was not generated under a rollout key (r3_client.integrations.{fw.name}."
             "wrap_generate sets it)"
@@ -100,16 +110,16 @@ def _layout(
         ) from exc
 
 
-async def exact_routing(
-    client: AsyncRoutingClient, key: str, num_tokens: int, state: int | None, who: str
+def _state_routing(
+    served: Sequence[Any], key: str, num_tokens: int, state: int | None, who: str
 ) -> Routing:
     """The rows ``[0, serves_end)`` of the routing state a sample of ``num_tokens`` tokens
-    replays under ``exact`` (``get_served``): its ``state`` (the state's first row; ``None``
-    is the first), refused (:class:`~r3_client.InvalidRequestError`) when the sample's
-    tokens reach past that state, which one routing cannot replay: the sample is expanded
-    first (:func:`expand_samples`), or ``"latest"`` / ``"generated"`` named.  ``who``
-    names the sample in errors.  A rollout without views has one state: its rows."""
-    served = await client.get_served(key)
+    replays under ``exact``, from its rollout's states (``get_served``): its ``state`` (the
+    state's first row; ``None`` is the first), refused (:class:`~r3_client.
+    InvalidRequestError`) when the sample's tokens reach past that state, which one routing
+    cannot replay: the sample is expanded first (:func:`expand_samples`), or ``"latest"`` /
+    ``"generated"`` named.  ``who`` names the sample in errors.  A rollout without views
+    has one state: its rows."""
     at = 0 if state is None else int(state)
     for n, st in enumerate(served):
         if st.serves_start != at:
@@ -122,11 +132,43 @@ async def exact_routing(
                 'sample per state (expand_samples), or name view="latest" or "generated" to '
                 "replay one routing for all its tokens"
             )
-        return st.routing
+        routing: Routing = st.routing
+        return routing
     raise InvalidRequestError(
         f'{who}: view="exact": rollout {key!r} has no state starting at row {at}; its states '
         f"start at rows {[x.serves_start for x in served]}"
     )
+
+
+async def exact_routing(
+    client: AsyncRoutingClient, key: str, num_tokens: int, state: int | None, who: str
+) -> Routing:
+    """:func:`_state_routing` of one sample, its rollout's states read (``get_served``)."""
+    return _state_routing(await client.get_served(key), key, num_tokens, state, who)
+
+
+def _fill_keys(fw: Framework, group: Sequence[Any], policy: str) -> list[tuple[str, int | None]]:
+    """Each sample's ``(rollout key, state)``: the key it was generated under and, for an
+    expanded copy (:func:`expand_samples`), the state it replays.  Two samples with the
+    same key and state are refused, as are expanded copies under a one-routing policy."""
+    keys = [sample_key(fw, s) for s in group]
+    states = sample_states(group)
+    if policy != "exact" and any(x is not None for x in states):
+        raise InvalidRequestError(
+            f"{fw.name} samples expanded into routing states (metadata[{STATE_KEY!r}]) replay "
+            f'each its own state: fill them with view="exact", not {policy!r}'
+        )
+    first: dict[tuple[str, int], int] = {}
+    for i, (key, state) in enumerate(zip(keys, states, strict=True)):
+        at = (key, 0 if state is None else state)
+        if at in first:
+            raise InvalidRequestError(
+                f"{fw.name} samples {first[at]} and {i} share rollout key {key!r}"
+                + (f" and state {at[1]}" if state is not None else "")
+                + ": each conversation needs its own key (rollout_key(..., conversation=k))"
+            )
+        first[at] = i
+    return list(zip(keys, states, strict=True))
 
 
 async def fill_samples(
@@ -140,70 +182,80 @@ async def fill_samples(
 ) -> None:
     """Set each sample's ``rollout_routed_experts`` from the rollout stored under its key.
 
-    ``samples``: one ``Sample`` or a sequence, such as a group.  ``view`` (docs/store.md,
-    "Views"): ``"exact"`` (the default: each sample's rows in its routing state, one
-    ``get_served`` per sample, concurrent; an expanded copy's state is its
-    ``metadata["r3_state"]``; a sample whose tokens span several states is refused,
-    :func:`exact_routing`, never filled with one of them), or by name ``"generated"``
-    (one ``get`` / ``get_many``) or ``"latest"`` (one ``get(view="latest")`` per sample,
-    concurrent).  Raises :class:`~r3_client.RolloutNotFoundError` for a rollout the
-    cache does not hold and :class:`~r3_client.ShapeError` (naming the sample and
-    rollout) for one whose rows are not ``len(tokens) - 1`` or include rows nobody
-    shipped; no sample is changed then.  Samples sharing a key are refused (ValueError).
+    ``samples``: one ``Sample`` or a sequence: a group, or the copies :func:`expand_samples`
+    made of several samples (each keyed by its rollout and state, ``metadata["r3_state"]``).
+    ``view`` (docs/store.md, "Views"): ``"exact"`` (the default: each sample's rows in its
+    routing state; one batched stat, rollouts without views in one ``get_many``, each other
+    rollout's states read once, ``get_served``, concurrently; a sample whose tokens span
+    several states is refused, :func:`_state_routing`, never filled with one of them), or
+    by name ``"generated"`` (one ``get`` / ``get_many``) or ``"latest"`` (one
+    ``get(view="latest")`` per sample, concurrent), each counted as a pre-dispatch check
+    counts it (one batched stat, :func:`r3_client.rank_local.count_replay`: the tokens it
+    replays off their own state, warned about).  Raises
+    :class:`~r3_client.RolloutNotFoundError` for a rollout the cache does not hold and
+    :class:`~r3_client.ShapeError` (naming the sample and rollout) for one whose rows are
+    not ``len(tokens) - 1`` or include rows nobody shipped; no sample is changed then.
+    Samples sharing a key and a state are refused (:class:`~r3_client.InvalidRequestError`),
+    as are expanded copies under a named policy.
     """
     policy = check_policy(view)
     group = list(samples) if isinstance(samples, Sequence) else [samples]
-    keys = [sample_key(fw, s) for s in group]
-    first: dict[str, int] = {}
-    for i, key in enumerate(keys):
-        if key in first:
-            raise ValueError(
-                f"{fw.name} samples {first[key]} and {i} share rollout key {key!r}: each "
-                "conversation needs its own key (rollout_key(..., conversation=k))"
-            )
-        first[key] = i
+    keyed = _fill_keys(fw, group, policy)
+    keys = [k for k, _ in keyed]
+    routings: list[Routing]
     if policy == "exact":
-        # one batched stat: rollouts without views (one state: their rows) in one
-        # get_many; each sample with views read in its state
-        infos = await client.stat_many(keys)
-        plain = [
-            k
-            for k, info in zip(keys, infos, strict=True)
-            if isinstance(info, RolloutInfo) and not applicable_views(info)
-        ]
-        routings = {}
-        if plain:
-            async for key, routing in client.get_many(plain):
-                assert isinstance(routing, Routing)  # errors raise: return_errors is off
-                routings[key] = routing
-        rest = [
-            (i, s, k) for i, (s, k) in enumerate(zip(group, keys, strict=True)) if k not in routings
-        ]
-        got = await asyncio.gather(
-            *(
-                exact_routing(
-                    client, k, len(s.tokens), sample_states([s])[0], f"{fw.name} sample {i} ({k!r})"
-                )
-                for i, s, k in rest
-            )
-        )
-        routings.update({k: r for (_, _, k), r in zip(rest, got, strict=True)})
+        routings = await _exact_fill(fw, group, keyed, client)
     elif len(keys) == 1:
-        routings = {keys[0]: await client.get(keys[0], view=policy)}
+        routings = [await client.get(keys[0], view=policy)]
     elif policy == "latest":  # the batch stream answers first computations only
-        got = await asyncio.gather(*(client.get(k, view="latest") for k in keys))
-        routings = dict(zip(keys, got, strict=True))
+        routings = list(await asyncio.gather(*(client.get(k, view="latest") for k in keys)))
     else:
-        routings = {}
-        async for key, routing in client.get_many(keys):
-            assert isinstance(routing, Routing)  # errors raise: return_errors is off
-            routings[key] = routing
+        got: dict[str, Routing] = {}
+        async with aclosing(client.get_many(keys)) as answers:
+            async for key, routing in answers:
+                assert isinstance(routing, Routing)  # errors raise: return_errors is off
+                got[key] = routing
+        routings = [got[k] for k in keys]
     arrays = [
-        _layout(fw, s, key, routings[key], num_layers, missing)
-        for s, key in zip(group, keys, strict=True)
+        _layout(fw, s, key, routing, num_layers, missing)
+        for s, key, routing in zip(group, keys, routings, strict=True)
     ]
+    if policy != "exact":  # a named policy is counted where it is chosen
+        count_replay(await client.stat_many(keys), [len(s.tokens) for s in group], policy)
     for s, arr in zip(group, arrays, strict=True):
         s.rollout_routed_experts = arr
+
+
+async def _exact_fill(
+    fw: Framework,
+    group: Sequence[Any],
+    keyed: Sequence[tuple[str, int | None]],
+    client: AsyncRoutingClient,
+) -> list[Routing]:
+    """Each sample's rows in its state (:func:`fill_samples` under ``exact``)."""
+    keys = list(dict.fromkeys(k for k, _ in keyed))
+    # rollouts without views (one state: their rows) in one get_many
+    plain = [
+        k
+        for k, info in zip(keys, await client.stat_many(keys), strict=True)
+        if isinstance(info, RolloutInfo) and not applicable_views(info)
+    ]
+    whole: dict[str, Routing] = {}
+    if plain:
+        async with aclosing(client.get_many(plain)) as answers:
+            async for key, routing in answers:
+                assert isinstance(routing, Routing)  # errors raise: return_errors is off
+                whole[key] = routing
+    rest = [k for k in keys if k not in whole]
+    served = dict(
+        zip(rest, await asyncio.gather(*(client.get_served(k) for k in rest)), strict=True)
+    )
+    return [
+        whole[k]
+        if k in whole
+        else _state_routing(served[k], k, len(s.tokens), state, f"{fw.name} sample {i} ({k!r})")
+        for i, (s, (k, state)) in enumerate(zip(group, keyed, strict=True))
+    ]
 
 
 def _named(fw: Framework, exc: R3Error) -> R3Error:
@@ -334,7 +386,7 @@ def _check_expand_args(fw: Framework, args: Any) -> None:
     estimator = getattr(args, "advantage_estimator", None)
     if estimator in _CUT_CHANGES or getattr(args, "use_opsm", False):
         what = "use_opsm" if estimator not in _CUT_CHANGES else f"advantage_estimator={estimator!r}"
-        raise ValueError(
+        raise InvalidRequestError(
             f"{fw.name} state expansion cuts a sample at each state's end, which changes "
             f"{what}: its values run over the whole sample (token-level returns, or one "
             "ratio per sequence).  Use grpo / cispo / reinforce_plus_plus_baseline, or "
@@ -346,7 +398,7 @@ def _check_expand_args(fw: Framework, args: Any) -> None:
         and getattr(args, "rewards_normalization", False)
         and getattr(args, "custom_reward_post_process_path", None) is None
     ):
-        raise ValueError(
+        raise InvalidRequestError(
             "slime normalizes rewards by reshaping them into groups of n_samples_per_prompt "
             "(slime/ray/rollout.py:618-623): expanded samples break that count and it falls "
             "back to one group of every copy.  Pass --custom-reward-post-process-path "
@@ -411,7 +463,7 @@ def expand_sample_states(fw: Framework, samples: Sequence[Any], exp: Expansion) 
             out.append(sample)  # one state: replayed as it is
             continue
         if getattr(sample, "reward", None) is None:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{fw.name} sample {i} (index={getattr(sample, 'index', '?')}) has no reward "
                 "yet: expand after the reward model ran, since each expanded sample copies "
                 "the original's reward (scored on a cut copy it would be another)"
@@ -479,7 +531,7 @@ def _framework_generate(fw: Framework) -> GenerateFn:
     try:
         fn: GenerateFn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise ImportError(
+        raise FrameworkImportError(
             f"r3_client.integrations.{fw.name} wraps {module}.{name} by default, which could "
             f"not be imported ({exc}); install {fw.name} or pass generate= to wrap another "
             "function"
@@ -858,13 +910,13 @@ def source_getter(source: Any) -> Callable[[], RangeSource]:
     elif callable(source):
         made = []
     else:
-        raise TypeError("source must have get_ranges, or make such an object when called")
+        raise UsageError("source must have get_ranges, or make such an object when called")
 
     def get() -> RangeSource:
         if not made:
             made.append(source())
             if not hasattr(made[0], "get_ranges"):
-                raise TypeError(f"the source factory made {type(made[0]).__name__}, no get_ranges")
+                raise UsageError(f"the source factory made {type(made[0]).__name__}, no get_ranges")
         return made[0]
 
     return get
@@ -932,7 +984,7 @@ def fill_micro_batches(
         batch = data_iterator[0].get_next(list(FILL_KEYS))
         indices, tokens = batch.get("sample_indices"), batch.get("tokens")
         if indices is None or tokens is None:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{fw.name} rank-local routing: micro-batch {done} carries no "
                 f"{'sample_indices' if indices is None else 'tokens'}; the rollout keys are "
                 "rebuilt from sample_indices, which the trainer ships to every DP rank"
@@ -943,7 +995,7 @@ def fill_micro_batches(
                 f"{len(tokens)} samples"
             )
         if any(i is None for i in indices):
-            raise ValueError(f"{fw.name} micro-batch {done}: a sample has no index")
+            raise InvalidRequestError(f"{fw.name} micro-batch {done}: a sample has no index")
         batches.append(
             (
                 index_keys(fw, run, indices),
@@ -993,7 +1045,7 @@ def hook_env(framework: str) -> tuple[str, str | None, str]:
 
     unset = [v for v in ("R3_URL", "R3_RUN") if not os.environ.get(v)]
     if unset:
-        raise RuntimeError(
+        raise IntegrationError(
             f"r3_client.integrations.{framework}.install_rank_local reads the cache's URL and "
             f"the run from R3_URL and R3_RUN (R3_KEY: its API key), unset here: "
             f"{', '.join(unset)}.  Set them in every training process's environment, or "

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from r3_client._exceptions import InvalidRequestError, ShapeError
+from r3_client._exceptions import InvalidRequestError, ShapeError, UsageError
 from r3_client._routing import Routing, check_rollout_id
 from r3_client._views import ViewPolicy, check_policy
 from r3_client.expansion import Expansion, expand_states
@@ -53,7 +53,14 @@ from r3_client.integrations._samples import exact_routing
 from r3_client.integrations.tags import tag_generate
 from r3_client.layouts import Missing, RankPlan, miles_layout
 from r3_client.layouts._packing import check_rank, row_runs, sp_part, zigzag_positions
-from r3_client.rank_local import RangeSource, StatSource, StepCheck, check_step, fetch_plan_rows
+from r3_client.rank_local import (
+    RangeSource,
+    StatSource,
+    StepCheck,
+    check_step,
+    count_replay,
+    fetch_plan_rows,
+)
 
 if TYPE_CHECKING:
     from r3_client._client import AsyncRoutingClient
@@ -139,12 +146,13 @@ def install(engine: Any, *, share_prompt: bool | None = None) -> None:
 
     Call it where the engine is used, e.g. at the top of a workflow's ``arun_episode``
     (rollout workers build their own engines).  Installing again replaces the options.
-    Raises TypeError when the engine holds no backend where AReaL 1.0.4 keeps it.
+    Raises :class:`~r3_client.UsageError` when the engine holds no backend where AReaL 1.0.4
+    keeps it.
     """
     inner = getattr(engine, "_engine", engine)
     backend = getattr(inner, "backend", None)
     if not hasattr(backend, "build_generation_request"):
-        raise TypeError(
+        raise UsageError(
             f"{type(engine).__name__} has no backend with build_generation_request where "
             "AReaL 1.0.4 keeps it (RemoteSGLangEngine._engine.backend, "
             "RemoteInfEngine.backend)"
@@ -188,7 +196,9 @@ async def fill_routed_experts(
     docs/integrations.md.  Raises
     :class:`~r3_client.RolloutNotFoundError` when the rollout is not stored and
     :class:`~r3_client.ShapeError` when it does not hold exactly one row per token but
-    the last of ``input_tokens + output_tokens``.
+    the last of ``input_tokens + output_tokens``.  Under a named policy the fill is
+    counted as a step of one sample (:func:`r3_client.rank_local.count_replay`, one stat):
+    the tokens it replays off their own state, warned about.
     """
     num_tokens = len(response.input_tokens) + len(response.output_tokens)
     policy = check_policy(view)
@@ -198,11 +208,12 @@ async def fill_routed_experts(
     else:
         routing = await client.get(rollout_id, view=policy)
     try:
-        response.routed_experts = routed_experts(
-            routing, num_tokens, num_layers=num_layers, missing=missing
-        )
+        rows = routed_experts(routing, num_tokens, num_layers=num_layers, missing=missing)
     except ShapeError as exc:
         raise ShapeError(f"AReaL response of rollout {rollout_id!r}: {exc}") from exc
+    if policy != "exact":  # a named policy is counted where it is chosen
+        count_replay(await client.stat_many([rollout_id]), [num_tokens], policy)
+    response.routed_experts = rows
 
 
 class RoutedEngine:

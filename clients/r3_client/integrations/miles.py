@@ -21,7 +21,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from r3_client._exceptions import ShapeError
+from r3_client._exceptions import IntegrationError, InvalidRequestError, ShapeError
 from r3_client._routing import check_rollout_id
 from r3_client._views import ViewPolicy
 from r3_client.integrations import _samples
@@ -64,7 +64,7 @@ def rollout_key(run: str, sample: Any) -> str:
     resuming) keeps its attempt.
     """
     if sample.index is None:
-        raise ValueError("miles sample has no index: the data source numbers every sample")
+        raise InvalidRequestError("miles sample has no index: the data source numbers every sample")
     meta = sample.metadata
     if ATTEMPT_KEY not in meta or not sample.tokens:
         meta[ATTEMPT_KEY] = int(meta.get(ATTEMPT_KEY, -1)) + 1
@@ -83,7 +83,7 @@ def _assign_rank_key(run: str, sample: Any) -> tuple[str, bool]:
     from no tokens after an earlier attempt (``reset_for_retry``) is ``restarted``: the
     earlier attempt's rows are dropped before it runs."""
     if sample.index is None:
-        raise ValueError("miles sample has no index: the data source numbers every sample")
+        raise InvalidRequestError("miles sample has no index: the data source numbers every sample")
     meta = sample.metadata
     restarted = ATTEMPT_KEY in meta and not sample.tokens
     meta[ATTEMPT_KEY] = 0
@@ -121,15 +121,19 @@ async def fill_routed_experts(
     view: ViewPolicy = "exact",
 ) -> None:
     """Set ``sample.rollout_routed_experts`` = :func:`~r3_client.layouts.miles_layout`
-    (int32) of the rollout stored under ``sample.routing_key``, for one sample or a
-    group (one ``get_many``); call it once a sample is ``COMPLETED`` or ``TRUNCATED``.
+    (int32) of the rollout stored under ``sample.routing_key``, for one sample, a
+    group, or the copies ``expand_samples`` made (each in its own state); call it once a
+    sample is ``COMPLETED`` or ``TRUNCATED``.
 
     ``num_layers``: miles' ``--num-layers`` (decoder layers, no MTP).  Raises
     :class:`~r3_client.RolloutNotFoundError` when a rollout is not stored and
     :class:`~r3_client.ShapeError` when its rows are not ``len(tokens) - 1`` or some
-    were never shipped (``missing="fill"`` fills those instead).  ``view``: which
-    computation of recomputed positions to read, ``"generated"`` (first computations) or
-    ``"latest"`` (what the rollout's last call attended to); docs/integrations.md.
+    were never shipped (``missing="fill"`` fills those instead).  ``view``: ``"exact"``
+    (the default: each sample in its routing state; a sample spanning several is refused),
+    or by name ``"generated"`` (first computations) or ``"latest"`` (what the rollout's
+    last call attended to), counted as a pre-dispatch check counts them (one batched stat:
+    the tokens replayed off their own state, warned about); the reads and refusals of
+    :func:`r3_client.integrations._samples.fill_samples`; docs/integrations.md.
     """
     await _samples.fill_samples(
         _MILES, samples, client, num_layers=num_layers, missing=missing, view=view
@@ -393,12 +397,14 @@ def rank_local_fill_replay_data(
             )
             return
         if getattr(args, "qkv_format", "thd") != "thd":
-            raise ValueError(
+            raise InvalidRequestError(
                 f"miles rank-local routing covers qkv_format 'thd', not {args.qkv_format!r} "
                 "(replay_data.py:88-99)"
             )
         if indices_are_token_positions:
-            raise ValueError("miles rank-local routing replays experts, not token positions")
+            raise InvalidRequestError(
+                "miles rank-local routing replays experts, not token positions"
+            )
 
         def record(replay: RankReplay) -> None:
             n = len(replay.per_layer)
@@ -432,10 +438,10 @@ def rank_local_fill_replay_data(
 
 def check_miles_hooks() -> Any:
     """The canary of :func:`install_rank_local`: returns the module
-    ``miles.backends.megatron_utils.actor``, or raises ``RuntimeError`` naming what moved
-    unless it still binds ``fill_replay_data`` (imported at ``actor.py:49``, called at
-    ``:482-495``) with miles 31f1ca9's keywords and ``get_parallel_state`` is where the fill
-    reads TP / CP.  Imports miles."""
+    ``miles.backends.megatron_utils.actor``, or raises :class:`~r3_client.IntegrationError`
+    naming what moved unless it still binds ``fill_replay_data`` (imported at
+    ``actor.py:49``, called at ``:482-495``) with miles 31f1ca9's keywords and
+    ``get_parallel_state`` is where the fill reads TP / CP.  Imports miles."""
     problems: list[str] = []
     actor: Any = None
     try:
@@ -456,7 +462,7 @@ def check_miles_hooks() -> Any:
     except ImportError as exc:
         problems.append(f"{_PARALLEL} cannot be imported ({exc})")
     if problems:
-        raise RuntimeError(
+        raise IntegrationError(
             f"miles is not the code r3_client's rank-local fill replaces ({_PINNED}): "
             + "; ".join(problems)
         )
@@ -480,13 +486,14 @@ def install_rank_local(
     r3_client.integrations.miles.install_rank_local``: miles calls it with ``args`` in every
     training process (``miles/backends/megatron_utils/initialize.py:129-133``, from the
     actor's ``init``, ``actor.py:109``).  Without ``source`` / ``run`` it reads ``R3_URL``,
-    ``R3_KEY`` (optional) and ``R3_RUN`` from the environment.  Refuses (``ValueError``)
-    ``args`` without ``use_rollout_routing_replay`` (``actor.py:460-461``: the fill is not
-    called) and (``RuntimeError``, :func:`check_miles_hooks`) a miles whose fill moved.
-    ``view``: the ranks' read policy (:func:`rank_local_fill_replay_data`).
+    ``R3_KEY`` (optional) and ``R3_RUN`` from the environment.  Refuses
+    (:class:`~r3_client.InvalidRequestError`) ``args`` without
+    ``use_rollout_routing_replay`` (``actor.py:460-461``: the fill is not called) and
+    (:class:`~r3_client.IntegrationError`, :func:`check_miles_hooks`) a miles whose fill
+    moved. ``view``: the ranks' read policy (:func:`rank_local_fill_replay_data`).
     """
     if args is not None and not getattr(args, "use_rollout_routing_replay", False):
-        raise ValueError(
+        raise InvalidRequestError(
             "miles fills the routing replay only with --use-rollout-routing-replay "
             "(miles/backends/megatron_utils/actor.py:460-461, 482-484): without it nothing "
             "is replayed"

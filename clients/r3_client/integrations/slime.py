@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from r3_client._exceptions import IntegrationError, InvalidRequestError
 from r3_client._routing import check_rollout_id
 from r3_client._views import ViewPolicy
 from r3_client.integrations import _samples
@@ -60,7 +61,7 @@ def rollout_key(run: str, sample: Any, conversation: int | None = None) -> str:
     """``f"{run}.{sample.index}"``, plus ``f".{conversation}"`` for a generate function
     that runs several conversations for one ``Sample``."""
     if sample.index is None:
-        raise ValueError("slime sample has no index: the data source numbers every sample")
+        raise InvalidRequestError("slime sample has no index: the data source numbers every sample")
     key = f"{run}.{sample.index}" + ("" if conversation is None else f".{conversation}")
     return check_rollout_id(key)
 
@@ -83,7 +84,7 @@ def _index_key(run: str, index: int) -> str:
 def _check_args(args: Any) -> None:
     policy = getattr(args, "router_policy", None)
     if policy != "consistent_hashing":
-        raise ValueError(
+        raise InvalidRequestError(
             "slime sends sample.session_id as X-SMG-Routing-Key only with --router-policy "
             f"consistent_hashing (slime/rollout/sglang_rollout.py:196-200), got {policy!r}: "
             "without it the rollout key never reaches the engine and nothing is stored"
@@ -111,15 +112,19 @@ async def fill_routed_experts(
     view: ViewPolicy = "exact",
 ) -> None:
     """Set ``sample.rollout_routed_experts`` = :func:`~r3_client.layouts.slime_layout` of
-    the rollout stored under ``sample.session_id``, for one sample or a group (one
-    ``get_many``); call it once a sample is ``COMPLETED`` or ``TRUNCATED``.
+    the rollout stored under ``sample.session_id``, for one sample, a group, or the copies
+    ``expand_samples`` made (each in its own state); call it once a sample is
+    ``COMPLETED`` or ``TRUNCATED``.
 
     ``num_layers``: slime's ``--num-layers`` (decoder layers, no MTP).  Raises
     :class:`~r3_client.RolloutNotFoundError` when a rollout is not stored and
     :class:`~r3_client.ShapeError` when its rows are not ``len(tokens) - 1`` or some
-    were never shipped (``missing="fill"`` fills those instead).  ``view``: which
-    computation of recomputed positions to read, ``"generated"`` (first computations) or
-    ``"latest"`` (what the rollout's last call attended to); docs/integrations.md.
+    were never shipped (``missing="fill"`` fills those instead).  ``view``: ``"exact"``
+    (the default: each sample in its routing state; a sample spanning several is refused),
+    or by name ``"generated"`` (first computations) or ``"latest"`` (what the rollout's
+    last call attended to), counted as a pre-dispatch check counts them (one batched stat:
+    the tokens replayed off their own state, warned about); the reads and refusals of
+    :func:`r3_client.integrations._samples.fill_samples`; docs/integrations.md.
     """
     await _samples.fill_samples(
         _SLIME, samples, client, num_layers=num_layers, missing=missing, view=view
@@ -143,10 +148,11 @@ def wrap_generate(
     ``rollout_routed_experts`` when it finishes.
 
     Evaluation samples (renumbered from 0 by slime) pass through untagged.  Each call
-    refuses ``args.router_policy`` other than ``consistent_hashing`` (ValueError), under
-    which the key would not be sent.  slime's ``--use-rollout-routing-replay`` still
-    adds ``return_routed_experts`` to its payload; the engine answers tagged requests
-    without inline routing.  ``view``: the policy of the fetch (:func:`fill_routed_experts`).
+    refuses ``args.router_policy`` other than ``consistent_hashing``
+    (:class:`~r3_client.InvalidRequestError`), under which the key would not be sent.
+    slime's ``--use-rollout-routing-replay`` still adds ``return_routed_experts`` to its
+    payload; the engine answers tagged requests without inline routing.  ``view``: the
+    policy of the fetch (:func:`fill_routed_experts`).
     """
     return _samples.wrap_generate(
         _SLIME,
@@ -266,7 +272,7 @@ def normalize_rewards(args: Any, samples: Sequence[Any]) -> tuple[list[Any], lis
         for rid in group:
             values = [raw[i] for i in rollouts[rid]]
             if any(v != values[0] for v in values[1:]):
-                raise ValueError(
+                raise InvalidRequestError(
                     f"slime rollout {rid!r}: its samples {rollouts[rid]} must share one reward, "
                     f"got {values}"
                 )
@@ -410,9 +416,9 @@ def rank_local_fill_routing_replay(
 
 def check_slime_hooks() -> type:
     """The canary of :func:`install_rank_local`: returns slime's ``MegatronTrainRayActor``,
-    or raises ``RuntimeError`` naming what moved unless ``fill_routing_replay(self,
-    data_iterator, num_microbatches, rollout_data)`` and ``RoutingReplay.all_routing_replays``
-    are where slime 624b824 has them.  Imports slime."""
+    or raises :class:`~r3_client.IntegrationError` naming what moved unless
+    ``fill_routing_replay(self, data_iterator, num_microbatches, rollout_data)`` and
+    ``RoutingReplay.all_routing_replays`` are where slime 624b824 has them.  Imports slime."""
     problems: list[str] = []
     cls: Any = None
     try:
@@ -438,7 +444,7 @@ def check_slime_hooks() -> type:
     except ImportError as exc:
         problems.append(f"slime.utils.routing_replay cannot be imported ({exc})")
     if problems:
-        raise RuntimeError(
+        raise IntegrationError(
             "slime is not the code r3_client's rank-local fill replaces "
             f"({_PINNED}): " + "; ".join(problems)
         )
@@ -464,13 +470,14 @@ def install_rank_local(
     training process (``slime/backends/megatron_utils/initialize.py:100-104``).  Without
     ``source`` / ``run`` it reads ``R3_URL``, ``R3_KEY`` (optional) and ``R3_RUN`` from the
     environment and makes a :class:`~r3_client.RoutingClient` on the first fill.  Refuses
-    (``ValueError``) ``args`` without ``use_rollout_routing_replay``, under which slime never
-    calls the fill (``actor.py:430-431``), and (``RuntimeError``, :func:`check_slime_hooks`)
-    a slime whose fill moved.  ``view``: the ranks' read policy
+    (:class:`~r3_client.InvalidRequestError`) ``args`` without
+    ``use_rollout_routing_replay``, under which slime never calls the fill
+    (``actor.py:430-431``), and (:class:`~r3_client.IntegrationError`,
+    :func:`check_slime_hooks`) a slime whose fill moved.  ``view``: the ranks' read policy
     (:func:`rank_local_fill_routing_replay`).
     """
     if args is not None and not getattr(args, "use_rollout_routing_replay", False):
-        raise ValueError(
+        raise InvalidRequestError(
             "slime calls fill_routing_replay only with --use-rollout-routing-replay "
             "(slime/backends/megatron_utils/actor.py:430-431): without it nothing is replayed"
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from r3_client._exceptions import InvalidRequestError, UsageError
 from r3_client._routing import check_rollout_id, check_text
 
 __all__ = [
@@ -64,7 +65,7 @@ def rollout_tag(
         tag["weight_version"] = check_text("weight_version", weight_version)
     if share_prompt is not None:
         if not isinstance(share_prompt, bool):
-            raise TypeError(f"share_prompt must be True, False or None, got {share_prompt!r}")
+            raise UsageError(f"share_prompt must be True, False or None, got {share_prompt!r}")
         tag["share_prompt"] = share_prompt
     return tag
 
@@ -74,7 +75,7 @@ def _with_tag(custom_params: Any, tag: dict[str, Any], where: str) -> dict[str, 
     if custom_params is None:
         return {"r3": tag}
     if not isinstance(custom_params, Mapping):
-        raise TypeError(
+        raise UsageError(
             f"{where} must be an object to carry the rollout tag, "
             f"got {type(custom_params).__name__}"
         )
@@ -122,7 +123,7 @@ def tag_generate(
     if isinstance(sp, list):
         if isinstance(rollout_id, str) or len(rollout_id) != len(sp):
             count = "one id" if isinstance(rollout_id, str) else f"{len(rollout_id)} ids"
-            raise ValueError(
+            raise InvalidRequestError(
                 f"a /generate batch with {len(sp)} sampling_params takes one rollout id per "
                 f"prompt, got {count}"
             )

@@ -7,18 +7,19 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
+from contextlib import closing
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from r3_client._answers import RolloutInfo
-from r3_client._exceptions import InvalidRequestError, R3Error, ShapeError
+from r3_client._exceptions import InvalidRequestError, R3Error, ShapeError, UsageError
 from r3_client._routing import Routing, check_rollout_id, token_digest
 from r3_client._views import ViewPolicy, applicable_views, check_policy
 from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY, STATE_KEY
 from r3_client.layouts import Missing, verl_layout
-from r3_client.rank_local import StatsInHand, StatSource, StepCheck, check_step
+from r3_client.rank_local import StatsInHand, StatSource, StepCheck, check_step, count_replay
 
 if TYPE_CHECKING:
     from r3_client._client import RoutingClient
@@ -35,14 +36,14 @@ def _rollout_ids(data: Any, rollout_ids: Sequence[str] | None) -> list[str]:
     if rollout_ids is None:
         stored = data.non_tensor_batch.get(ROLLOUT_ID_KEY)
         if stored is None:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the batch has no non_tensor_batch[{ROLLOUT_ID_KEY!r}]: its agent loops are "
                 "not routed (r3_client.integrations.verl.routed_agent_loop); pass rollout_ids"
             )
         rollout_ids = list(stored)
     ids = list(rollout_ids)
     if len(ids) != n:
-        raise ValueError(f"{len(ids)} rollout ids for a batch of {n} samples")
+        raise ShapeError(f"{len(ids)} rollout ids for a batch of {n} samples")
     # An expanded batch (expand_verl_batch) holds a rollout once per state, and its padding
     # rows (origin -1) repeat one: a rollout id and state name one row.
     states = data.non_tensor_batch.get(STATE_KEY)
@@ -50,7 +51,7 @@ def _rollout_ids(data: Any, rollout_ids: Sequence[str] | None) -> list[str]:
     first: dict[tuple[str, int], int] = {}
     for i, key in enumerate(ids):
         if not key:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"verl sample {i} has no rollout id: its agent loop is not routed "
                 "(r3_client.integrations.verl.routed_agent_loop)"
             )
@@ -59,7 +60,7 @@ def _rollout_ids(data: Any, rollout_ids: Sequence[str] | None) -> list[str]:
             continue
         tag = (key, 0 if states is None else int(states[i]))
         if tag in first:
-            raise ValueError(f"verl samples {first[tag]} and {i} share rollout id {key!r}")
+            raise InvalidRequestError(f"verl samples {first[tag]} and {i} share rollout id {key!r}")
         first[tag] = i
     return ids
 
@@ -132,7 +133,10 @@ def attach_routed_experts(
     several states is refused, ``InvalidRequestError``, never attached with one of them),
     ``"generated"`` (each position's first computation; one streamed ``get_many``) or
     ``"latest"`` (what each rollout's last call attended to, verl#6054's answer; one
-    ``get(view="latest")`` per sample), the last two chosen by name; docs/integrations.md.
+    ``get(view="latest")`` per sample), the last two chosen by name and counted as a
+    pre-dispatch check counts them (one batched stat,
+    :func:`r3_client.rank_local.count_replay`: the tokens replayed off their own state,
+    warned about); docs/integrations.md.
 
     Raises :class:`~r3_client.RolloutNotFoundError` for a rollout the cache does not
     hold and :class:`~r3_client.ShapeError` (naming the sample and rollout) for one that
@@ -151,7 +155,7 @@ def attach_routed_experts(
     response_lens = mask[:, plen:].sum(dim=1).tolist()
     tokens = input_ids.cpu().numpy()
     routings: list[Routing] = []
-    fetched: Iterator[tuple[str, Routing | R3Error, int | None]]
+    fetched: Generator[tuple[str, Routing | R3Error, int | None], None, None]
     if policy == "exact":
         fetched = _exact_rows(
             data, client, ids, [p + r for p, r in zip(prompt_lens, response_lens, strict=True)]
@@ -160,10 +164,11 @@ def attach_routed_experts(
         fetched = ((key, got, None) for key, got in client.get_many(ids))
     else:  # the stream has no views
         fetched = ((key, client.get(key, view=policy), None) for key in ids)
-    for i, (key, routing, stored) in enumerate(fetched):
-        assert isinstance(routing, Routing)  # errors raise: return_errors is off
-        p, r = prompt_lens[i], response_lens[i]
-        routings.append(_fit(routing, tokens[i, plen - p : plen + r], r, rlen, i, key, stored))
+    with closing(fetched):
+        for i, (key, routing, stored) in enumerate(fetched):
+            assert isinstance(routing, Routing)  # errors raise: return_errors is off
+            p, r = prompt_lens[i], response_lens[i]
+            routings.append(_fit(routing, tokens[i, plen - p : plen + r], r, rlen, i, key, stored))
     try:
         routed = verl_layout(
             routings,
@@ -179,13 +184,19 @@ def attach_routed_experts(
         if m is None:
             raise
         raise ShapeError(f"verl {exc} (rollout {ids[int(m.group(1))]!r})") from exc
+    if policy != "exact":  # a named policy is counted where it is chosen
+        count_replay(
+            client.stat_many(ids),
+            [p + r for p, r in zip(prompt_lens, response_lens, strict=True)],
+            policy,
+        )
     data.batch["routed_experts"] = torch.from_numpy(routed).to(mask.device)
     return data
 
 
 def _exact_rows(
     data: Any, client: RoutingClient, ids: list[str], counts: list[int]
-) -> Iterator[tuple[str, Routing | R3Error, int | None]]:
+) -> Generator[tuple[str, Routing | R3Error, int | None], None, None]:
     """Each sample's rollout under ``exact``: rollouts without views whole (the streamed
     ``get_many``, as ``generated`` reads them: their one state), a sample with views its
     rows ``[0, T - 1)`` in its state (``r3_state``, else the first), read by range, which
@@ -205,22 +216,24 @@ def _exact_rows(
     by_sample: dict[int, Routing | R3Error] = {}
     if ranged:
         answers = client.get_ranges([r for _, r in ranged], view="exact", return_errors=True)
-        by_sample = {i: got for (i, _), (_, got) in zip(ranged, answers, strict=True)}
-    for i, (key, info) in enumerate(zip(ids, infos, strict=True)):
-        if one_state[i] or isinstance(info, R3Error):  # a missing rollout raises in the read
-            got_key, routing = next(whole)
-            assert got_key == key
-            yield key, routing, None
-            continue
-        if i not in by_sample:  # _fit refuses a short rollout; a one-token sample has no rows
-            yield key, client.get(key), None
-            continue
-        routing = by_sample[i]
-        if isinstance(routing, R3Error):
-            raise routing
-        # an expanded row is a prefix of its sample by construction (expand_verl_batch
-        # checked the sample's length); an original row is held to the length rules
-        yield key, routing, info.num_rows if states is None else None
+        with closing(answers):
+            by_sample = {i: got for (i, _), (_, got) in zip(ranged, answers, strict=True)}
+    with closing(whole):
+        for i, (key, info) in enumerate(zip(ids, infos, strict=True)):
+            if one_state[i] or isinstance(info, R3Error):  # a missing rollout raises in the read
+                got_key, routing = next(whole)
+                assert got_key == key
+                yield key, routing, None
+                continue
+            if i not in by_sample:  # _fit refuses a short rollout; a one-token sample has no rows
+                yield key, client.get(key), None
+                continue
+            routing = by_sample[i]
+            if isinstance(routing, R3Error):
+                raise routing
+            # an expanded row is a prefix of its sample by construction (expand_verl_batch
+            # checked the sample's length); an original row is held to the length rules
+            yield key, routing, info.num_rows if states is None else None
 
 
 def check_rank_local_batch(
@@ -254,7 +267,7 @@ def check_rank_local_batch(
     """
     ids = _rollout_ids(data, rollout_ids)
     if "routed_experts" in data.batch.keys():  # noqa: SIM118 (a TensorDict refuses `in`)
-        raise ValueError(
+        raise InvalidRequestError(
             "the batch carries batch['routed_experts'] (inline routing replay?): in the "
             "rank-local mode verl's workers replay the cache's rows, not this tensor; "
             "drop it or use attach_routed_experts"
@@ -269,7 +282,13 @@ def check_rank_local_batch(
 
 
 def _check_batch(
-    data: Any, source: StatSource, ids: list[str], missing: Missing, view: ViewPolicy
+    data: Any,
+    source: StatSource,
+    ids: list[str],
+    missing: Missing,
+    view: ViewPolicy,
+    *,
+    count: bool = True,
 ) -> StepCheck:
     """:func:`~r3_client.rank_local.check_step` on a verl batch: its samples' token counts
     and tokens from ``attention_mask`` and ``input_ids``, more rows allowed only where verl
@@ -292,6 +311,7 @@ def _check_batch(
         tokens=tokens,
         longer=[int(r) >= rlen for r in response_lens],
         view=view,
+        count=count,
     )
 
 
@@ -336,7 +356,7 @@ class RoutedRolloutManager:
         self.view: ViewPolicy = check_policy(view)
         self.rank_local = rank_local
         if not rank_local and num_layers is None:
-            raise TypeError("num_layers (the model's num_hidden_layers) is required")
+            raise UsageError("num_layers (the model's num_hidden_layers) is required")
 
     def generate_sequences(self, prompts: Any) -> Any:
         """The wrapped manager's batch, with ``routed_experts`` (or checked ids) for
@@ -416,6 +436,7 @@ def expand_verl_batch(
     loss_agg_mode: str = "token-mean",
     policy_loss_mode: str = "vanilla",
     divisor: int = 1,
+    count: bool = True,
 ) -> Any:
     """A verl ``DataProto`` with one row per routing state of each sample (``exact``).
 
@@ -441,8 +462,11 @@ def expand_verl_batch(
     parallel ranks) with copies of the last row that train nothing (``response_mask`` 0,
     ``r3_origin`` -1).  A batch without views comes back with the same rows (and the keys).
 
-    Refuses (:class:`~r3_client.InvalidRequestError`, before any stat) the loss settings
-    of :func:`check_expansion_modes`.
+    The check of the originals counts the step (:func:`r3_client.rank_local.check_step`):
+    no off-state token (the exact replay has none), the samples it expands and their cost
+    under ``r3_client_expansion_*``; ``count=False`` counts nothing (the same step expanded
+    again).  Refuses (:class:`~r3_client.InvalidRequestError`, before any stat) the loss
+    settings of :func:`check_expansion_modes`.
     """
     import torch
 
@@ -463,7 +487,7 @@ def expand_verl_batch(
         source = StatsInHand(dict(zip(ids, many(ids), strict=True)))
     # the originals held to every rule of the rank-local check (rows for each token, the
     # sample's own tokens, longer only where verl cut the response), before any row is cut
-    _check_batch(data, source, ids, "raise", "exact")
+    _check_batch(data, source, ids, "raise", "exact", count=count)
     mask = data.batch["attention_mask"]
     plen = int(data.batch["prompts"].shape[1])
     prompt_lens = mask[:, :plen].sum(dim=1).tolist()
@@ -691,6 +715,9 @@ class ExactReplayTrainer:
     #: after the update still reads them.  A failed delete is logged, never the step's.
     r3_release_step: bool = True
     _r3_stats: tuple[tuple[str, ...], StatsInHand] | None = None
+    #: The step whose check was counted: verl's step expands its batch three times (old
+    #: log-probs, reference log-probs, update), the metrics count it once.
+    _r3_counted: tuple[str, ...] | None = None
 
     def _r3_stat_source(self, batch: Any) -> StatsInHand:
         if self.r3_source is None:
@@ -715,12 +742,16 @@ class ExactReplayTrainer:
                 "token-sum, or expand in your own loop (expand_verl_batch) with one "
                 "mini-batch per step"
             )
+        source = self._r3_stat_source(batch)
+        ids = tuple(str(x) for x in batch.non_tensor_batch[ROLLOUT_ID_KEY])
+        count, self._r3_counted = self._r3_counted != ids, ids
         return expand_verl_batch(
             batch,
-            self._r3_stat_source(batch),
+            source,
             loss_agg_mode=actor.loss_agg_mode,
             policy_loss_mode=actor.policy_loss.loss_mode,
             divisor=divisor,
+            count=count,
         )
 
     def _r3_dp_size(self) -> int:

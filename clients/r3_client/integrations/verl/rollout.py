@@ -7,6 +7,7 @@ import importlib
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from r3_client._exceptions import FrameworkImportError, InvalidRequestError, UsageError
 from r3_client._routing import check_rollout_id
 from r3_client.integrations.tags import tag_sampling_params
 from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY
@@ -54,11 +55,11 @@ def _check_rollout_config(rollout: Any) -> None:
     verl would misread the answer."""
     name = getattr(rollout, "name", None)
     if name != "sglang":
-        raise ValueError(
+        raise InvalidRequestError(
             f"r3 tags SGLang requests; actor_rollout_ref.rollout.name is {name!r}, not 'sglang'"
         )
     if getattr(rollout, "enable_rollout_routing_replay", False):
-        raise ValueError(
+        raise InvalidRequestError(
             "set actor_rollout_ref.rollout.enable_rollout_routing_replay=False: the engine "
             "ships a tagged request's routing to the cache and answers without the inline "
             "routing verl would then read (async_sglang_server.py:641, 682-698); "
@@ -116,11 +117,11 @@ def _locate(path: str) -> type:
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ImportError(
+        raise FrameworkImportError(
             f"agent_loop={path!r}: cannot import {name!r} from {module!r} ({exc})"
         ) from exc
     if not isinstance(cls, type):
-        raise TypeError(f"agent_loop={path!r} is not a class")
+        raise UsageError(f"agent_loop={path!r} is not a class")
     return cls
 
 

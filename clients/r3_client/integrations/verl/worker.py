@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from r3_client._exceptions import IntegrationError, InvalidRequestError, UsageError
 from r3_client._views import ViewPolicy, check_policy
 from r3_client.integrations.verl._keys import ROLLOUT_ID_KEY, STATE_KEY
 from r3_client.layouts import Missing, VerlRank, VerlRankSlice
@@ -81,8 +82,9 @@ def _squeezed(obj: Any) -> str:
 
 
 def check_verl_hooks() -> None:
-    """The canary of :class:`RankLocalReplay`: raise ``RuntimeError`` naming what moved
-    unless verl's Megatron engine is the code the hook was written against (0.9.1).
+    """The canary of :class:`RankLocalReplay`: raise :class:`~r3_client.IntegrationError`
+    naming what moved unless verl's Megatron engine is the code the hook was written against
+    (0.9.1).
 
     Checks that ``transformer_impl`` still binds the names the hook replaces to verl's
     own functions, that the R3 branch, ``prepare_model_inputs``, ``forward_backward_batch``,
@@ -131,7 +133,7 @@ def check_verl_hooks() -> None:
         if not hasattr(rru, name):
             problems.append(f"router_replay_utils has no {name}")
     if problems:
-        raise RuntimeError(
+        raise IntegrationError(
             "verl's Megatron engine is not the code r3_client's rank-local replay hooks "
             "(verl 0.9.1, workers/engine/megatron/transformer_impl.py:1243-1434): "
             + "; ".join(problems)
@@ -152,7 +154,7 @@ def _verl_rank(tf_config: Any, local_cp_size: int | None, layers: Sequence[int])
     group = mappings.get_tensor_model_parallel_group_if_none(None)
     if group is not None and group.size() > 1:
         if group.size() != tp:
-            raise RuntimeError(f"TP group of {group.size()} ranks, TP world size {tp}")
+            raise IntegrationError(f"TP group of {group.size()} ranks, TP world size {tp}")
         tp_rank = int(group.rank())
     if local_cp_size is not None:  # dynamic CP: the micro-batch's own CP group
         cp = int(local_cp_size)
@@ -219,12 +221,14 @@ def _micro_of(batch: Any) -> _Micro:
     ids, states = _ids_and_states(batch)
     input_ids = batch["input_ids"]
     if not getattr(input_ids, "is_nested", False):
-        raise TypeError("R3 router replay requires jagged input_ids (use_remove_padding)")
+        raise UsageError("R3 router replay requires jagged input_ids (use_remove_padding)")
     total = np.asarray(input_ids.offsets().diff().tolist(), dtype=np.int64)
     response = np.asarray(batch["response_mask"].sum(dim=-1).tolist(), dtype=np.int64)
     response = np.minimum(response, total)
     if len(ids) != total.shape[0]:
-        raise ValueError(f"{len(ids)} rollout ids for a micro-batch of {total.shape[0]} samples")
+        raise InvalidRequestError(
+            f"{len(ids)} rollout ids for a micro-batch of {total.shape[0]} samples"
+        )
     local_cp_size = tu.get_non_tensor_data(data=batch, key="local_cp_size", default=None)
     return _Micro(
         ids,
@@ -365,10 +369,10 @@ class _Step:
 
         rru = _module("verl.utils.megatron.router_replay_utils")
         if model is None:
-            raise RuntimeError("r3 rank-local replay needs the forwarded model (model=)")
+            raise IntegrationError("r3 rank-local replay needs the forwarded model (model=)")
         routers = list(rru.iter_model_routers(model))
         if not routers:
-            raise RuntimeError("router_replay REPLAY found no routers in the forwarded model.")
+            raise IntegrationError("router_replay REPLAY found no routers in the forwarded model.")
         layers = tuple(sorted({n - 1 for n, _ in routers}))
         got = self.slice_for(pending, layers, tf_config, local_cp_size)
         device = rru.device_name
@@ -397,7 +401,7 @@ class _Step:
 
         saved = {name: getattr(ti, name) for name in _PATCHED}
         if any(hasattr(f, "_r3_original") for f in saved.values()):
-            raise RuntimeError("r3 rank-local replay is already running a step in this process")
+            raise IntegrationError("r3 rank-local replay is already running a step in this process")
         makers = {
             "align_r3_router_replay_data": self.align,
             "set_router_replay_data": self.set_data,
@@ -473,7 +477,7 @@ class RankLocalReplay:
         view: ViewPolicy = "exact",
     ) -> None:
         if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+            raise InvalidRequestError(f"prefetch must be >= 0, got {prefetch}")
         self._source: RangeSource | None = None
         self._factory: Callable[[], RangeSource] | None = None
         if hasattr(source, "get_ranges"):
@@ -481,7 +485,7 @@ class RankLocalReplay:
         elif callable(source):
             self._factory = source
         else:
-            raise TypeError("source must have get_ranges, or make such an object when called")
+            raise UsageError("source must have get_ranges, or make such an object when called")
         self.missing: Missing = missing
         self.prefetch = prefetch
         self.view: ViewPolicy = check_policy(view)
@@ -532,7 +536,7 @@ class RankLocalReplay:
         the engine."""
         check_verl_hooks()
         if "forward_backward_batch" in vars(engine):
-            raise RuntimeError("this engine's forward_backward_batch is already replaced")
+            raise IntegrationError("this engine's forward_backward_batch is already replaced")
         original = engine.forward_backward_batch
 
         def forward_backward_batch(
@@ -553,7 +557,7 @@ class RankLocalReplay:
 
         cls = ti.MegatronEngineWithLMHead
         if self._installed is not None or "_r3_replay" in vars(cls):
-            raise RuntimeError("a RankLocalReplay is already installed in this process")
+            raise IntegrationError("a RankLocalReplay is already installed in this process")
         had = vars(cls).get("forward_backward_batch")
         original = cls.forward_backward_batch
 
