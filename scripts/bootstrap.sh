@@ -112,3 +112,32 @@ install_test_extra() {
 install_test_extra verl
 install_test_extra areal
 install_test_extra pd
+
+# Every other SGLang release the engine tests run (sglang_r3.releases.TESTED; .venv holds
+# the newest), each in a virtualenv of its own with the torch that release pins (0.5.12:
+# torch 2.11.0, a CUDA build from PyPI, ~9 GB): `.venv-sglang-<version>`.  This package
+# goes in on top (`-e .[sglang]`), as into a framework's environment: pip keeps that
+# SGLang and torch (tests/engine/test_release_install.py checks).  kernels==0.14.1:
+# SGLang 0.5.12 requires `kernels` unpinned, and kernels 0.17 (the newest) cannot be
+# imported beside its transformers 5.6.0 ("Either a revision or a version must be
+# specified", transformers/integrations/hub_kernels.py:89).  Only with `all`.
+case ",$EXTRAS," in
+  *,all,*)
+    for version in $(.venv/bin/python -c 'from sglang_r3.releases import TESTED; from importlib.metadata import version; print(*[v for v in TESTED if v != version("sglang")])'); do
+      venv=".venv-sglang-$version"
+      # pytest and pytest-timeout: tests/engine/test_release_canary.py runs the canary with
+      # this environment's python (the versions are pyproject.toml's `dev` ranges).
+      extra_pkgs="pytest>=8 pytest-timeout>=2.3"
+      stamp="$venv/.installed-$( (cat pyproject.toml setup.py; echo "$extra_pkgs") | sha256sum | cut -c1-16)"
+      if [ ! -f "$stamp" ]; then
+        echo "bootstrap: installing SGLang $version into $venv (its own torch; a few minutes)" >&2
+        [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+        "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+        "$venv/bin/python" -m pip install -q "sglang==$version" "kernels==0.14.1"
+        "$venv/bin/python" -m pip install -q -e ".[sglang]" $extra_pkgs
+        rm -f "$venv"/.installed-*
+        touch "$stamp"
+      fi
+    done
+    ;;
+esac

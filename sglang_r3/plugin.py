@@ -14,7 +14,7 @@ import os
 def register() -> None:
     """Install the CPU allocator (on CPU) and register the hooks."""
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
-        from sglang_r3.cpu import install_allocator
+        from sglang_r3.cpu.allocator import install_allocator
 
         install_allocator()
     from sglang_r3 import hooks

@@ -10,14 +10,18 @@ import logging
 log = logging.getLogger("sglang_r3")
 
 
-SGLANG_VERSION = "0.5.23"
-
 _TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 T_GENERATE = f"{_TM}.generate_request"
+# The HTTP process's start-up check and /r3 routes, on every start-up path (a framework
+# calling Engine._launch_subprocesses itself never calls launch_server).
+T_TOKENIZER_INIT = f"{_TM}.__init__"
 T_SEND_ONE = f"{_TM}._send_one_request"
 T_SEND_BATCH = f"{_TM}._send_batch_request"
 T_OPENAI = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
 T_LAUNCH = "sglang.srt.entrypoints.http_server.launch_server"
+# Before SGLang 0.5.22 the detokenizer loads no plugins: it is started through
+# sglang_r3.hooks.run_detokenizer instead (sglang_r3.releases).
+T_LAUNCH_DETOKENIZER = "sglang.srt.entrypoints.engine.Engine._launch_detokenizer_subprocesses"
 T_SERVE_GENERATE = "sglang.srt.entrypoints.http_server.serve_generate_request"
 T_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler.__init__"
 T_COLLECT = (
@@ -38,6 +42,12 @@ T_CAPTURE_FINALIZE = "sglang.srt.state_capturer.base.TopkCaptureOutput.finalize"
 # Where each prefill starts computing, and the rows kept at a retraction (views).
 T_EXTEND = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 T_RELEASE = "sglang.srt.managers.schedule_batch.release_req"
+# Before 0.5.13 only: a streamed batch's routed_experts listed for every request
+# (sglang_r3.scheduler.row_hooks.around_stream_output_generation).
+T_STREAM_OUTPUT = (
+    "sglang.srt.managers.scheduler_output_processor_mixin."
+    "SchedulerOutputProcessorMixin.stream_output_generation"
+)
 
 # Attributes of upstream objects the hooks read or write (canary-tested).
 UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
@@ -102,7 +112,16 @@ UPSTREAM_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
-HTTP_TARGETS = [T_GENERATE, T_SEND_ONE, T_SEND_BATCH, T_OPENAI, T_SERVE_GENERATE, T_LAUNCH]
+HTTP_TARGETS = [
+    T_GENERATE,
+    T_TOKENIZER_INIT,
+    T_SEND_ONE,
+    T_SEND_BATCH,
+    T_OPENAI,
+    T_SERVE_GENERATE,
+    T_LAUNCH,
+    T_LAUNCH_DETOKENIZER,
+]
 SCHEDULER_TARGETS = [
     T_SCHEDULER,
     T_COLLECT,
@@ -113,5 +132,6 @@ SCHEDULER_TARGETS = [
     T_CAPTURE_FINALIZE,
     T_EXTEND,
     T_RELEASE,
+    T_STREAM_OUTPUT,
 ]
 DETOKENIZER_TARGETS = [T_DETOKENIZER, T_DETOKENIZE]

@@ -107,3 +107,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def transport(request: pytest.FixtureRequest) -> str:
     """The client transport a test runs over: HTTP or gRPC."""
     return str(request.param)
+
+
+@pytest.fixture
+def step_check_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """pytest's caplog, with the step check's logger (``r3_client.rank_local``) at INFO.
+
+    Set on the module's logger object itself: AReaL's ``getLogger`` (imported by earlier
+    tests of the session) replaces ``logging.Logger.manager``, after which
+    ``logging.getLogger(name)``, what ``caplog.set_level(logger=...)`` uses, answers another
+    object than the one that logs (records still reach caplog through the original root)."""
+    import logging
+
+    from r3_client import _step_check
+
+    was = _step_check._log.level
+    _step_check._log.setLevel(logging.INFO)
+    yield caplog
+    _step_check._log.setLevel(was)

@@ -4,7 +4,8 @@ Three things are needed, all done here: ``SGLANG_USE_CPU_ENGINE=1`` (selects SGL
 CPU platform), a stub ``libcuda.so.1`` on ``LD_LIBRARY_PATH`` (sgl_kernel's extension
 links against it), and a host allocator for the routed-experts buffer (upstream's
 default registers the buffer with CUDA).  The launcher calls :func:`prepare_env`
-before SGLang is imported; the plugin calls :func:`install_allocator` in every process.
+before SGLang is imported; the plugin calls
+:func:`sglang_r3.cpu.allocator.install_allocator` in every process.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import subprocess
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 STUB_SOURCE = "cuda_stub.c"
 
@@ -84,31 +84,3 @@ def prepare_env(env: dict[str, str]) -> dict[str, str]:
     if stub not in paths:
         out["LD_LIBRARY_PATH"] = ":".join([stub, *paths])
     return out
-
-
-def _cpu_alloc(
-    dims: tuple[int, ...],
-    dtype: Any,
-    device: str,
-    pin_memory: bool = False,
-    allocator: Any = None,
-    registration_granularity_bytes: int | None = None,
-) -> Any:
-    """Host buffer on a CPU-only machine: plain zeroed memory (pinning needs a GPU)."""
-    import torch
-
-    return torch.zeros(dims, dtype=dtype, device="cpu")
-
-
-def install_allocator() -> None:
-    """Register :func:`_cpu_alloc` for SGLang's ``cpu`` device (idempotent)."""
-    from sglang.srt.mem_cache.pool_host import common
-
-    common.ALLOC_MEMORY_FUNCS["cpu"] = _cpu_alloc
-
-
-def allocator_installed() -> bool:
-    """True when the CPU host allocator is the one SGLang will use."""
-    from sglang.srt.mem_cache.pool_host import common
-
-    return common.ALLOC_MEMORY_FUNCS.get("cpu") is _cpu_alloc

@@ -6,10 +6,12 @@ import asyncio
 import hashlib
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_r3 import releases
 from sglang_r3.config import EngineConfig, engine_config
 from sglang_r3.errors import (
     CacheUnavailableError,
@@ -30,6 +32,7 @@ from sglang_r3.http_server.tagging import (
     sampling_params_tagged,
 )
 from sglang_r3.layers import MoeShape, moe_shape
+from sglang_r3.tags import carries_tag
 
 log = logging.getLogger("sglang_r3")
 
@@ -202,9 +205,10 @@ async def _tagged_generate(
         taken = [t.rollout_id for t, c in zip(tags, conts, strict=True) if c is not None]
         if taken:
             raise samples_conflict(taken[0])
-    user_wants_prompt_ids = bool(obj.return_prompt_token_ids)
+    user_wants_prompt_ids = bool(getattr(obj, "return_prompt_token_ids", False))
     obj.return_routed_experts = True
-    obj.return_prompt_token_ids = True
+    if releases.current().has("return_prompt_token_ids"):
+        obj.return_prompt_token_ids = True
     planned: list[str] = []
     if decode or any(c is not None for c in conts):  # (fixing the rids only when needed)
         for rid, tag, cont in zip(_send_rids(obj, batch, single), tags, conts, strict=True):
@@ -218,6 +222,7 @@ async def _tagged_generate(
     )
     streamed_ids: dict[int, list[int]] = {}
     holder = refs_holder(request)
+    start_version = getattr(getattr(tm, "server_args", None), "weight_version", None)
 
     async def finish(k: int, out: dict[str, Any]) -> None:
         meta = out.get("meta_info") or {}
@@ -229,8 +234,9 @@ async def _tagged_generate(
             return
         tag = tags[k]
         routing = meta.pop("routed_experts", None)
-        prompt_ids = out.get("prompt_token_ids") or []
+        prompt_ids = _prompt_ids(out, meta)
         output_ids = streamed_ids.get(k, []) if incremental else out.get("output_ids") or []
+        check_one_weight_version(tag, meta, start_version)
         if decode:  # the send hook asked for rows from the prompt's end
             starts[k] = len(prompt_ids)
             check_decode_retractions(tag, meta)
@@ -277,6 +283,30 @@ async def _tagged_generate(
             _SEND_PLANS.pop(rid, None)
         for rid in pinned:
             _DP_RANKS.pop(rid, None)
+
+
+def check_one_weight_version(tag: OutputTag, meta: dict[str, Any], start: Any) -> None:
+    """503 for an output whose weights changed while it ran, on a release that does not
+    say where (``meta_info["weight_versions"]`` is SGLang 0.5.19 on).
+
+    ``/pause_generation`` ``in_place`` (or ``retract``), a weight update, then
+    ``/continue_generation`` leaves one output with rows from two weight versions; with
+    no spans, which rows are whose cannot be told, so they are not stored under one
+    label.  The engine's version when the request arrived is compared with the one its
+    output reports.
+    """
+    if releases.current().has("weight_version_spans") or "weight_versions" in meta:
+        return
+    end = meta.get("weight_version")
+    if start is None or end is None or str(end) == str(start):
+        return
+    raise R3RequestError(
+        503,
+        f"r3: the weights changed from {start!r} to {end!r} while this request ran, and "
+        f"SGLang {releases.current().version} does not say at which token "
+        '(meta_info["weight_versions"] is SGLang 0.5.19 on), so its routing rows cannot be '
+        f"labelled; not stored (rollout {tag.rollout_id!r}): send the turn again",
+    )
 
 
 def dp_rank_of(rollout_id: str, num_ranks: int) -> int:
@@ -338,6 +368,7 @@ _SEND_PLANS: dict[str, tuple[OutputTag, Continuation | None, bool]] = {}
 
 
 def _apply_plan(tm: Any, tokenized: Any) -> None:
+    _note_prompt(tokenized)
     rank = _DP_RANKS.get(getattr(tokenized, "rid", None) or "")
     if rank is not None:
         tokenized.routed_dp_rank = rank
@@ -367,3 +398,47 @@ async def around_send_batch_request(
     for tokenized in tokenized_objs:
         _apply_plan(self, tokenized)
     return await original(self, tokenized_objs)
+
+
+def around_send_one_request_sync(original: Callable[..., Any], self: Any, tokenized: Any) -> Any:
+    """:func:`around_send_one_request` where upstream's is a plain ``def`` (before SGLang
+    0.5.20, :mod:`sglang_r3.releases`)."""
+    _apply_plan(self, tokenized)
+    return original(self, tokenized)
+
+
+def around_send_batch_request_sync(
+    original: Callable[..., Any], self: Any, tokenized_objs: Any
+) -> Any:
+    """:func:`around_send_batch_request` where upstream's is a plain ``def``."""
+    for tokenized in tokenized_objs:
+        _apply_plan(self, tokenized)
+    return original(self, tokenized_objs)
+
+
+# A tagged request's prompt ids by request id, where SGLang cannot return them
+# (``return_prompt_token_ids`` is 0.5.13 on): noted at the send, taken at the finish.
+# Bounded: a request whose client went away before its end leaves its entry behind.
+_PROMPTS: OrderedDict[str, list[int]] = OrderedDict()
+_PROMPTS_MAX = 65536
+
+
+def _note_prompt(tokenized: Any) -> None:
+    if releases.current().has("return_prompt_token_ids"):
+        return
+    params = getattr(tokenized, "sampling_params", None)
+    rid = getattr(tokenized, "rid", None)
+    if rid is None or not carries_tag(getattr(params, "custom_params", None)):
+        return
+    _PROMPTS[str(rid)] = list(getattr(tokenized, "input_ids", None) or ())
+    while len(_PROMPTS) > _PROMPTS_MAX:
+        _PROMPTS.popitem(last=False)
+
+
+def _prompt_ids(out: dict[str, Any], meta: dict[str, Any]) -> list[int]:
+    """A finished output's prompt ids: upstream's (``return_prompt_token_ids``), else
+    those :func:`_note_prompt` kept for its request id."""
+    ids = out.get("prompt_token_ids")
+    if ids is not None:
+        return list(ids)
+    return _PROMPTS.pop(str(meta.get("id")), [])

@@ -169,7 +169,9 @@ async def around_serve_generate_request(
         return ORJSONResponse({"error": {"message": exc.message}}, status_code=exc.status_code)
     response = await original(obj, request)
     sampling_params = getattr(obj, "sampling_params", None)
-    if not getattr(obj, "stream", False) or not (
+    if not getattr(obj, "stream", False):
+        return _with_r3_status(response, request)
+    if not (
         sampling_params_tagged(sampling_params)
         or misplaced_tag(sampling_params)
         or engine_config().require_tag  # an untagged stream is refused: answer 400
@@ -193,6 +195,18 @@ async def around_serve_generate_request(
     return response
 
 
+def _with_r3_status(response: Any, request: Any) -> Any:
+    """A non-streaming answer carrying an r3 refusal's own status: SGLang before 0.5.17
+    answers every ``ValueError`` of ``/generate`` with 400 (0.5.12 ``http_server.py:1826``
+    ``_create_error_response``), 0.5.17 on with the error's ``status_code``."""
+    from fastapi.responses import ORJSONResponse
+
+    err = remembered_error(request)
+    if err is None or getattr(response, "status_code", None) != 400 or err.status_code == 400:
+        return response
+    return ORJSONResponse({"error": {"message": err.message}}, status_code=err.status_code)
+
+
 async def _generate_stream(
     first: Any, chunks: AsyncIterator[Any], request: Any
 ) -> AsyncIterator[Any]:
@@ -201,3 +215,43 @@ async def _generate_stream(
         text = chunk.decode() if isinstance(chunk, bytes | bytearray) else str(chunk)
         err = remembered_error(request) if _is_error_event(text) else None
         yield _generate_error_event(err) if err is not None else chunk
+
+
+def wrap_generate_route() -> None:
+    """Put :func:`around_serve_generate_request` on the ``/generate`` route itself (once).
+
+    Before SGLang 0.5.22 the decorated route function ``http_server.generate_request``
+    is the whole handler, with no ``serve_generate_request`` to hook, and FastAPI holds
+    the function it was given at import, so patching the module attribute would change
+    nothing.  The route is replaced by one with the same path, methods and response
+    class whose endpoint runs the hook around the original; FastAPI reads its
+    parameters from the original's signature.
+    """
+    import functools
+    import inspect
+
+    from fastapi.routing import APIRoute
+    from sglang.srt.entrypoints import http_server
+
+    router = http_server.app.router
+    route = next(
+        (r for r in router.routes if isinstance(r, APIRoute) and r.path == "/generate"), None
+    )
+    if route is None or getattr(route.endpoint, "_r3_wrapped", False):
+        return
+    original = route.endpoint
+
+    @functools.wraps(original)
+    async def generate(obj: Any, request: Any) -> Any:
+        return await around_serve_generate_request(original, obj, request)
+
+    generate.__signature__ = inspect.signature(original, eval_str=True)  # type: ignore[attr-defined]
+    generate._r3_wrapped = True  # type: ignore[attr-defined]
+    router.routes.remove(route)
+    http_server.app.add_api_route(
+        "/generate",
+        generate,
+        methods=sorted(route.methods or ()),
+        response_class=route.response_class,
+        include_in_schema=route.include_in_schema,
+    )

@@ -292,8 +292,13 @@ class Shipper:
             bases.append(b)
         return _Plan(moe, segs, parts, frames, bases, own)
 
-    async def _write(self, rollout_id: str, plan: _Plan) -> list[PutResult]:
+    async def _write(self, rollout_id: str, plan: _Plan, share_end: int) -> list[PutResult]:
         """Store the plan's segments, all at once when they can be.
+
+        Segments ending at or before ``share_end`` (a GRPO group's prompt rows: the
+        tag's ``share_prompt``; 0 when nothing is shared) are put as shared, so the
+        service keeps them once for the whole group; every other segment (a sample's
+        own rows, a later turn) is put as the rollout's own, freed with it.
 
         Segments that continue the first one's context are sent with it; if one
         reaches the service first (refused: its context is not stored yet), it is
@@ -302,12 +307,15 @@ class Shipper:
         context the service no longer holds (the rollout was deleted or rewritten
         elsewhere) is re-encoded with its own context and sent again.
         """
-        first = asyncio.ensure_future(self._put_one(rollout_id, plan, 0, None))
+        share = [seg.end <= share_end for seg in plan.segs]
+        first = asyncio.ensure_future(self._put_one(rollout_id, plan, 0, None, share[0]))
         if any(b is None for b in plan.bases[1:]):
             # A later segment with its own context could be stored where the first
             # is refused; keep the order.
             await asyncio.gather(first, return_exceptions=True)
-        rest = [self._put_one(rollout_id, plan, i, first) for i in range(1, len(plan.frames))]
+        rest = [
+            self._put_one(rollout_id, plan, i, first, share[i]) for i in range(1, len(plan.frames))
+        ]
         results = await asyncio.gather(first, *rest, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -320,22 +328,27 @@ class Shipper:
         return [r for r in results if not isinstance(r, BaseException)]
 
     async def _put_one(
-        self, rollout_id: str, plan: _Plan, i: int, first: asyncio.Future[PutResult] | None
+        self,
+        rollout_id: str,
+        plan: _Plan,
+        i: int,
+        first: asyncio.Future[PutResult] | None,
+        share: bool,
     ) -> PutResult:
         frame = plan.frames[i]
         try:
-            return await self.client.put(rollout_id, frame)
+            return await self.client.put(rollout_id, frame, share=share)
         except SegmentConflictError as exc:
             if plan.bases[i] is None or "holds no context" not in str(exc):
                 raise
         if first is not None and plan.bases[i] is plan.own:
             # Sent before the first segment (which carries the context) was stored.
             await first  # raises the first segment's error, if any
-            return await self.client.put(rollout_id, frame)
+            return await self.client.put(rollout_id, frame, share=share)
         # The cached context is gone from the service: code the rows on their own.
         self._contexts.pop(rollout_id, None)
         frame = await asyncio.to_thread(self._encode, plan.parts[i], plan.segs[i], None)
-        return await self.client.put(rollout_id, frame)
+        return await self.client.put(rollout_id, frame, share=share)
 
     @staticmethod
     def check_prefix(tag: OutputTag, cont: Continuation, input_ids: Sequence[int]) -> None:
@@ -550,12 +563,14 @@ class Shipper:
         there, and ``puts`` is empty when nothing is past it.
         """
         end, prompt_end = len(tokens) - 1, prompt_len - 1
+        # only a first turn's prompt rows are shared (_cuts), and only by a GRPO group
+        share_end = prompt_end if tag.share_prompt and start == 0 else 0
         cuts = sorted({*self._cuts(tag, start, prompt_end, end, versions), *extra_cuts})
         plan = await asyncio.to_thread(
             self._plan, tag.rollout_id, routing, start, cuts, tokens, versions
         )
         try:
-            return plan, await self._write(tag.rollout_id, plan), start
+            return plan, await self._write(tag.rollout_id, plan, share_end), start
         except SegmentConflictError:
             if not assumed_new:
                 raise
@@ -569,7 +584,7 @@ class Shipper:
         plan = await asyncio.to_thread(
             self._frames, tag.rollout_id, plan.moe[start:], start, cuts, tokens, versions
         )
-        return plan, await self._write(tag.rollout_id, plan), start
+        return plan, await self._write(tag.rollout_id, plan, share_end), start
 
     def _failed(self, exc: Exception, tag: OutputTag, ref: dict[str, Any]) -> dict[str, Any]:
         """The status a failed store answers with, or under ``inline`` the fallback reference."""

@@ -13,15 +13,13 @@ import pkgutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sglang_r3 import releases
 from sglang_r3.config import EngineConfig, engine_config
 from sglang_r3.errors import StartupError
 from sglang_r3.http_server import metrics
 from sglang_r3.http_server.loop_probe import LOOP_PROBE
 from sglang_r3.scheduler.hicache import unsupported_hicache_options
-from sglang_r3.targets import (
-    HTTP_TARGETS,
-    SGLANG_VERSION,
-)
+from sglang_r3.targets import HTTP_TARGETS
 
 log = logging.getLogger("sglang_r3")
 
@@ -70,7 +68,33 @@ def unsupported_options(server_args: Any, config: EngineConfig) -> list[str]:
         problems.append(speculation)
     if on("enable_hisparse"):
         problems.append("--enable-hisparse restores KV without recomputing it")
-    return problems
+    return problems + release_problems(server_args)
+
+
+def release_problems(server_args: Any) -> list[str]:
+    """Options the installed SGLang release cannot serve with routing right: each refused
+    in one sentence naming the release that can (:mod:`sglang_r3.releases`)."""
+    release = releases.current()
+
+    def on(name: str) -> Any:
+        return getattr(server_args, name, None)
+
+    checks = [
+        (
+            on("enable_hierarchical_cache"),
+            release.missing("unified_hicache", "--enable-hierarchical-cache"),
+        ),
+        (
+            (on("tokenizer_worker_num") or 1) > 1,
+            release.missing("http_server_app_path", "--tokenizer-worker-num > 1"),
+        ),
+        (
+            on("disaggregation_mode") not in (None, "null"),
+            release.not_verified(f"--disaggregation-mode {on('disaggregation_mode')}"),
+        ),
+        (on("speculative_algorithm"), release.not_verified("speculative decoding")),
+    ]
+    return [problem for applies, problem in checks if applies and problem]
 
 
 def worker_app_problem(server_args: Any) -> str | None:
@@ -212,11 +236,12 @@ def check_startup(targets: list[str], server_args: Any | None, hooks: HookTable)
     """Raise :class:`StartupError` listing every problem, if any (only a warning when
     routing shipping is off: the plugin is then merely installed)."""
     config = engine_config()
-    problems = verify_hooks(targets, hooks)
+    problem = releases.range_problem(releases.current())
+    problems = [problem] if problem else verify_hooks(targets, hooks)
     if server_args is not None:
         problems += unsupported_options(server_args, config)
         if str(getattr(server_args, "device", "")) == "cpu":
-            from sglang_r3.cpu import allocator_installed
+            from sglang_r3.cpu.allocator import allocator_installed
 
             if not allocator_installed():
                 problems.append("--device cpu without the CPU host allocator (plugin not loaded?)")
@@ -225,7 +250,8 @@ def check_startup(targets: list[str], server_args: Any | None, hooks: HookTable)
     message = (
         "sglang_r3 cannot start:\n  - "
         + "\n  - ".join(problems)
-        + f"\n(sglang_r3 supports sglang=={SGLANG_VERSION} exactly)"
+        + f"\n(sglang_r3 supports SGLang {releases.SUPPORTED}; this is SGLang "
+        f"{releases.current().version})"
     )
     if not config.enabled:
         # Installed but not asked to ship routing: do not stop someone else's server;
@@ -285,7 +311,7 @@ def add_routes(*, aggregate_metrics: bool = False) -> None:
             "share_prompt": config.share_prompt,
             "dp_affinity": config.dp_affinity,
             "format_version": config.format_version,
-            "sglang": SGLANG_VERSION,
+            "sglang": releases.current().version,
             "hooks": HTTP_TARGETS,
             # The answering process (one of several under --tokenizer-worker-num > 1)
             # and its own tagged outputs by outcome.

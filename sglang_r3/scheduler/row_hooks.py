@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from sglang_r3 import releases
 from sglang_r3.config import engine_config
 from sglang_r3.scheduler.hicache import after_in_flight
 from sglang_r3.scheduler.row_transport import TaggedRows, compact_rows
@@ -15,10 +16,11 @@ from sglang_r3.tags import carries_tag
 log = logging.getLogger("sglang_r3")
 
 
-def _pickle_ipc() -> bool:
-    from sglang.srt.managers import io_struct
-
-    return bool(io_struct._USE_PICKLE_IPC)
+def _marks_rows() -> bool:
+    """Whether a tagged request's rows may go to the detokenizer marked: only by pickle
+    IPC (msgpack types the field).  The detokenizer runs our hooks on every release (its
+    own plugin loader from 0.5.22, :func:`sglang_r3.hooks.run_detokenizer` before)."""
+    return releases.pickle_ipc()
 
 
 def _tagged(req: Any) -> bool:
@@ -45,7 +47,7 @@ def before_prepare_for_extend(self: Any, *args: Any, **kwargs: Any) -> None:
             continue
         epoch = int(getattr(req, "retraction_count", 0) or 0)
         starts: dict[int, int] = req.__dict__.setdefault("_r3_starts", {})
-        prefix = int(getattr(req, "prefix_len", 0) or 0)
+        prefix = releases.req_prefix_len(req)
         starts[epoch] = min(starts.get(epoch, prefix), prefix)
         if epoch:
             resumed: dict[int, int] = req.__dict__.setdefault("_r3_resumed", {})
@@ -78,14 +80,35 @@ def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) 
     :func:`around_collect_routed_experts` checks it against the re-prefill's.
     """
     req = kwargs.get("req")
-    if req is not None and engine_config().enabled and _tagged(req) and not req.finished():
+    if req is not None:
+        _keep_rows(req, kwargs.get("req_to_token_pool"))
+    return original(*args, **kwargs)
+
+
+def around_release_req_method(
+    original: Callable[..., Any],
+    self: Any,
+    idx: int,
+    remaing_req_count: int,
+    server_args: Any,
+) -> Any:
+    """:func:`around_release_req` where the target is the method
+    ``ScheduleBatch.release_req(self, idx, remaing_req_count, server_args)`` (before
+    SGLang 0.5.13, :mod:`sglang_r3.releases`)."""
+    _keep_rows(self.reqs[idx], getattr(self, "req_to_token_pool", None))
+    return original(self, idx, remaing_req_count, server_args)
+
+
+def _keep_rows(req: Any, pool: Any) -> None:
+    """The retraction's work for :func:`around_release_req` (its docstring says which rows)."""
+    if engine_config().enabled and _tagged(req) and not req.finished():
         from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
         capturer = get_global_experts_capturer()
-        pool = kwargs.get("req_to_token_pool")
+        kv: Any = releases.req_kv(req)
         seqlen = len(req.origin_input_ids) + len(req.output_ids)
-        idx = req.kv.req_pool_idx
-        computed = 0 if idx is None else min(seqlen - 1, int(req.kv.kv_committed_len))
+        idx = kv.req_pool_idx
+        computed = 0 if idx is None else min(seqlen - 1, int(kv.kv_committed_len))
         if capturer is not None and pool is not None:
             req.__dict__.setdefault("_r3_retracted_outputs", []).append(len(req.output_ids))
             slots = pool.req_to_token[idx or 0][: max(computed, 0)].cpu().clone()
@@ -96,7 +119,6 @@ def around_release_req(original: Callable[..., Any], *args: Any, **kwargs: Any) 
                 kept[1] = capturer.host_cache.buffer[slots]
 
             after_in_flight(read)
-    return original(*args, **kwargs)
 
 
 def around_collect_routed_experts(original: Callable[..., Any], self: Any, req: Any) -> Any:
@@ -113,7 +135,7 @@ def around_collect_routed_experts(original: Callable[..., Any], self: Any, req: 
         getattr(req, "routed_experts", None) is None
         and _tagged(req)
         and engine_config().enabled
-        and _pickle_ipc()
+        and _marks_rows()
     )
     starts: dict[int, int] = req.__dict__.get("_r3_starts") or {} if tagged else {}
     stored = int(getattr(req, "routed_experts_start_len", 0) or 0)
@@ -177,3 +199,31 @@ def around_detokenize(original: Callable[..., Any], self: Any, recv_obj: Any) ->
     for i, rows in compact.items():
         out.routed_experts[i] = rows
     return out
+
+
+def around_stream_output_generation(
+    original: Callable[..., Any], self: Any, reqs: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND the scheduler mixin's ``stream_output_generation`` before SGLang 0.5.13: a
+    batch's ``routed_experts`` lists every request, ``None`` for those that did not ask.
+
+    0.5.12 appends only the rows of requests that asked
+    (``scheduler_output_processor_mixin.py:1237-1240``), and the tokenizer manager reads
+    the list by batch position (``tokenizer_manager.py:1726-1727``): a tagged request
+    batched with an untagged one (a warm-up, a health probe, any request that asks for
+    no routing) gets an ``IndexError`` or another request's rows.  For this call every
+    request of a batch in which one asked is marked as asking, which makes upstream list
+    its ``req.routed_experts`` (``None``: nothing is collected for it, and ``None`` puts
+    nothing in its output); the marks are taken back after.
+    """
+    asked = [bool(getattr(r, "return_routed_experts", False)) for r in reqs]
+    if all(asked) or not any(asked):
+        return original(self, reqs, *args, **kwargs)
+    marked = [r for r, a in zip(reqs, asked, strict=True) if not a]
+    for req in marked:
+        req.return_routed_experts = True
+    try:
+        return original(self, reqs, *args, **kwargs)
+    finally:
+        for req in marked:
+            req.return_routed_experts = False

@@ -11,6 +11,7 @@ fixed seed, with a word-level tokenizer (``w3 w4 ...``) and a plain chat templat
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -215,6 +216,47 @@ CPU_ARGS = (
 )
 
 
+def cpu_args(version: str) -> tuple[str, ...]:
+    """:data:`CPU_ARGS` in SGLang ``version``'s spelling: before 0.5.14 (no
+    ``--cuda-graph-backend-*``) CUDA graphs are switched off by ``--disable-cuda-graph``."""
+    from sglang_r3.releases import Release
+
+    if Release(version).has("cuda_graph_backend_args"):
+        return CPU_ARGS
+    out: list[str] = []
+    skip = False
+    for arg in CPU_ARGS:
+        if skip:
+            skip = False
+            continue
+        if arg.startswith("--cuda-graph-backend-"):
+            skip = True
+            if "--disable-cuda-graph" not in out:
+                out.append("--disable-cuda-graph")
+            continue
+        out.append(arg)
+    return tuple(out)
+
+
+def engine_port() -> int:
+    """A free port for an SGLang server: one whose ``port + 10000`` is a port too.
+
+    SGLang 0.5.12 derives a gRPC port ``port + 10000`` at start-up whether or not gRPC
+    is used, and refuses one above 65535 (``server_args.py:1147-1154``); a port from the
+    kernel's ephemeral range (up to 60999) fails there one time in five."""
+    return free_port(cluster_bus=True)
+
+
+@functools.cache
+def sglang_version_of(python: str) -> str:
+    """The SGLang release installed for interpreter ``python`` (asked in a subprocess,
+    nothing imported here)."""
+    code = "from importlib.metadata import version; print(version('sglang'))"
+    return subprocess.run(
+        [python, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
 @dataclass
 class EngineServer:
     """A ``python -m sglang_r3.launch_server`` process in its own process group."""
@@ -253,22 +295,25 @@ def start_engine(
     max_total_tokens: int = 4096,
     timeout_s: float = 240.0,
     launcher: str = "sglang_r3.launch_server",
+    python: str | None = None,
 ) -> EngineServer:
     """Start SGLang on CPU (with the extension when ``routing_cache`` is given); wait healthy.
 
     The KV pool holds ``max_total_tokens`` tokens (see :data:`CPU_ARGS`).
 
     ``launcher="sglang.launch_server"`` starts upstream unchanged (the plugin is
-    still installed, so the CPU allocator is there), for baselines.
+    still installed, so the CPU allocator is there), for baselines.  ``python``: the
+    interpreter of the environment whose SGLang to run (default: this one's).
     """
+    python = python or sys.executable
 
     argv = [
-        sys.executable,
+        python,
         "-m",
         launcher,
         "--model-path",
         str(model_path),
-        *CPU_ARGS,
+        *cpu_args(sglang_version_of(python)),
         "--max-total-tokens",
         str(max_total_tokens),
         "--host",
@@ -369,7 +414,9 @@ class LocalStack:
 
     def start_engine(self, model_path: str | os.PathLike[str], **kwargs: Any) -> EngineServer:
         """:func:`start_engine` on a free port, logging to ``work/sglang.log``."""
-        engine = start_engine(model_path, port=free_port(), log=self.work / "sglang.log", **kwargs)
+        engine = start_engine(
+            model_path, port=engine_port(), log=self.work / "sglang.log", **kwargs
+        )
         self.started.append(engine)
         return engine
 

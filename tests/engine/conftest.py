@@ -6,5 +6,8 @@ from tests.support.engine_fixtures import (  # noqa: F401  (fixtures, found by p
     engine_cache,
     glm_engine,
     qwen_engine,
+    release_glm_engine,
+    release_qwen_engine,
+    sglang_release,
     tiny_models,
 )

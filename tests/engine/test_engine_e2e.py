@@ -1,4 +1,8 @@
-"""End to end on a real SGLang server (CPU) with the extension: generate, ship, fetch."""
+"""End to end on a real SGLang server (CPU) with the extension: generate, ship, fetch.
+
+Every test here runs on each release in :data:`sglang_r3.releases.TESTED` (0.5.23, then
+0.5.12: the ends of the supported range), each on its own engines.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +31,19 @@ from tests.support.service_process import KEY_A, Service
 
 pytestmark = pytest.mark.timeout(600)
 
+
+@pytest.fixture(scope="module")
+def qwen_engine(release_qwen_engine: EngineServer) -> EngineServer:
+    """The session's Qwen engine on each tested release (:func:`sglang_release`)."""
+    return release_qwen_engine
+
+
+@pytest.fixture(scope="module")
+def glm_engine(release_glm_engine: EngineServer) -> EngineServer:
+    """The session's GLM engine on each tested release."""
+    return release_glm_engine
+
+
 QWEN_LAYERS = 3
 
 
@@ -45,6 +62,7 @@ def test_untagged_request_is_plain_upstream(qwen_engine: EngineServer) -> None:
 def test_stored_routing_equals_upstream_inline(
     family: str,
     request: pytest.FixtureRequest,
+    sglang_release: str,  # (the engines below are this release's)
     cache_client: RoutingClient,
     engine_cache: Service,
 ) -> None:
@@ -174,7 +192,9 @@ def test_grpo_group_samples_get_own_ids_and_share_prompt_rows(
     qwen_engine: EngineServer, cache_client: RoutingClient
 ) -> None:
     group = rid("grpo")
-    prompt = list(range(300, 340))
+    # a prompt of its own (each release's run shares one cache: a prompt stored by the
+    # other release's run would be a dedupe hit for all four samples)
+    prompt = np.random.default_rng().integers(300, 1000, 40).tolist()
     status, outs = generate(
         qwen_engine.url,
         {"input_ids": prompt, "sampling_params": {**sp(group, 6), "n": 4, "temperature": 1.0}},
@@ -219,6 +239,43 @@ def test_batch_of_prompts(qwen_engine: EngineServer, cache_client: RoutingClient
     assert status == 200
     assert outs2[0]["meta_info"]["r3"]["start"] == len(prompts[0]) + 4 - 1
     assert outs2[1]["meta_info"]["r3"]["start"] == 0
+
+
+def test_tagged_and_untagged_requests_in_one_batch_each_get_their_own_rows(
+    qwen_engine: EngineServer, cache_client: RoutingClient
+) -> None:
+    """Requests that ask for routing and requests that do not, decoded in one batch.
+
+    SGLang 0.5.12 lists a batch's ``routed_experts`` only for the requests that asked
+    and the tokenizer manager reads it by position: without the plugin's alignment
+    (``row_hooks.around_stream_output_generation``) the tokenizer manager raised
+    ``IndexError`` and every request of the batch hung (first seen under verl's own
+    start-up, whose warm-up request ran beside a tagged one).  Here 6 requests, every
+    other one tagged, start together and run 24 tokens side by side."""
+    import concurrent.futures
+
+    ids = [rid("mix") if i % 2 else None for i in range(6)]
+    bodies = [
+        {
+            "input_ids": list(range(400 + 10 * i, 416 + 10 * i)),
+            "sampling_params": sp(key, 24, inline=True) if key else sp(None, 24),
+        }
+        for i, key in enumerate(ids)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: generate(qwen_engine.url, b, timeout=120), bodies))
+    for key, (status, out) in zip(ids, answers, strict=True):
+        assert status == 200, out
+        meta = out["meta_info"]
+        if key is None:
+            assert "routed_experts" not in meta and "r3" not in meta, meta.keys()
+            continue
+        assert meta["r3"]["rollout_id"] == key
+        stored = cache_client.get(key)
+        assert stored.num_rows == 16 + 24 - 1
+        np.testing.assert_array_equal(
+            as_sets(stored.indices), as_sets(inline_rows(out, QWEN_LAYERS))
+        )
 
 
 def test_generate_stream_reference_in_final_chunk(
@@ -470,13 +527,13 @@ def test_retraction_is_marked_or_refused(
     assert status == 503 and "retracted" in err["error"]["message"]
 
 
-def test_metrics_and_info_endpoints(qwen_engine: EngineServer) -> None:
+def test_metrics_and_info_endpoints(qwen_engine: EngineServer, sglang_release: str) -> None:
     generate(qwen_engine.url, {"input_ids": [21, 22, 23], "sampling_params": sp(rid())})
     text = httpx.get(f"{qwen_engine.url}/r3/metrics", timeout=10).text
     assert 'r3_engine_outputs_total{outcome="stored"}' in text
     assert "r3_engine_bytes_shipped_total" in text
     info = httpx.get(f"{qwen_engine.url}/r3/info", timeout=10).json()
-    assert info["enabled"] and info["sglang"] == "0.5.23"
+    assert info["enabled"] and info["sglang"] == sglang_release
     assert os.environ.get("SGLANG_R3_API_KEY") is None or "api_key" not in info
     assert KEY_A not in str(info)
 

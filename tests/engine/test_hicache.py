@@ -168,7 +168,7 @@ def capturer(monkeypatch: pytest.MonkeyPatch) -> Any:
     import torch
     from sglang.srt.state_capturer.base import BaseTopkCapturer
 
-    from sglang_r3.cpu import install_allocator
+    from sglang_r3.cpu.allocator import install_allocator
 
     install_allocator()
     cap = BaseTopkCapturer(

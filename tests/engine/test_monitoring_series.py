@@ -76,6 +76,8 @@ def test_every_series_the_monitoring_reads_is_exported(
     assert [r for r, _ in cache_client.get_many([rollout, rid("absent")], return_errors=True)]
     found = check_step(cache_client, [rollout], [rows + 1], view="generated")
     assert found.off_state_tokens > 0  # the view's rows: the replay is off their state
+    found = check_step(cache_client, [rollout], [rows + 1])  # exact: nothing off, expanded
+    assert found.off_state_tokens == 0 and found.extra_samples > 0 and found.extra_tokens > 0
     gone = rid("gone")
     status, _ = generate(glm_engine.url, {"input_ids": [5, 6, 7], "sampling_params": sp(gone)})
     assert status == 200 and cache_client.delete(gone)

@@ -1,7 +1,8 @@
 """Routing recorded by the real SGLang, fetched through the service, replayed in HF.
 
 Replay must give 0 % routing disagreement with the engine; without replay the
-disagreement is measured and printed (run with ``-s`` to see it).
+disagreement is measured and printed (run with ``-s`` to see it).  On each tested
+SGLang release (:func:`tests.support.engine_fixtures.sglang_release`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,23 @@ from sglang_r3.tools.mismatch_report import generate_rollouts, measure
 pytestmark = pytest.mark.timeout(600)
 
 
+@pytest.fixture(scope="module")
+def qwen_engine(release_qwen_engine: EngineServer) -> EngineServer:
+    """The session's Qwen engine on each tested release."""
+    return release_qwen_engine
+
+
+@pytest.fixture(scope="module")
+def glm_engine(release_glm_engine: EngineServer) -> EngineServer:
+    """The session's GLM engine on each tested release."""
+    return release_glm_engine
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
 def test_engine_routing_replays_with_zero_disagreement(
     family: str,
     request: pytest.FixtureRequest,
+    sglang_release: str,  # (the engines below are this release's)
     tiny_models: dict[str, Path],
     cache_client: RoutingClient,
 ) -> None:

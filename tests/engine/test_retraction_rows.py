@@ -40,7 +40,7 @@ def capturer(monkeypatch: pytest.MonkeyPatch) -> Any:
     from sglang.srt.state_capturer import routed_experts
     from sglang.srt.state_capturer.base import BaseTopkCapturer
 
-    from sglang_r3.cpu import install_allocator
+    from sglang_r3.cpu.allocator import install_allocator
 
     install_allocator()
     cap = BaseTopkCapturer(
@@ -49,7 +49,7 @@ def capturer(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(routed_experts, "get_global_experts_capturer", lambda: cap)
     monkeypatch.setattr(hicache, "_MOVER", hicache._RowMover())
     monkeypatch.setattr(row_hooks, "engine_config", lambda: SimpleNamespace(enabled=True))
-    monkeypatch.setattr(row_hooks, "_pickle_ipc", lambda: True)
+    monkeypatch.setattr(row_hooks, "_marks_rows", lambda: True)
     cap.torch = torch
     return cap
 

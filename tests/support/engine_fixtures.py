@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
-from cache_service.redis_proc import RedisProcess, free_port
+from cache_service.redis_proc import RedisProcess
 from r3_client import RoutingClient
-from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, start_engine
+from sglang_r3.releases import TESTED
+from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, engine_port, start_engine
 from tests.support.engine_requests import CACHE_ENV
 from tests.support.service_process import KEY_A, Service, start_service
 
@@ -86,16 +88,66 @@ def _engine(
     cache: Service,
     name: str,
     env: dict[str, str] | None = None,
+    python: str | None = None,
 ) -> EngineServer:
     log = tmp_path_factory.mktemp(name) / "sglang.log"
     return start_engine(
         model,
-        port=free_port(),
+        port=engine_port(),
         log=log,
         routing_cache=cache.http_url,
         api_key=KEY_A,
         env={**os.environ, **(env or {})},
+        python=python,
     )
+
+
+# ---------------------------------------------------------------- other SGLang releases
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def release_python(version: str) -> str:
+    """The interpreter of the environment holding SGLang ``version``: this one's when it is
+    the installed release, else ``.venv-sglang-<version>`` (``scripts/bootstrap.sh``
+    makes it for every release in :data:`sglang_r3.releases.TESTED`).  Missing: a
+    failure saying how to make it, never a skip."""
+    from importlib.metadata import version as installed
+
+    if installed("sglang") == version:
+        return sys.executable
+    python = ROOT / f".venv-sglang-{version}" / "bin" / "python"
+    if not python.exists():
+        pytest.fail(
+            f"no environment with SGLang {version} at {python.parent.parent}: run "
+            "`scripts/bootstrap.sh` (make test does), which installs every tested release"
+        )
+    return str(python)
+
+
+def release_engine(
+    release: str,
+    family: str,
+    tiny_models: dict[str, Path],
+    cache: Service,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[EngineServer]:
+    """The session's engine of ``family`` (``qwen3_moe``: :func:`qwen_engine`,
+    ``glm4_moe``: :func:`glm_engine`, the same settings) on SGLang ``release``, shared by
+    every module that asks for it."""
+    python = release_python(release)
+    env = None
+    if family == "glm4_moe":
+        env = {"SGLANG_TEST_RETRACT": "1", "SGLANG_R3_FORMAT_VERSION": "2"}
+    name = f"{family}-engine-{release}"
+
+    def make() -> EngineServer:
+        return _engine(tmp_path_factory, tiny_models[family], cache, name, env, python)
+
+    short = "qwen_engine" if family == "qwen3_moe" else "glm_engine"
+    shared = short if python == sys.executable else f"{short}@{release}"
+    with _shared(shared, make, lambda s: s.stop()) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -131,3 +183,37 @@ def glm_engine(
 
     with _shared("glm_engine", make, lambda s: s.stop()) as server:
         yield server
+
+
+@pytest.fixture(scope="module", params=sorted(TESTED, reverse=True))
+def sglang_release(request: pytest.FixtureRequest) -> str:
+    """A tested SGLang release (the newest first), for modules that run on each: they
+    ask for :func:`release_qwen_engine` / :func:`release_glm_engine` (or
+    :func:`release_python` of this) instead of the session's engines."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def release_qwen_engine(
+    sglang_release: str,
+    tiny_models: dict[str, Path],
+    engine_cache: Service,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[EngineServer]:
+    """:func:`qwen_engine`'s settings on :func:`sglang_release`."""
+    yield from release_engine(
+        sglang_release, "qwen3_moe", tiny_models, engine_cache, tmp_path_factory
+    )
+
+
+@pytest.fixture(scope="module")
+def release_glm_engine(
+    sglang_release: str,
+    tiny_models: dict[str, Path],
+    engine_cache: Service,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[EngineServer]:
+    """:func:`glm_engine`'s settings (forced retractions, format v2) on :func:`sglang_release`."""
+    yield from release_engine(
+        sglang_release, "glm4_moe", tiny_models, engine_cache, tmp_path_factory
+    )
