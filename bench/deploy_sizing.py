@@ -7,7 +7,8 @@ service's own ``SegmentStore`` exactly as the engine ships them, and reads Redis
 
 * single-turn rollouts of ``--tokens`` tokens, uniform and skewed routing;
 * a GRPO group: ``--group`` samples sharing a ``--prompt``-token prompt, the prompt
-  shipped as its own segment (deduplicated by the store), the response as another.
+  shipped as its own segment (``share=True``: deduplicated by the store), the response as
+  another (``share=False``, as the engine puts a sample's own rows).
 
 Baselines are what upstream SGLang hands back per token: int32 (L*K*4 bytes) and the
 base64 of it. Every process it starts is stopped on exit, also on Ctrl-C.
@@ -57,7 +58,8 @@ async def single(
         ids = np.random.default_rng(i).integers(0, 150_000, size=t + 1)
         frame = _frame(rows, 0, t, ids, "w1")
         wire += len(frame)
-        await store.put_segment(f"{data}-{i}", frame)
+        # what the engine puts for a sample nobody shares: its own, freed with it
+        await store.put_segment(f"{data}-{i}", frame, share=False)
     used = await _used(r) - before
     return {
         "case": f"single-turn, {data}",
@@ -82,9 +84,11 @@ async def group(
         resp = synthetic_routing(t - p, L, E, K, seed=1000 + s, **DATA[data])
         ids = np.concatenate([prompt_ids, np.random.default_rng(s).integers(0, 150_000, t - p + 1)])
         rid = f"group-{data}-{s}"
-        res = await store.put_segment(rid, _frame(prompt, 0, p, ids, "w1"))
+        # as the engine puts a GRPO group's sample (sglang_r3 Shipper): the prompt shared,
+        # the response the sample's own
+        res = await store.put_segment(rid, _frame(prompt, 0, p, ids, "w1"), share=True)
         hits += int(res.dedupe_hit)
-        await store.put_segment(rid, _frame(resp, p, t, ids, "w1"))
+        await store.put_segment(rid, _frame(resp, p, t, ids, "w1"), share=False)
     used = await _used(r) - before
     return {
         "case": f"GRPO group of {g}, {p}-token shared prompt, {data}",

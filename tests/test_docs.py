@@ -170,26 +170,31 @@ def test_passthrough_benchmark_runs_quick() -> None:
     assert "load run: 0 errors" in out
 
 
-def test_lifecycle_benchmark_runs_small(tmp_path: Path) -> None:
-    """bench/lifecycle_bench.py end to end on 4 rollouts (its own Redis and service): every
-    way of removing them, over both transports, checked and written."""
-    out = _run_bench(
-        "lifecycle_bench.py", "--rollouts", "4", "--tokens", "32", "--distinct", "1",
-        "--kept", "1", "--unversioned", "1", "--other", "2", "--bound", "2", "--rounds", "1",
-        "--json", str(tmp_path / "lb.json"),
-    )  # fmt: skip
-    assert "`delete_many(ids)`" in out and "x one-by-one" in out
+def test_lifecycle_benchmark_runs_quick(tmp_path: Path) -> None:
+    """bench/lifecycle_bench.py --quick end to end (its own Redis and service): the engine's
+    Shipper writes the step (a GRPO group, agents with a view), every way of removing it
+    over both transports, shared as the engine puts it and private, checked and written;
+    every key it made gone after (blobs included)."""
+    out = _run_bench("lifecycle_bench.py", "--quick", "--json", str(tmp_path / "lb.json"))
+    assert "`delete_many(ids)`" in out and "x one-by-one" in out and "fall / stored" in out
     import json
 
-    summary = json.loads((tmp_path / "lb.json").read_text())["summary"]
-    assert {(s["transport"], s["phase"]) for s in summary} == {
-        (t, p)
+    report = json.loads((tmp_path / "lb.json").read_text())
+    assert report["step"]["views"] > 0
+    assert report["step"]["by_kind"] == {"grpo": 3, "agent": 1, "agent+view": 1}
+    summary = report["summary"]
+    assert {(s["mode"], s["transport"], s["phase"]) for s in summary} == {
+        (m, t, p)
+        for m in ("engine", "private")
         for t in ("http", "grpc")
         for p in ("one_by_one", "delete_many", "drop_consumed", "drop_bounded")
     }
     for s in summary:
         assert s["requests_client"] == s["requests_service"] > 0
         assert s["freed_reported_median"] > 0 and s["used_memory_fall_median"] > 0
+        assert s["keys_left_max"] == 0
+    blobs = {s["mode"]: s["stored_keys"].get("blobs", 0) for s in summary}
+    assert blobs["engine"] >= 1 and blobs["private"] == 0  # the group's prompt, shared
 
 
 def _run_bench(script: str, *args: str) -> str:

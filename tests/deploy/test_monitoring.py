@@ -80,6 +80,8 @@ EXPORTED: dict[str, set[str]] = {
     "r3_client_step_tokens_total": {"policy"},
     "r3_client_steps_checked_total": {"policy"},
     "r3_client_step_off_state_ratio": {"policy"},
+    "r3_client_expansion_extra_tokens_total": set(),
+    "r3_client_expansion_extra_samples_total": set(),
 }
 
 _DURATION = (
@@ -177,6 +179,146 @@ def test_alerts_fire_on_failure_and_stay_silent_when_healthy(tmp_path: Path) -> 
     names = {a["alert"] for a in alerts()}
     assert names - fires == set(), "alerts never shown to fire"
     assert names - silent == set(), "alerts never shown to stay silent"
+
+
+_SAMPLES = re.compile(
+    r"(?P<a>_|stale|[-+]?(?:[0-9.]+(?:e[-+]?[0-9]+)?|Inf|NaN))"
+    r"(?:(?P<op>[-+])(?P<b>[0-9.]+(?:e[-+]?[0-9]+)?))?(?:x(?P<n>[0-9]+))?",
+    re.I,
+)
+
+
+def series_values(values: str) -> list[float | None]:
+    """promtool's expanding notation (``0+40x3``, ``1x2``, ``_x10``, ``stale``) as the
+    samples it stands for, ``None`` where there is none (``_``, ``stale``)."""
+    out: list[float | None] = []
+    for item in values.split():
+        m = _SAMPLES.fullmatch(item)
+        assert m, f"cannot read {item!r} of {values!r}"
+        n = int(m["n"] or 0)
+        if m["a"] in ("_", "stale"):
+            out += [None] * max(n, 1)
+            continue
+        step = float(m["b"] or 0) * (-1 if m["op"] == "-" else 1)
+        out += [float(m["a"]) + step * k for k in range(n + 1)]
+    return out
+
+
+def _minutes(duration: str) -> float:
+    """A promtool ``eval_time`` (``20m``, ``1h30m``, ``90s``) in minutes."""
+    units = {"h": 60.0, "m": 1.0, "s": 1 / 60}
+    parts = re.findall(r"([0-9.]+)(ms|[hms])", duration)
+    assert "".join(a + u for a, u in parts) == duration, duration
+    return sum(float(a) * units.get(u, 1 / 60000) for a, u in parts)
+
+
+def new_counter_terms(expr: str) -> set[str]:
+    """The series ``expr`` reads as ``x unless x offset …``: a series whose first sample
+    must page by itself (the header of prometheusrule.yaml)."""
+    return set(re.findall(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})?\s+offset\b", expr))
+
+
+def rule_test_gaps(rules: list[dict[str, Any]], tests: list[dict[str, Any]]) -> list[str]:
+    """What promtool's tests leave unshown, one line per (alert, series) the alert's
+    ``expr`` reads (:func:`metric_selectors`): each needs a test case that
+
+    - isolates the series: of the series the alert reads, only this one's samples change
+      (the others are absent or constant), so the series alone makes the alert fire;
+    - shows the alert firing at one ``eval_time`` and resolved at a later one;
+    - for a series read as ``x unless x offset …`` (:func:`new_counter_terms`), exists
+      twice: once with the series there before the failure, once with it appearing
+      (its first value ``_``) with the failure, the counter's first increment."""
+    gaps: list[str] = []
+    for rule in rules:
+        if "alert" not in rule:
+            continue
+        name, expr = rule["alert"], rule["expr"]
+        read = set(metric_selectors(expr))
+        kinds: dict[str, set[str]] = {m: set() for m in read}
+        for case in tests:
+            evals = [
+                (_minutes(c["eval_time"]), bool(c.get("exp_alerts")))
+                for c in case.get("alert_rule_test", [])
+                if c["alertname"] == name
+            ]
+            fired = [t for t, fires in evals if fires]
+            if not fired or not any(t > min(fired) for t, fires in evals if not fires):
+                continue
+            by_metric: dict[str, list[list[float | None]]] = {}
+            for s in case.get("input_series", []):
+                metric = re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", s["series"])
+                assert metric, s["series"]
+                by_metric.setdefault(metric.group(), []).append(series_values(s["values"]))
+            changing = {
+                m
+                for m, all_values in by_metric.items()
+                if m in read and any(len({v for v in vs if v is not None}) > 1 for vs in all_values)
+            }
+            for m in read & set(by_metric):
+                if changing - {m}:
+                    continue
+                new = any(vs and vs[0] is None for vs in by_metric[m])
+                kinds[m].add("appearing" if new else "present")
+        offset = new_counter_terms(expr)
+        for m in sorted(read):
+            if m in offset:
+                missing = sorted({"present", "appearing"} - kinds[m])
+            else:
+                missing = [] if kinds[m] else ["present"]
+            gaps += [f"{name}: no test fires then resolves on {m} alone ({k})" for k in missing]
+    return gaps
+
+
+def rule_tests() -> list[dict[str, Any]]:
+    tests: list[dict[str, Any]] = yaml.safe_load(
+        (MONITORING / "tests" / "rules_test.yaml").read_text()
+    )["tests"]
+    return tests
+
+
+def test_rule_tests_cover_each_series_each_alert_reads() -> None:
+    """Every series an alert's expression reads has a promtool case of its own, firing
+    and resolving (:func:`rule_test_gaps`); a counter read with ``unless … offset`` has
+    one for a series that existed and one for its first appearance. A series added to
+    an alert without a test fails here."""
+    assert rule_test_gaps([r for g in rule_groups() for r in g["rules"]], rule_tests()) == []
+
+
+def test_the_rule_test_coverage_check_can_fail() -> None:
+    """rule_test_gaps sees a series added to an alert, a case that never resolves, and a
+    counter's first appearance left untested; and reads promtool's notation."""
+    got = series_values("0+40x2 _x2 1x1 stale 3-1x1")
+    assert got == [0, 40, 80, None, None, 1, 1, None, 3, 2]
+    rules = [r for g in rule_groups() for r in g["rules"]]
+    added = json.loads(json.dumps(rules))
+    ship = next(r for r in added if r.get("alert") == "R3EngineShipFailures")
+    ship["expr"] += " or sum by (namespace) (increase(r3_engine_conflicts_total[5m])) > 0"
+    assert rule_test_gaps(added, rule_tests()) == [
+        "R3EngineShipFailures: no test fires then resolves on r3_engine_conflicts_total alone "
+        "(present)"
+    ]
+    tests = rule_tests()
+    unresolved = [
+        {**case, "alert_rule_test": [c for c in case["alert_rule_test"] if c["exp_alerts"]]}
+        if case["name"].startswith("the first guard trip")
+        else case
+        for case in tests
+    ]
+    assert rule_test_gaps(rules, unresolved) == [
+        "R3EngineShipFailures: no test fires then resolves on r3_engine_guard_trips_total alone "
+        "(appearing)"
+    ]
+    (lost,) = [c for c in tests if c["name"].startswith("rows lost on a counter")]
+    mixed = [
+        {**case, "input_series": [*case["input_series"], *lost["input_series"]]}
+        if case["name"].startswith("guard trips page")
+        else case
+        for case in tests
+    ]
+    assert rule_test_gaps(rules, mixed) == [
+        "R3EngineShipFailures: no test fires then resolves on r3_engine_guard_trips_total alone "
+        "(present)"
+    ]
 
 
 def _slug(heading: str) -> str:
