@@ -37,12 +37,17 @@ TAUS = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0)
 
 @dataclass
 class Rollout:
-    """One generated sample: its tokens, the engine's log-probs and routing."""
+    """One generated sample: its tokens, the engine's log-probs and routing.
+
+    ``logp_infer`` is ``None`` when the engine's log-probs did not line up with its
+    output tokens (:class:`MisalignedLogprobsError`): such a rollout counts for routing
+    but not for the log-prob measures.
+    """
 
     rollout_id: str
     prompt: list[int]
     output: list[int]
-    logp_infer: list[float]
+    logp_infer: list[float] | None
     routing: Routing | None = None
 
     @property
@@ -82,14 +87,43 @@ def generate_rollouts(
         raise RuntimeError(f"generation failed ({r.status_code}): {r.text[:500]}")
     out = []
     for rid, prompt, item in zip(ids, prompts, r.json(), strict=True):
-        out.append(Rollout(rid, prompt, list(item["output_ids"]), output_logprobs(item)))
+        try:
+            logp: list[float] | None = output_logprobs(item)
+        except MisalignedLogprobsError as e:
+            _stage(f"{rid}: its log-probs are left out of the log-prob measures: {e}")
+            logp = None
+        out.append(Rollout(rid, prompt, list(item["output_ids"]), logp))
     return out
+
+
+class MisalignedLogprobsError(ValueError):
+    """An output's ``output_token_logprobs`` do not name its ``output_ids``, one each.
+
+    Seen on SGLang 0.5.12 for a request the scheduler retracted and re-ran (upstream's own
+    server, forced retractions): the first output token's log-prob is missing, 11 for 12
+    tokens.  Pairing them by position would score the wrong tokens, so nothing is paired.
+    """
 
 
 def output_logprobs(item: dict[str, Any]) -> list[float]:
     """The engine's log-prob of each sampled token of one ``/generate`` output
-    (asked for with ``"return_logprob": true``)."""
-    return [float(lp) for lp, _tok, *_ in item["meta_info"]["output_token_logprobs"]]
+    (asked for with ``"return_logprob": true``).
+
+    Raises :class:`MisalignedLogprobsError` unless there is one per output token and each
+    names that token.
+    """
+    entries = item["meta_info"]["output_token_logprobs"]
+    output_ids = [int(t) for t in item["output_ids"]]
+    named = [int(tok) for _lp, tok, *_ in entries]
+    if named != output_ids:
+        first = next(
+            (i for i, (a, b) in enumerate(zip(named, output_ids, strict=False)) if a != b), None
+        )
+        where = f"; the first differs at {first}" if first is not None else ""
+        raise MisalignedLogprobsError(
+            f"the engine returned {len(named)} log-probs for {len(output_ids)} output tokens{where}"
+        )
+    return [float(lp) for lp, _tok, *_ in entries]
 
 
 def hf_forward(
@@ -143,11 +177,20 @@ def train_side(
 
 def measure(model: Any, rollouts: Sequence[Rollout]) -> dict[str, Any]:
     """The paper's measures for native routing and for replay, plus the raw log-probs."""
+    """The paper's measures for native routing and for replay, plus the raw log-probs.
+
+    Routing is measured on every rollout; log-probs on those whose engine log-probs
+    line up with their tokens (``results["n_without_logprobs"]`` counts the others).
+    """
     engine = np.stack([np.asarray(r.routing.indices) for r in rollouts if r.routing is not None])
-    infer = np.array([r.logp_infer for r in rollouts])
-    results: dict[str, Any] = {}
+    scored = [i for i, r in enumerate(rollouts) if r.logp_infer is not None]
+    if not scored:
+        raise ValueError("no rollout has engine log-probs that line up with its tokens")
+    infer = np.array([rollouts[i].logp_infer for i in scored])
+    results: dict[str, Any] = {"n_without_logprobs": len(rollouts) - len(scored)}
     for name, replay in (("native", False), ("replay", True)):
         logp, routing = train_side(model, rollouts, replay=replay)
+        logp = logp[scored]
         rows = routing[:, : engine.shape[1]]  # the last token has no engine row
         disagreement = routing_disagreement(engine, rows)
         disagreement["n_routing_tokens"] = disagreement.pop("n_tokens")
@@ -320,6 +363,7 @@ def _write_report(results: dict[str, Any], out: Path) -> None:
         name: {k: v for k, v in results[name].items() if k != "logp_train"}
         for name in ("native", "replay")
     }
+    summary["n_without_logprobs"] = results["n_without_logprobs"]
     (out / "mismatch.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "mismatch.md").write_text(md + "\n")
     print(md)

@@ -13,7 +13,6 @@ detokenizer handing rows over compact (so the plugin ran in all three processes)
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from cache_service.service_process import wait_ready
 from r3_client import RoutingClient
 from sglang_r3.cpu import prepare_env
 from sglang_r3.tools.local_stack import EngineServer, engine_port
-from tests.support.engine_fixtures import release_python
+from tests.support.engine_fixtures import release_env, release_python
 from tests.support.engine_requests import as_sets, generate, inline_rows, rid, sp
 from tests.support.service_process import KEY_A, Service
 
@@ -47,7 +46,7 @@ def framework_engine(
 ) -> Iterator[EngineServer]:
     style, release = request.param
     port = engine_port()
-    env = prepare_env(dict(os.environ))
+    env = prepare_env(release_env())
     env |= {"SGLANG_R3_ROUTING_CACHE": engine_cache.http_url, "SGLANG_R3_API_KEY": KEY_A}
     argv = [
         release_python(release),

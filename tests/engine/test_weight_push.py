@@ -24,7 +24,7 @@ import pytest
 from r3_client import RolloutNotFoundError, RoutingClient
 from sglang_r3.releases import Release
 from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, engine_port, start_engine
-from tests.support.engine_fixtures import release_python
+from tests.support.engine_fixtures import release_env, release_python
 from tests.support.engine_requests import as_sets, inline_rows, rid
 from tests.support.service_process import KEY_A, Service
 
@@ -57,6 +57,7 @@ def engine(
         log=tmp_path_factory.mktemp("push") / "sglang.log",
         routing_cache=engine_cache.http_url,
         api_key=KEY_A,
+        env=release_env(),
         python=release_python(sglang_release),
     )
     yield server

@@ -24,7 +24,7 @@ from cache_service.redis_proc import RedisProcess
 from r3_client import RoutingClient
 from sglang_r3.releases import TESTED
 from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, engine_port, start_engine
-from tests.support.engine_requests import CACHE_ENV
+from tests.support.engine_requests import CACHE_ENV, shim_env
 from tests.support.service_process import KEY_A, Service, start_service
 
 T = TypeVar("T")
@@ -125,6 +125,18 @@ def release_python(version: str) -> str:
     return str(python)
 
 
+# The CPU shims every engine on another release starts with: each is a no-op on a release
+# that does not need it (``logits_unpinned``: SGLang 0.5.12 pins host memory when a
+# prefill returns logprobs, which raises without an NVIDIA driver; 0.5.23 asks first).
+RELEASE_SHIMS = ("logits_unpinned",)
+
+
+def release_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``os.environ`` plus ``env`` plus the test-only CPU shims of :data:`RELEASE_SHIMS`,
+    for an engine started with :func:`release_python`'s interpreter."""
+    return {**os.environ, **shim_env(*RELEASE_SHIMS), **(env or {})}
+
+
 def release_engine(
     release: str,
     family: str,
@@ -142,7 +154,7 @@ def release_engine(
     name = f"{family}-engine-{release}"
 
     def make() -> EngineServer:
-        return _engine(tmp_path_factory, tiny_models[family], cache, name, env, python)
+        return _engine(tmp_path_factory, tiny_models[family], cache, name, release_env(env), python)
 
     short = "qwen_engine" if family == "qwen3_moe" else "glm_engine"
     shared = short if python == sys.executable else f"{short}@{release}"
