@@ -74,6 +74,15 @@ _GROUP_HELP = (
 def _add_r3_args(p: argparse.ArgumentParser) -> Any:
     """Our flags, in their own group (shown by ``--help`` next to SGLang's); the group."""
     g = p.add_argument_group(_GROUP, _GROUP_HELP)
+    _add_capture_args(g)
+    _add_policy_args(g)
+    _add_request_args(g)
+    _add_write_args(g)
+    return g
+
+
+def _add_capture_args(g: Any) -> None:
+    """What is recorded and where it is shipped: the switch, the cache and its key."""
     g.add_argument(
         "--return-routed-experts",
         action="store_true",
@@ -94,6 +103,11 @@ def _add_r3_args(p: argparse.ArgumentParser) -> Any:
         help="its API key (default: $SGLANG_R3_API_KEY; prefer the variable, argv is "
         "visible in ps)",
     )
+
+
+def _add_policy_args(g: Any) -> None:
+    """What a request does when the cache fails, the scheduler retracts it, or its
+    rollout has not been seen."""
     g.add_argument(
         "--routing-on-cache-error",
         choices=["fail", "inline"],
@@ -116,6 +130,10 @@ def _add_r3_args(p: argparse.ArgumentParser) -> Any:
         "an unreachable cache refused before compute), or only rollout ids this server "
         "has seen (no round trip for new rollouts; conflicts found at write time)",
     )
+
+
+def _add_request_args(g: Any) -> None:
+    """How requests name their rollout, share a first prompt, and pick a DP rank."""
     g.add_argument(
         "--routing-tag-header",
         metavar="NAME",
@@ -150,6 +168,10 @@ def _add_r3_args(p: argparse.ArgumentParser) -> Any:
         "SGLang's load balancing (off: a later turn may land on another rank and "
         "recompute its prefix)",
     )
+
+
+def _add_write_args(g: Any) -> None:
+    """How each cache write goes: the frame version written, tries and timeouts."""
     g.add_argument(
         "--routing-format-version",
         type=int,
@@ -173,7 +195,6 @@ def _add_r3_args(p: argparse.ArgumentParser) -> Any:
         default=10.0,
         help="seconds per cache write try (default: 10)",
     )
-    return g
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_r3 import releases
@@ -19,11 +19,12 @@ from sglang_r3.errors import (
     bad_request,
     samples_conflict,
 )
+from sglang_r3.http_server.continuation import Continuation, check_prefix
 from sglang_r3.http_server.loop_probe import LOOP_PROBE
 from sglang_r3.http_server.output_rows import to_base64
 from sglang_r3.http_server.pd import check_decode_retractions, decode_start, is_decode_server
 from sglang_r3.http_server.request_state import refs_holder, remember_error
-from sglang_r3.http_server.shipping import Continuation, Shipper
+from sglang_r3.http_server.shipping import Shipper
 from sglang_r3.http_server.tagging import (
     OutputTag,
     misplaced_tag,
@@ -188,6 +189,7 @@ async def _look_up(
 async def _tagged_generate(
     original: Callable[..., AsyncIterator[Any]], tm: Any, obj: Any, request: Any
 ) -> AsyncIterator[Any]:
+    """A tagged request: look its rollouts up, plan its sends, ship each finished output."""
     config = engine_config()
     tags, batch, n, single = _checked_tags(config, obj)
     shipper = _shipper(tm)
@@ -205,7 +207,19 @@ async def _tagged_generate(
         taken = [t.rollout_id for t, c in zip(tags, conts, strict=True) if c is not None]
         if taken:
             raise samples_conflict(taken[0])
-    user_wants_prompt_ids = bool(getattr(obj, "return_prompt_token_ids", False))
+    call = _TaggedCall(
+        shipper,
+        tags,
+        n,
+        decode,
+        assumed_new,
+        starts=[c.end if c is not None else 0 for c in conts],
+        user_wants_prompt_ids=bool(getattr(obj, "return_prompt_token_ids", False)),
+        incremental=bool(getattr(obj, "stream", False))
+        and bool(getattr(tm, "incremental_streaming_output", False)),
+        holder=refs_holder(request),
+        start_version=getattr(getattr(tm, "server_args", None), "weight_version", None),
+    )
     obj.return_routed_experts = True
     if releases.current().has("return_prompt_token_ids"):
         obj.return_prompt_token_ids = True
@@ -216,73 +230,89 @@ async def _tagged_generate(
                 _SEND_PLANS[rid] = (tag, cont, decode)
                 planned.append(rid)
     pinned = _pin_dp_ranks(config, tm, obj, tags, batch, n, single)
-    starts = [c.end if c is not None else 0 for c in conts]
-    incremental = bool(getattr(obj, "stream", False)) and bool(
-        getattr(tm, "incremental_streaming_output", False)
-    )
-    streamed_ids: dict[int, list[int]] = {}
-    holder = refs_holder(request)
-    start_version = getattr(getattr(tm, "server_args", None), "weight_version", None)
-
-    async def finish(k: int, out: dict[str, Any]) -> None:
-        meta = out.get("meta_info") or {}
-        if incremental:
-            streamed_ids.setdefault(k, []).extend(out.get("output_ids") or [])
-        if meta.get("finish_reason") is None:
-            if not user_wants_prompt_ids:
-                out.pop("prompt_token_ids", None)
-            return
-        tag = tags[k]
-        routing = meta.pop("routed_experts", None)
-        prompt_ids = _prompt_ids(out, meta)
-        output_ids = streamed_ids.get(k, []) if incremental else out.get("output_ids") or []
-        check_one_weight_version(tag, meta, start_version)
-        if decode:  # the send hook asked for rows from the prompt's end
-            starts[k] = len(prompt_ids)
-            check_decode_retractions(tag, meta)
-        ref = await shipper.ship(
-            tag,
-            starts[k],
-            routing,
-            prompt_ids,
-            output_ids,
-            meta,
-            assumed_new=assumed_new[k],
-            may_continue=n == 1,
-        )
-        ref["index"] = k
-        meta["r3"] = ref
-        if routing is not None and (tag.inline or ref.get("inline")):
-            # Upstream's base64 int32 of the rows this call computed or reused, from the
-            # reference's start, or from where the call recomputed stored rows when it did
-            # (``inline_start``; the stored first computations may differ there).
-            first = getattr(routing, "first", None)
-            base = starts[k] if first is None else first
-            if ref.get("views"):
-                ref["inline_start"] = base
-                skip = 0
-            else:
-                skip = ref["start"] - base
-            meta["routed_experts"] = await asyncio.to_thread(
-                to_base64, routing, shipper.shape, skip
-            )
-        if not user_wants_prompt_ids:
-            out.pop("prompt_token_ids", None)
-        if holder is not None:
-            holder.append(ref)
-
     try:
         async for out in original(tm, obj, request):
             if isinstance(out, list):
-                await asyncio.gather(*(finish(k, o) for k, o in enumerate(out)))
+                await asyncio.gather(*(call.finish(k, o) for k, o in enumerate(out)))
             elif isinstance(out, dict):
-                await finish(int(out.get("index", 0)), out)
+                await call.finish(int(out.get("index", 0)), out)
             yield out
     finally:
         for rid in planned:
             _SEND_PLANS.pop(rid, None)
         for rid in pinned:
             _DP_RANKS.pop(rid, None)
+
+
+@dataclass
+class _TaggedCall:
+    """One tagged request from its lookups to its last output: what finishing each
+    output needs (``starts``: the row each output's routing starts at)."""
+
+    shipper: Shipper
+    tags: list[OutputTag]
+    n: int
+    decode: bool
+    assumed_new: list[bool]
+    starts: list[int]
+    user_wants_prompt_ids: bool
+    incremental: bool  # streamed outputs carry only their new ids
+    holder: list[dict[str, Any]] | None
+    start_version: Any  # the engine's weight version when the request arrived
+    streamed_ids: dict[int, list[int]] = field(default_factory=dict)
+
+    async def finish(self, k: int, out: dict[str, Any]) -> None:
+        """Output ``k``'s chunk: when it is the last, ship its routing and put the
+        reference in its ``meta_info`` (with the rows inline when asked or fallen back)."""
+        meta = out.get("meta_info") or {}
+        if self.incremental:
+            self.streamed_ids.setdefault(k, []).extend(out.get("output_ids") or [])
+        if meta.get("finish_reason") is None:
+            if not self.user_wants_prompt_ids:
+                out.pop("prompt_token_ids", None)
+            return
+        tag = self.tags[k]
+        routing = meta.pop("routed_experts", None)
+        prompt_ids = _prompt_ids(out, meta)
+        if self.incremental:
+            output_ids = self.streamed_ids.get(k, [])
+        else:
+            output_ids = out.get("output_ids") or []
+        check_one_weight_version(tag, meta, self.start_version)
+        if self.decode:  # the send hook asked for rows from the prompt's end
+            self.starts[k] = len(prompt_ids)
+            check_decode_retractions(tag, meta)
+        ref = await self.shipper.ship(
+            tag,
+            self.starts[k],
+            routing,
+            prompt_ids,
+            output_ids,
+            meta,
+            assumed_new=self.assumed_new[k],
+            may_continue=self.n == 1,
+        )
+        ref["index"] = k
+        meta["r3"] = ref
+        if routing is not None and (tag.inline or ref.get("inline")):
+            meta["routed_experts"] = await self._inline(routing, ref, self.starts[k])
+        if not self.user_wants_prompt_ids:
+            out.pop("prompt_token_ids", None)
+        if self.holder is not None:
+            self.holder.append(ref)
+
+    async def _inline(self, routing: Any, ref: dict[str, Any], start: int) -> str:
+        """Upstream's base64 int32 of the rows this call computed or reused, from the
+        reference's start, or from where the call recomputed stored rows when it did
+        (``inline_start``; the stored first computations may differ there)."""
+        first = getattr(routing, "first", None)
+        base = start if first is None else first
+        if ref.get("views"):
+            ref["inline_start"] = base
+            skip = 0
+        else:
+            skip = ref["start"] - base
+        return await asyncio.to_thread(to_base64, routing, self.shipper.shape, skip)
 
 
 def check_one_weight_version(tag: OutputTag, meta: dict[str, Any], start: Any) -> None:
@@ -380,7 +410,7 @@ def _apply_plan(tm: Any, tokenized: Any) -> None:
         tokenized.routed_experts_start_len = decode_start(tag, cont, tokenized.input_ids)
         return
     assert cont is not None  # planned only when stored
-    Shipper.check_prefix(tag, cont, tokenized.input_ids)
+    check_prefix(tag, cont, tokenized.input_ids)
     tokenized.routed_experts_start_len = cont.end
 
 

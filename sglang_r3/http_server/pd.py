@@ -31,7 +31,7 @@ from typing import Any
 from r3_client import token_digest
 from sglang_r3.errors import R3RequestError
 from sglang_r3.http_server import metrics
-from sglang_r3.http_server.shipping import Continuation
+from sglang_r3.http_server.continuation import Continuation
 from sglang_r3.http_server.tagging import OutputTag
 
 

@@ -3,14 +3,19 @@
 Runs in SGLang's HTTP process (the tokenizer manager's event loop), never in the
 scheduler: encoding goes to a worker thread and the write is an async call, so the
 scheduler keeps stepping while routing is shipped, and the response is released
-only once its routing is stored.
+only once its routing is stored.  The stages of one ship: accept the hand-over (the
+retraction policy), split off the views a call recomputed
+(:mod:`~sglang_r3.http_server.views`), cut the rows into segments by weight version
+(:mod:`~sglang_r3.http_server.weight_versions`), plan the frames in a worker thread,
+write them, and answer (:mod:`~sglang_r3.http_server.outcomes`); a rollout assumed new
+that turns out to be stored is resolved against what the cache holds
+(:mod:`~sglang_r3.http_server.continuation`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,27 +26,30 @@ import numpy.typing as npt
 
 from r3_client import (
     AsyncRoutingClient,
-    AuthError,
     Context,
     FormatError,
     LimitExceededError,
     PutResult,
-    R3Error,
     Retry,
-    RolloutNotFoundError,
     Segment,
     SegmentConflictError,
-    ServiceError,
-    StoreUnavailableError,
     Timeout,
-    TransportError,
     encode_frame,
     read_header,
     token_digest,
 )
 from sglang_r3.config import EngineConfig
-from sglang_r3.errors import CacheUnavailableError, R3RequestError, samples_conflict
+from sglang_r3.errors import R3RequestError, samples_conflict
 from sglang_r3.http_server import metrics
+from sglang_r3.http_server.continuation import Continuation, check_prefix, look_up
+from sglang_r3.http_server.outcomes import (
+    CACHE_DOWN,
+    failed,
+    new_reference,
+    no_routing,
+    stored,
+    stored_segments,
+)
 from sglang_r3.http_server.output_rows import (
     FORMS,
     EngineOutput,
@@ -52,68 +60,19 @@ from sglang_r3.http_server.output_rows import (
 )
 from sglang_r3.http_server.tagging import OutputTag
 from sglang_r3.http_server.views import Computations, ViewRows, split_computations
+from sglang_r3.http_server.weight_versions import (
+    Versions,
+    segment_cuts,
+    version_at,
+    version_runs,
+)
 from sglang_r3.layers import MoeShape
 from sglang_r3.scheduler.row_transport import EngineRows
 
-log = logging.getLogger("sglang_r3")
-
-# Failures that say the cache is unreachable or unwell; they fall under the
-# on-cache-error policy.  Everything else is about the request and fails it.
-_CACHE_DOWN = (TransportError, StoreUnavailableError, ServiceError, AuthError)
 #: Rollout contexts a process remembers for continuation frames (~6 KB each at 48x128).
 _CONTEXTS = 4096
 #: Rollout ids a process remembers having written or looked up (see Shipper.seen).
 _SEEN = 1 << 16
-
-
-@dataclass(frozen=True, slots=True)
-class Continuation:
-    """What is already stored for a rollout: rows ``[0, end)`` over tokens with ``digest``."""
-
-    end: int
-    digest: str
-
-
-#: ``(first row, weight version)`` of each run of rows computed under one version, by
-#: first row (the first run starts at row 0): :func:`version_runs`.
-Versions = tuple[tuple[int, str], ...]
-
-
-def version_runs(meta_info: dict[str, Any], prompt_len: int, default: str) -> Versions:
-    """Which rows of an output were computed under which weight version.
-
-    SGLang 0.5.23 reports ``meta_info["weight_versions"]``, spans of *output tokens*
-    ``{"version", "start", "end"}``, when the weights changed while the request was
-    running (``/pause_generation`` ``in_place`` or ``retract``, then an update).
-    Output token ``i`` was sampled from the forward pass of position
-    ``prompt_len + i - 1``, so a span starting at output token ``a > 0`` starts at row
-    ``prompt_len + a - 1``; the prompt's rows belong to the first span.  With one
-    version (the usual case) every row is ``default`` (the tag's version, else the
-    engine's).  When there are several, the engine's names label every part: a
-    tag's single version cannot describe rows computed under two.
-    """
-    spans = meta_info.get("weight_versions")
-    if not isinstance(spans, list) or len({str(s.get("version")) for s in spans}) < 2:
-        return ((0, default),)
-    runs: list[tuple[int, str]] = []
-    for span in sorted(spans, key=lambda s: int(s.get("start") or 0)):
-        row = 0 if not runs else prompt_len + int(span["start"]) - 1
-        version = str(span["version"])
-        if runs and row <= runs[-1][0]:
-            runs[-1] = (runs[-1][0], version)
-        elif not runs or version != runs[-1][1]:
-            runs.append((row, version))
-    return tuple(runs)
-
-
-def version_at(versions: Versions, row: int) -> str:
-    """The weight version row ``row`` was computed under."""
-    out = versions[0][1]
-    for first, version in versions:
-        if first > row:
-            break
-        out = version
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +89,8 @@ class _Plan:
 
 class Shipper:
     """Owns the cache client of one process and turns outputs into stored segments."""
+
+    _cuts = staticmethod(segment_cuts)  # where a store cuts rows into segments
 
     def __init__(self, config: EngineConfig, shape: MoeShape, model_id: str) -> None:
         self.config = config
@@ -149,63 +110,10 @@ class Shipper:
 
     async def continuation(self, rollout_id: str, *, gaps: bool = False) -> Continuation | None:
         """The stored trajectory of ``rollout_id`` (None: new rollout, or one that holds
-        views and no rows yet).
-
-        A stored rollout must be one contiguous run ``[0, end)`` from this model's
-        geometry; anything else is a 409, since appending to it would misalign rows.
-        ``gaps``: rows may be missing below the end (a PD decode server, whose
-        segments land before or after the prefill server's): ``end`` is then the
-        highest stored row and ``digest`` that of the segment ending there, which
-        covers every token before it.
-        """
+        views and no rows yet): :func:`~sglang_r3.http_server.continuation.look_up`
+        against this model's geometry; the rollout counts as seen from now on."""
         self._remember(rollout_id)
-        try:
-            info = await self.client.stat(rollout_id)
-        except RolloutNotFoundError:
-            return None
-        except _CACHE_DOWN as exc:
-            metrics.CACHE_ERRORS.labels(type(exc).__name__).inc()
-            raise CacheUnavailableError(
-                503, f"r3: routing cache unreachable while looking up rollout {rollout_id!r}: {exc}"
-            ) from None
-        except R3Error as exc:
-            raise R3RequestError(400, f"r3: rollout {rollout_id!r}: {exc}") from None
-        geometry = (info.num_experts, info.topk, tuple(info.layer_ids))
-        ours = (self.shape.num_experts, self.shape.topk, self.shape.moe_layer_ids)
-        if geometry != ours:
-            metrics.CONFLICTS.inc()
-            raise R3RequestError(
-                409,
-                f"r3: rollout {rollout_id!r} is stored with (experts, top-k, layers)={geometry}, "
-                f"this model has {ours}",
-            )
-        if not info.segments:
-            # Only views: an earlier call stored what it recomputed, then not its own rows
-            # (its ship failed). Nothing to continue: its retry starts the rollout, and its
-            # views replace those (a view serving no stored segment is not fixed).
-            return None
-        segs = sorted(info.segments, key=lambda s: s.segment.start)
-        covered = 0
-        for s in segs:
-            if s.segment.start != covered:
-                break
-            covered = s.segment.end
-        if gaps:
-            segs = sorted(segs, key=lambda s: s.segment.end)
-        elif covered != info.num_rows:
-            metrics.CONFLICTS.inc()
-            raise R3RequestError(
-                409, f"r3: rollout {rollout_id!r} has gaps in its stored rows; cannot continue it"
-            )
-        digest = segs[-1].segment.tokens_digest
-        if not digest:
-            metrics.CONFLICTS.inc()
-            raise R3RequestError(
-                409,
-                f"r3: rollout {rollout_id!r} was stored without token digests, so a new turn "
-                "cannot be checked against it; use a new rollout id",
-            )
-        return Continuation(info.num_rows, digest)
+        return await look_up(self.client, self.shape, rollout_id, gaps=gaps)
 
     def _worth(self, ctx: Context, rows: int) -> bool:
         return ctx.has_table or rows < self.shape.num_experts
@@ -350,18 +258,6 @@ class Shipper:
         frame = await asyncio.to_thread(self._encode, plan.parts[i], plan.segs[i], None)
         return await self.client.put(rollout_id, frame, share=share)
 
-    @staticmethod
-    def check_prefix(tag: OutputTag, cont: Continuation, input_ids: Sequence[int]) -> None:
-        """409 unless ``input_ids`` extends the stored trajectory of the rollout."""
-        if len(input_ids) <= cont.end or token_digest(input_ids[: cont.end]) != cont.digest:
-            metrics.CONFLICTS.inc()
-            raise R3RequestError(
-                409,
-                f"r3: rollout {tag.rollout_id!r} has {cont.end} stored positions, and this "
-                f"request's {len(input_ids)} prompt tokens do not start with that trajectory; "
-                "send the full conversation so far, or start a new rollout id (a branch)",
-            )
-
     async def ship(
         self,
         tag: OutputTag,
@@ -389,16 +285,9 @@ class Shipper:
         t0 = time.perf_counter()
         tokens = [*prompt_ids, *output_ids]
         end = len(tokens) - 1
-        ref: dict[str, Any] = {
-            "rollout_id": tag.rollout_id,
-            "start": start,
-            "end": max(end, start),
-            "stored": False,
-            "nbytes": 0,
-            "segments": [],
-        }
+        ref = new_reference(tag.rollout_id, start, max(end, start))
         if routing is None:
-            return self._no_routing(meta_info, ref)
+            return no_routing(meta_info, ref)
         wv = self._accept(tag, routing, meta_info, max(end - start, 0), ref)
         versions = version_runs(meta_info, len(prompt_ids), wv)
         ref["weight_version"] = version_at(versions, max(end - 1, 0))
@@ -413,14 +302,14 @@ class Shipper:
         if end <= start:
             check_row_count(count_rows(routing, self.shape), 0)
             self._remember(tag.rollout_id)
-            return self._stored(ref)
+            return stored(ref)
         try:
             if split is not None and split.views:
                 # Views first: a segment must never be readable without the view its
                 # tokens attended to.  A view whose segment then fails to store serves
                 # nothing (reads skip it) and the retry may replace it.
                 ref["views"] = await self._store_views(tag, split.views, tokens, versions)
-            written = await self._store_rows(
+            plan, puts, start = await self._store_rows(
                 tag,
                 routing,
                 start,
@@ -431,27 +320,13 @@ class Shipper:
                 may_continue,
                 () if split is None else split.cuts,
             )
-        except (FormatError, SegmentConflictError, LimitExceededError, *_CACHE_DOWN) as exc:
-            return self._failed(exc, tag, ref)
-        plan, puts, start = written
+        except (FormatError, SegmentConflictError, LimitExceededError, *CACHE_DOWN) as exc:
+            policy = tag.on_cache_error or self.config.on_cache_error
+            return failed(exc, ref, on_cache_error=policy, attempts=self.config.put_attempts)
         ref["start"] = start
         if not puts:  # the stored trajectory already covers every row
-            return self._stored(ref)
-        for seg, put in zip(plan.segs, puts, strict=True):
-            ref["nbytes"] += put.nbytes
-            ref["segments"].append(
-                {
-                    "start": seg.start,
-                    "end": seg.end,
-                    "nbytes": put.nbytes,
-                    "dedupe_hit": put.dedupe_hit,
-                    "weight_version": seg.weight_version,
-                }
-            )
-        metrics.ROWS.inc(end - start)
-        metrics.BYTES_SHIPPED.inc(ref["nbytes"])
-        metrics.SHIP_SECONDS.observe(time.perf_counter() - t0)
-        return self._stored(ref)
+            return stored(ref)
+        return stored_segments(ref, plan.segs, puts, rows=end - start, since=t0)
 
     def _split(self, routing: EngineRows, start: int, end: int) -> Computations:
         """The output's first computations and views (a worker thread): 500 when the rows
@@ -494,25 +369,6 @@ class Shipper:
                 }
             )
         return out
-
-    @staticmethod
-    def _stored(ref: dict[str, Any]) -> dict[str, Any]:
-        ref["stored"] = True
-        metrics.OUTPUTS.labels("stored").inc()
-        return ref
-
-    @staticmethod
-    def _no_routing(meta_info: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-        """An aborted request has no routing (the reference says why); else capture is off."""
-        finish = meta_info.get("finish_reason") or {}
-        if isinstance(finish, dict) and finish.get("type") == "abort":
-            metrics.OUTPUTS.labels("aborted").inc()
-            ref["error"] = f"request aborted: {finish.get('message', '')}".strip()
-            return ref
-        metrics.GUARD_TRIPS.labels("missing").inc()
-        raise R3RequestError(
-            500, "r3: the engine returned no routing for a finished request (capture is off?)"
-        )
 
     def _accept(
         self,
@@ -586,49 +442,6 @@ class Shipper:
         )
         return plan, await self._write(tag.rollout_id, plan, share_end), start
 
-    def _failed(self, exc: Exception, tag: OutputTag, ref: dict[str, Any]) -> dict[str, Any]:
-        """The status a failed store answers with, or under ``inline`` the fallback reference."""
-        if isinstance(exc, FormatError):
-            metrics.GUARD_TRIPS.labels("invalid_rows").inc()
-            raise R3RequestError(
-                500, f"r3: engine routing failed validation, not stored: {exc}"
-            ) from None
-        if isinstance(exc, SegmentConflictError):
-            metrics.CONFLICTS.inc()
-            raise R3RequestError(409, f"r3: {exc}") from None
-        if isinstance(exc, LimitExceededError):
-            metrics.OUTPUTS.labels("failed").inc()
-            raise R3RequestError(413, f"r3: the routing cache refused the segment: {exc}") from None
-        metrics.CACHE_ERRORS.labels(type(exc).__name__).inc()
-        metrics.ROWS_LOST.labels(type(exc).__name__).inc(ref["end"] - ref["start"])
-        reason = f"routing cache write failed after {self.config.put_attempts} attempt(s): {exc}"
-        if (tag.on_cache_error or self.config.on_cache_error) == "inline":
-            log.warning("r3: %s; returning routing inline for %s", reason, tag.rollout_id)
-            metrics.OUTPUTS.labels("inline_fallback").inc()
-            ref["error"] = reason
-            ref["inline"] = True
-            return ref
-        metrics.OUTPUTS.labels("failed").inc()
-        raise R3RequestError(503, f"r3: {reason} (policy: fail)") from None
-
-    @staticmethod
-    def _cuts(
-        tag: OutputTag, start: int, prompt_end: int, end: int, versions: Versions
-    ) -> list[int]:
-        """Segment boundaries of rows ``[start, end)``: one segment per weight version
-        the rows were computed under, and a first turn's prompt rows on their own when
-        shared."""
-        cuts = {start, end}
-        if tag.share_prompt and start == 0 < prompt_end < end:
-            # The samples of a GRPO group (one request or one each) compute or read the
-            # same prompt rows; stored as their own segment, the service keeps them once
-            # for every rollout with the same rows.  Only from row 0: the service shares
-            # by exact range and token prefix, so a later turn's part never matches
-            # another rollout's, and splitting it would only add segments.
-            cuts.add(prompt_end)
-        cuts.update(row for row, _ in versions if start < row < end)
-        return sorted(cuts)
-
     async def _stored_prefix(
         self, tag: OutputTag, prompt_ids: Sequence[int], may_continue: bool
     ) -> Continuation | None:
@@ -640,5 +453,5 @@ class Shipper:
         if not may_continue:
             metrics.CONFLICTS.inc()
             raise samples_conflict(tag.rollout_id)
-        self.check_prefix(tag, cont, prompt_ids)
+        check_prefix(tag, cont, prompt_ids)
         return cont

@@ -229,6 +229,35 @@ def add_rl_demo_parser(sub: Any) -> None:
 
 def run_rl_demo(args: argparse.Namespace) -> int:
     """Run the loop; 0 when every check held, 1 otherwise."""
+    run = _run_stack(args)
+    if run is None:
+        return 1
+    records = run.records
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = kl_table(records) + "\n\n" + run_table(records)
+    paired = paired_summary(records)
+    summary = {
+        "trained": TRAINED,
+        "policies": list(POLICIES),
+        "paired": paired,
+        "checks": run.checks,
+        "records": [r.__dict__ for r in records],
+    }
+    (args.out / "rl-demo.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (args.out / "rl-demo.md").write_text(text + "\n")
+    print("\n" + text + "\n", flush=True)
+    _print_paired(paired, records)
+    for c in run.checks:
+        print(f"check: {c}: ok", flush=True)
+    if not args.no_plots:
+        for path in plots(records, args.out):
+            print(f"wrote {path}", flush=True)
+    return 0
+
+
+def _run_stack(args: argparse.Namespace) -> Run | None:
+    """Build the model, start the cache and SGLang, run the loop, stop them; None when
+    a check failed (said on stdout)."""
     import transformers
 
     from sglang_r3.tools.local_stack import LocalStack
@@ -259,28 +288,19 @@ def run_rl_demo(args: argparse.Namespace) -> int:
             # The precision gap is what makes their routers disagree.
             extra_args=("--dtype", args.engine_dtype),
         )
-        run: Run = run_loop(args, engine.url, cache.url, init, work, uuid.uuid4().hex[:6])
+        return run_loop(args, engine.url, cache.url, init, work, uuid.uuid4().hex[:6])
     except RLCheckError as exc:
         print(f"r3 rl-demo: check failed: {exc}", flush=True)
-        return 1
+        return None
     finally:
         stack.stop()
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    records = run.records
-    args.out.mkdir(parents=True, exist_ok=True)
-    text = kl_table(records) + "\n\n" + run_table(records)
-    paired = paired_summary(records)
-    summary = {
-        "trained": TRAINED,
-        "policies": list(POLICIES),
-        "paired": paired,
-        "checks": run.checks,
-        "records": [r.__dict__ for r in records],
-    }
-    (args.out / "rl-demo.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (args.out / "rl-demo.md").write_text(text + "\n")
-    print("\n" + text + "\n", flush=True)
+
+
+def _print_paired(paired: dict[str, Any], records: Sequence[StepRecord]) -> None:
+    """Per part, each policy's mean k3 KL and where ``exact`` was above ``native``; then
+    each step's loss on the expansion path against the per-state forwards'."""
     print(f"trained on the {TRAINED} replay; every step scored under each policy:", flush=True)
     for key, label in PARTS:
         got = paired[key]
@@ -310,9 +330,3 @@ def run_rl_demo(args: argparse.Namespace) -> int:
             f"{r.loss['per_state']:.6e} (per state), max |dlogp| {r.expansion_max_abs_dlogp:.1e}",
             flush=True,
         )
-    for c in run.checks:
-        print(f"check: {c}: ok", flush=True)
-    if not args.no_plots:
-        for path in plots(records, args.out):
-            print(f"wrote {path}", flush=True)
-    return 0

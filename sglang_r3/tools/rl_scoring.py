@@ -182,6 +182,13 @@ def _disagreement(pairs: list[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> dic
     return {k: float(dis[k]) for k in ("router_disagreement", "token_disagreement")}
 
 
+#: The samples a step's mismatch is reported on: ``grpo`` (generated wholly under this
+#: step's weights), ``straddle`` (the last turn of episodes across the push), ``first``
+#: (their first turn, under the weights before), ``flipped`` (the GRPO samples whose
+#: native routing differs from the engine's somewhere).
+_PARTS = ("grpo", "straddle", "first", "flipped")
+
+
 def train_step(
     model: Any, optimizer: Any, samples: Sequence[Sample], previous: Any | None
 ) -> dict[str, Any]:
@@ -205,11 +212,7 @@ def train_step(
     import torch
 
     rewards = np.array([s.reward for s in samples])
-    adv = np.zeros(len(samples))
-    for g in {s.group for s in samples}:
-        idx = [i for i, s in enumerate(samples) if s.group == g]
-        r = rewards[idx]
-        adv[idx] = (r - r.mean()) / (r.std() + 1e-6) if len(idx) > 1 else r - rewards.mean()
+    adv = _advantages(samples, rewards)
     optimizer.zero_grad()
     # The framework path (state expansion, one batched forward) is what is trained; the
     # per-state forwards (exact) are scored beside it and must give the same loss.
@@ -217,82 +220,132 @@ def train_step(
     loss_expanded = torch.zeros(())
     for lp, a in zip(expanded, adv, strict=True):
         loss_expanded = loss_expanded - float(a) * lp.mean() / len(samples)
-    parts = ("grpo", "straddle", "first", "flipped")
-    train: dict[tuple[str, str], list[Any]] = {(p, q): [] for p in POLICIES for q in parts}
-    infer: dict[str, list[Any]] = {q: [] for q in parts}
-    native_rows: dict[str, list[Any]] = {q: [] for q in parts}
-    replay_dis = 0.0
-    loss = torch.zeros(())
-    expansion_dlogp = 0.0
+    tally = _Tally(loss=torch.zeros(()))
     for s, a, lp_exp in zip(samples, adv, expanded, strict=True):
-        at, lp_infer = np.asarray(s.sampled_at), np.asarray(s.logp_infer, dtype=np.float64)
-        now = at >= s.since
+        tally.add(model, s, float(a), len(samples), lp_exp)
+        if s.straddles and previous is not None:
+            tally.add_first_turn(previous, s)
+    loss_expanded.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    out: dict[str, Any] = {"reward": float(rewards.mean())}
+    out["loss"] = {"expansion": float(loss_expanded.detach()), "per_state": float(tally.loss)}
+    out["expansion_max_abs_dlogp"] = tally.expansion_dlogp
+    out.update(tally.report())
+    return out
+
+
+def _advantages(samples: Sequence[Sample], rewards: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """GRPO advantages: each reward normalised within its group (a group of one, an
+    episode, against the step's mean reward)."""
+    adv = np.zeros(len(samples))
+    for g in {s.group for s in samples}:
+        idx = [i for i, s in enumerate(samples) if s.group == g]
+        r = rewards[idx]
+        adv[idx] = (r - r.mean()) / (r.std() + 1e-6) if len(idx) > 1 else r - rewards.mean()
+    return adv
+
+
+def _inference_logps(s: Sample) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """SGLang's log-probs of ``s``'s sampled tokens, and which were sampled under this
+    step's weights."""
+    at, lp_infer = np.asarray(s.sampled_at), np.asarray(s.logp_infer, dtype=np.float64)
+    return lp_infer, at >= s.since
+
+
+@dataclass
+class _Tally:
+    """What a step gathers, sample by sample: the trained and inference log-probs by
+    policy and part (``_PARTS``), the native forwards' (routing used, engine rows) pairs, the
+    per-state loss and the checks of the replayed forwards."""
+
+    loss: Any  # torch scalar: the per-state (exact) forwards' loss
+    train: dict[tuple[str, str], list[Any]] = field(
+        default_factory=lambda: {(p, q): [] for p in POLICIES for q in _PARTS}
+    )
+    infer: dict[str, list[Any]] = field(default_factory=lambda: {q: [] for q in _PARTS})
+    native_rows: dict[str, list[Any]] = field(default_factory=lambda: {q: [] for q in _PARTS})
+    replay_dis: float = 0.0
+    expansion_dlogp: float = 0.0
+
+    def add(self, model: Any, s: Sample, a: float, n: int, lp_exp: Any) -> None:
+        """Score ``s`` under every policy with the current weights; ``a``: its advantage,
+        one of ``n`` samples; ``lp_exp``: its log-probs on the expansion path."""
+        import torch
+
+        lp_infer, now = _inference_logps(s)
         part = "straddle" if s.straddles else "grpo"
-        infer[part].append(lp_infer[now])
+        self.infer[part].append(lp_infer[now])
         got, flipped = {}, False
         for policy in POLICIES:
             with torch.no_grad():
                 sc = score(model, s, policy)
             if policy == TRAINED:
-                loss = loss - float(a) * sc.logp.mean() / len(samples)
+                self.loss = self.loss - a * sc.logp.mean() / n
                 dlogp = (sc.logp.double() - lp_exp.detach().double()).abs().max()
-                expansion_dlogp = max(expansion_dlogp, float(dlogp))
+                self.expansion_dlogp = max(self.expansion_dlogp, float(dlogp))
             got[policy] = sc.logp.detach().double().numpy()[now]
-            train[policy, part].append(got[policy])
+            self.train[policy, part].append(got[policy])
             if policy == "native":
-                native_rows[part].extend(sc.rows)
+                self.native_rows[part].extend(sc.rows)
                 flipped = _disagreement(sc.rows)["router_disagreement"] > 0.0
             else:
-                replay_dis = max(replay_dis, _disagreement(sc.rows)["router_disagreement"])
+                self.replay_dis = max(
+                    self.replay_dis, _disagreement(sc.rows)["router_disagreement"]
+                )
         if part == "grpo" and flipped:
             # The GRPO samples where the native routing differs from the engine's somewhere:
             # elsewhere the native and replayed forwards route alike.
-            infer["flipped"].append(lp_infer[now])
+            self.infer["flipped"].append(lp_infer[now])
             for policy in POLICIES:
-                train[policy, "flipped"].append(got[policy])
-        if s.straddles and previous is not None:
-            # The first turn under the weights that generated it: what each policy's
-            # routing does to tokens that attended to the first computation.
-            infer["first"].append(lp_infer[~now])
-            with torch.no_grad():
-                for policy in POLICIES:
-                    sc = score(previous, s, policy)
-                    train[policy, "first"].append(sc.logp.double().numpy()[~now])
-                    if policy == "native":  # against the rows the first turn attended to
-                        end, (used, _) = s.served[0].serves_end, sc.rows[0]
-                        native_rows["first"].append((used[:end], s.served[0].routing.indices))
-    loss_expanded.backward()  # type: ignore[no-untyped-call]
-    optimizer.step()
-    out: dict[str, Any] = {"reward": float(rewards.mean())}
-    out["loss"] = {"expansion": float(loss_expanded.detach()), "per_state": float(loss)}
-    out["expansion_max_abs_dlogp"] = expansion_dlogp
-    for key in ("k3_kl", "logp_abs_diff", "f2", "f5"):
-        out[key] = {}
-    for policy in POLICIES:
-        t = np.concatenate(train[policy, "grpo"])[None]
-        i = np.concatenate(infer["grpo"])[None]
-        mismatch = logprob_mismatch(t, i)
-        out["k3_kl"][policy] = float(mismatch["k3_kl"])
-        out["logp_abs_diff"][policy] = float(mismatch["logp_abs_diff"])
-        out["f2"][policy] = extreme_frac(t, i, tau=2.0)
-        out["f5"][policy] = extreme_frac(t, i, tau=5.0)
-    out["straddle_k3_kl"] = {p: _k3(train[p, "straddle"], infer["straddle"]) for p in POLICIES}
-    out["first_turn_k3_kl"] = {p: _k3(train[p, "first"], infer["first"]) for p in POLICIES}
-    # The largest single-token |dlogp|: k3 is a mean over few tokens, and one token the
-    # engine sampled at a low bf16 probability can outweigh the rest.
-    out["max_abs_dlogp"] = {
-        q: {
-            p: float(np.max(np.abs(np.concatenate(train[p, q]) - np.concatenate(infer[q]))))
-            if infer[q]
-            else float("nan")
-            for p in POLICIES
+                self.train[policy, "flipped"].append(got[policy])
+
+    def add_first_turn(self, previous: Any, s: Sample) -> None:
+        """The first turn of an episode across the push, under the weights that generated
+        it: what each policy's routing does to tokens that attended to the first
+        computation."""
+        import torch
+
+        lp_infer, now = _inference_logps(s)
+        self.infer["first"].append(lp_infer[~now])
+        with torch.no_grad():
+            for policy in POLICIES:
+                sc = score(previous, s, policy)
+                self.train[policy, "first"].append(sc.logp.double().numpy()[~now])
+                if policy == "native":  # against the rows the first turn attended to
+                    end, (used, _) = s.served[0].serves_end, sc.rows[0]
+                    self.native_rows["first"].append((used[:end], s.served[0].routing.indices))
+
+    def report(self) -> dict[str, Any]:
+        """The step's mismatch per policy and part (:func:`train_step` says which)."""
+        train, infer = self.train, self.infer
+        out: dict[str, Any] = {key: {} for key in ("k3_kl", "logp_abs_diff", "f2", "f5")}
+        for policy in POLICIES:
+            t = np.concatenate(train[policy, "grpo"])[None]
+            i = np.concatenate(infer["grpo"])[None]
+            mismatch = logprob_mismatch(t, i)
+            out["k3_kl"][policy] = float(mismatch["k3_kl"])
+            out["logp_abs_diff"][policy] = float(mismatch["logp_abs_diff"])
+            out["f2"][policy] = extreme_frac(t, i, tau=2.0)
+            out["f5"][policy] = extreme_frac(t, i, tau=5.0)
+        out["straddle_k3_kl"] = {p: _k3(train[p, "straddle"], infer["straddle"]) for p in POLICIES}
+        out["first_turn_k3_kl"] = {p: _k3(train[p, "first"], infer["first"]) for p in POLICIES}
+        # The largest single-token |dlogp|: k3 is a mean over few tokens, and one token the
+        # engine sampled at a low bf16 probability can outweigh the rest.
+        out["max_abs_dlogp"] = {
+            q: {
+                p: float(np.max(np.abs(np.concatenate(train[p, q]) - np.concatenate(infer[q]))))
+                if infer[q]
+                else float("nan")
+                for p in POLICIES
+            }
+            for q in ("grpo", "straddle")
         }
-        for q in ("grpo", "straddle")
-    }
-    out["flipped_samples"] = len(infer["flipped"])
-    out["flipped_k3_kl"] = {p: _k3(train[p, "flipped"], infer["flipped"]) for p in POLICIES}
-    out.update(_disagreement(native_rows["grpo"]))
-    for q in ("straddle", "first"):
-        out[f"{q}_router_disagreement"] = _disagreement(native_rows[q])["router_disagreement"]
-    out["replay_router_disagreement"] = replay_dis
-    return out
+        out["flipped_samples"] = len(infer["flipped"])
+        out["flipped_k3_kl"] = {p: _k3(train[p, "flipped"], infer["flipped"]) for p in POLICIES}
+        out.update(_disagreement(self.native_rows["grpo"]))
+        for q in ("straddle", "first"):
+            out[f"{q}_router_disagreement"] = _disagreement(self.native_rows[q])[
+                "router_disagreement"
+            ]
+        out["replay_router_disagreement"] = self.replay_dis
+        return out
