@@ -1,7 +1,7 @@
 """What the service spends per ranged GET on a stored frame's header: parsed every
 request (before issue 25) vs kept by :class:`cache_service.store.header_cache.HeaderCache`.
 
-Measures the service's own slicing step (``StoreReads._cut``, the CPU a ranged GET
+Measures the service's own slicing step (``r3_client.stored.cut``, the CPU a ranged GET
 spends beyond Redis and HTTP) in one process, for a canonical frame (2,048-row
 blocks) and for a frame of one-row blocks as a writer could store before the
 block-table rule (the issue stored 250,000; 120,000 one-row blocks fit the 1 MiB header limit with
@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from cache_service.store import reads as store_reads
 from cache_service.store.header_cache import HeaderCache
 from r3_client import Segment, encode_frame
+from r3_client.stored import Chunked, Headers, cut
 from r3_client.synthetic import synthetic_routing
 
 LAYERS, E, K = (1, 3, 5), 64, 4
@@ -26,13 +26,14 @@ LAYERS, E, K = (1, 3, 5), 64, 4
 
 def _per_get(frame: bytes, rows: int, cache_size: int, repeat: int) -> float:
     """Seconds per ranged cut of ``frame`` (rows [rows//2, rows//2 + 10))."""
-    store_reads._HEADERS = HeaderCache(max_bytes=cache_size)
-    segs = [(0, rows, frame)]
+    cache = HeaderCache(max_bytes=cache_size)
+    segs: list[tuple[int, int, bytes | Chunked]] = [(0, rows, frame)]
     mid = rows // 2
-    store_reads.StoreReads._cut("r", segs, {}, mid, mid + 10, None)  # warm (or not)
+    # each GET is a read of its own: a fresh Headers, the service's cache behind it
+    cut("r", segs, {}, mid, mid + 10, None, headers=Headers(cache.header))  # warm (or not)
     t0 = time.perf_counter()
     for _ in range(repeat):
-        store_reads.StoreReads._cut("r", segs, {}, mid, mid + 10, None)
+        cut("r", segs, {}, mid, mid + 10, None, headers=Headers(cache.header))
     return (time.perf_counter() - t0) / repeat
 
 

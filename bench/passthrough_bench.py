@@ -113,6 +113,7 @@ from r3_client import (
     decode_rollout,
     encode_frame,
     read_header,
+    stored,
     token_digest,
 )
 from r3_client.synthetic import synthetic_routing
@@ -323,12 +324,12 @@ def single(dist: str, arrays: list[Rows], n: int, seed: int) -> Scenario:
 # ---- measuring ------------------------------------------------------------------------------
 def rollout_key(rid: str) -> str:
     """The rollout's Redis hash: ``<prefix>:<namespace>:{<rid>}`` (cache_service/store/)."""
-    return f"{StoreSettings().key_prefix}:{NAMESPACE}:{{{rid}}}"
+    return stored.rollout_key(f"{StoreSettings().key_prefix}:{NAMESPACE}:", rid)
 
 
 def blob_refs(h: dict[bytes, bytes]) -> list[str]:
     """The shared-segment blobs a rollout hash references (``s:<a>:<b>`` = ``@<key>``)."""
-    return [v[1:].decode() for f, v in h.items() if f.startswith(b"s:") and v[:1] == b"@"]
+    return [b.decode() for f, v in h.items() if stored.segment_rows(f) and (b := stored.pointed(v))]
 
 
 async def put_all(
@@ -366,7 +367,7 @@ async def raw_async(redis_url: str, ids: Sequence[str], concurrency: int) -> int
                 raise BenchError(f"raw: {rollout_key(rid)} is missing")
             n = sum(len(v) for v in h.values())
             for blob_key in blob_refs(h):
-                blob = await r.hget(blob_key, "f")
+                blob = await r.hget(blob_key, stored.BLOB_FRAME)
                 if blob is None:
                     raise BenchError(f"raw: blob {blob_key} of {rid} is missing")
                 n += len(blob)
@@ -392,7 +393,7 @@ def raw_pipelined(r: redis.Redis, ids: Sequence[str]) -> int:
         if refs:
             pipe = r.pipeline(transaction=False)
             for b in refs:
-                pipe.hget(b, "f")
+                pipe.hget(b, stored.BLOB_FRAME)
             n += sum(len(cast(bytes, v)) for v in pipe.execute())
     return n
 

@@ -72,7 +72,7 @@ import redis.asyncio as aioredis
 
 from cache_service.redis_proc import RedisProcess, free_port, redis_server_binary
 from cache_service.store import SegmentStore, StoreSettings
-from r3_client import Segment, encode_frame
+from r3_client import Segment, encode_frame, stored
 from r3_client.synthetic import synthetic_routing
 from r3_client.wire import StreamDecoder
 from r3_client.wire import r3_cache_pb2 as pb
@@ -141,7 +141,7 @@ def _check(rid: str, want_rid: str, got: bytes | None, want: bytes) -> int:
 
 
 def _key(rid: str) -> str:
-    return f"r3:{NAMESPACE}:{{{rid}}}"
+    return stored.rollout_key(f"r3:{NAMESPACE}:", rid)
 
 
 async def raw_pipeline(
@@ -299,7 +299,7 @@ async def batch_part(svc: Service, redis: RedisProcess, args: argparse.Namespace
         sync_channel = grpc.insecure_channel(svc.grpc_target, options=GRPC_OPTS)
         sync_stub = pb_grpc.RoutingCacheStub(sync_channel)  # type: ignore[no-untyped-call]
         c = args.raw_concurrency
-        fld = f"s:0:{args.tokens}"
+        fld = stored.segment_field(0, args.tokens)
         bc = args.batch_concurrency or 8  # the service default
         variants = [
             Variant(

@@ -9,7 +9,7 @@
 --          needs (else ""); max_gap: rows a segment may start past the stored end;
 --          max_gap_total: rows of the rollout no segment covers, in all, after this put;
 --          chunk fields: name, bytes pairs of a frame stored chunked (value is then the
---          frame's head; r3_client/_stored.py names them k:<a>:<b>:...)
+--          frame's head; r3_client/stored/fields.py names them k:<a>:<b>:...)
 -- Fields:  m = rollout meta (E, K, layers; must match across segments)
 --          s:<a>:<b> = frame, its head (chunks in k:<a>:<b>:... fields) or "@<blob key>",
 --          d:<a>:<b> = content digest,

@@ -21,7 +21,7 @@ end
 local gone, released = {}, {}
 for _, r in ipairs(drop) do gone[r] = true end
 for _, f in ipairs(redis.call('HKEYS', key)) do
-  -- a chunked segment's chunk fields, k:<a>:<b>:... (r3_client/_stored.py)
+  -- a chunked segment's chunk fields, k:<a>:<b>:... (r3_client/stored/fields.py)
   local a, b = string.match(f, '^k:(%d+):(%d+):')
   if a and gone[a .. ':' .. b] then redis.call('HDEL', key, f) end
 end

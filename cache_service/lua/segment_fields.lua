@@ -8,8 +8,8 @@
 -- Returns  {} when the rollout does not exist, else {meta, stored_end, field1, ...}: the
 --          last stored row + 1, the overlapping s:<a>:<b> fields, every c:<digest> field,
 --          and the chunk fields k:<a>:<b>:<i>:<r0>:<r1>:<l0>:<l1> of chunked segments
---          (r3_client/_stored.py) whose rows overlap a span and whose layer ids overlap
---          [first_layer, last_layer] (the rule of r3_client._stored.chunk_wanted)
+--          (r3_client/stored/fields.py) whose rows overlap a span and whose layer ids overlap
+--          [first_layer, last_layer] (the rule of r3_client.stored.chunk_wanted)
 local key = KEYS[1]
 local lo, hi = tonumber(ARGV[1]), tonumber(ARGV[2])
 local l_lo, l_hi = tonumber(ARGV[3] or '-1'), tonumber(ARGV[4] or '-1')

@@ -1,12 +1,14 @@
 """The Redis segment store: rollouts as atomically-written, stitched segments.
 
-:class:`SegmentStore` (``segment_store``: connecting, puts, touches, rewinds, reader
-grants) is put together from ``lifecycle`` (deletes: one, many, and a namespace's rollouts
-up to a weight version), ``reads`` (frames, stats, memory; parsed headers
-kept by ``header_cache``), ``durability`` (durable writes, the start-up check) and
-``base`` (client, Lua scripts, namespace, keys, the translation of redis-py errors);
-``settings`` holds :class:`StoreSettings` and the namespace rule.  The Lua scripts are
-``cache_service/lua/*.lua``.
+:class:`SegmentStore` (``segment_store``: connecting, puts, touches, rewinds) is put
+together from ``lifecycle`` (deletes: one, many, and a namespace's rollouts up to a weight
+version), ``reads`` (frames, stats, memory; parsed headers kept by ``header_cache``),
+``grants`` (direct reads' Redis users), ``durability`` (durable writes, the start-up
+check) and ``base`` (client, Lua scripts, namespace, keys, the translation of redis-py
+errors); ``settings`` holds :class:`StoreSettings` and the namespace rule.  The Lua
+scripts are ``cache_service/lua/*.lua``.  The layout below (field names and values, a
+frame kept whole or as head and chunks, a ranged read's cut) is :mod:`r3_client.stored`'s,
+shared with :class:`~r3_client.DirectReader`: the store takes its names from there.
 
 One Redis hash per rollout, ``<prefix>:{<rollout_id>}``, or
 ``<prefix>:<namespace>:{<rollout_id>}`` in a tenant's namespace
@@ -20,7 +22,7 @@ Redis and on a cluster.  Fields:
   chunks) the frame's head: prefix, header and trailer;
 * ``k:<a>:<b>:<i>:<r0>:<r1>:<l0>:<l1>`` — chunked layout: chunk ``i`` of that frame
   (rows ``[r0, r1)``, layer ids ``l0`` … ``l1``), so a ranged read fetches only the chunks
-  it needs (``r3_client/_stored.py``; docs/store.md "Layout");
+  it needs (``r3_client.stored.fields``; docs/store.md "Layout");
 * ``d:<a>:<b>`` — the writer's digest of the segment's *content* (canonical rows +
   meta), so a re-put of the same data in another codec is still recognised as a
   duplicate;

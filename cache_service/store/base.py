@@ -19,15 +19,10 @@ import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from cache_service.store.settings import StoreSettings, check_namespace
-from r3_client import (
-    InvalidRequestError,
-    Segment,
-    StoreError,
-    StoreUnavailableError,
-    check_rollout_id,
-)
+from r3_client import InvalidRequestError, Segment, StoreError, StoreUnavailableError
+from r3_client.stored import blob_key, rollout_key, view_key
 
-__all__ = ["RedisClient", "StoreBase", "check_serves"]
+__all__ = ["RedisClient", "StoreBase", "check_serves", "redacted"]
 
 RedisClient = aioredis.Redis | RedisCluster
 
@@ -37,6 +32,12 @@ def check_serves(serves: int) -> int:
     if isinstance(serves, bool) or not isinstance(serves, int) or not 0 <= serves < 1 << 40:
         raise InvalidRequestError(f"view must be a row number >= 0, got {serves!r}")
     return serves
+
+
+def redacted(url: str) -> str:
+    """``url`` without its credentials, for messages and logs."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rsplit('@', 1)[-1]}"
 
 
 #: How Redis refuses a write at ``maxmemory`` under ``noeviction`` (a command's ``OOM …``
@@ -98,16 +99,16 @@ class StoreBase:
 
     def key(self, rollout_id: str) -> str:
         """The Redis key of a rollout (hash-tagged for Cluster)."""
-        return f"{self._prefix}:{{{check_rollout_id(rollout_id)}}}"
+        return rollout_key(f"{self._prefix}:", rollout_id)
 
     def view_key(self, rollout_id: str, serves: int) -> str:
         """The Redis key of a rollout's view serving row ``serves``: a hash like a rollout's,
         in the rollout's slot (same hash tag), matched by the namespace's key pattern."""
-        return f"{self.key(rollout_id)}:v:{check_serves(serves)}"
+        return view_key(self.key(rollout_id), check_serves(serves))
 
     def _blob_key(self, meta: bytes, segment: Segment) -> str:
         share = hashlib.sha256(meta + msgpack.packb(segment.to_dict())).hexdigest()
-        return f"{self._prefix}:blob:{{{share}}}"
+        return blob_key(f"{self._prefix}:", share)
 
     async def _release(self, refs: Sequence[bytes | str]) -> int | None:
         """Release blob references ``[blob key, token, …]`` (what the delete, drop and

@@ -1,47 +1,56 @@
-"""Reads of the segment store: frames (whole, sliced, stitched), stats, memory."""
+"""Reads of the segment store: frames (whole, sliced, stitched), stats, memory.
+
+Run in the service's process, for every GET and stat of a rollout (HTTP and gRPC).  What
+the hash fields are and how a stored segment is cut and put back together is
+:mod:`r3_client.stored`'s (a direct reader reads the same layout); this module is the
+Redis commands of a read and what the service answers from them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import msgpack
 from redis.asyncio.cluster import RedisCluster
 
 from cache_service.store.base import StoreBase
 from cache_service.store.header_cache import HeaderCache
 from r3_client import (
-    FormatError,
-    FrameError,
     InvalidRequestError,
     R3Error,
     RolloutNotFoundError,
     Routing,
-    Segment,
     ShapeError,
     StoreError,
 )
-from r3_client.wire import (
+from r3_client.stored import (
+    BLOB_FRAME,
+    META,
     Chunked,
-    Context,
-    RolloutInfo,
-    SegmentInfo,
-    ViewInfo,
+    Headers,
+    Stored,
     chunk_wanted,
-    decode_rollout,
-    encode_context,
-    is_context_frame,
-    is_frame_head,
-    layer_positions,
+    context_digest,
+    context_frame_at,
+    contexts_of,
+    cut,
+    damaged,
+    hash_segments,
+    outside_rows,
     parse_chunk_field,
-    slice_context,
-    slice_frame,
+    parse_meta,
+    parse_segment_info,
+    parse_view,
+    pointed,
+    segment_field,
+    segment_rows,
     uncarried_contexts,
+    view_field,
 )
+from r3_client.wire import RolloutInfo, decode_rollout, is_frame_head, layer_positions
 
-#: A segment as read: its frame, or its head and chunks (the chunked layout).
-Stored = bytes | Chunked
 #: A rollout's meta: E, K, MoE layer ids.
 Meta = tuple[int, int, tuple[int, ...]]
 
@@ -50,12 +59,17 @@ Meta = tuple[int, int, tuple[int, ...]]
 _HEADERS = HeaderCache()
 
 
-def _damaged(rollout_id: str, a: int, b: int, why: str) -> str:
-    """The message of a read refused because a stored segment's bytes fail a check."""
-    return (
-        f"rollout {rollout_id}: the stored bytes of segment [{a}, {b}) are damaged ({why}); "
-        "no rows are answered from them (delete the rollout and write it again)"
-    )
+@dataclass
+class _Fetched:
+    """What a read fetched of a rollout (or view) hash: its meta, its stored end, the
+    segments overlapping the read (by start; shared ones resolved), the stored contexts
+    it read, and their headers (parsed once for the read, through the header cache)."""
+
+    meta: Meta
+    stored_end: int
+    segments: list[tuple[int, int, Stored]]
+    contexts: dict[str, bytes]
+    headers: Headers
 
 
 class StoreReads(StoreBase):
@@ -71,20 +85,18 @@ class StoreReads(StoreBase):
         *,
         spans: Sequence[tuple[int, int]] | None = None,
         layers: Sequence[int] | None = None,
-    ) -> tuple[
-        tuple[int, int, tuple[int, ...]], int, list[tuple[int, int, Stored]], dict[str, bytes]
-    ]:
-        """Meta, stored end, ``(start, end, stored)`` of segments overlapping ``[start, end)``,
-        and the rollout's contexts.
+    ) -> _Fetched:
+        """Meta, stored end, the segments overlapping ``[start, end)`` and the rollout's
+        contexts.
 
-        Sorted by start; shared segments resolved to their frames; contexts by digest.
-        ``stored`` is a frame, or a :class:`Chunked` frame's head and the chunks a read of
-        ``spans`` (default ``[start, end)``) and ``layers`` needs (the chunked layout:
-        only those leave Redis).  A whole-rollout read is one ``HGETALL``; a range asks a
-        script for the field names it needs (segments' heads or frames, their wanted chunk
-        fields, the context names) and then ``HMGET``s them (segments are never rewritten
-        in place, so the two steps cannot mix versions; a rollout deleted in between reads
-        as not found).
+        Sorted by start; shared segments resolved to their frames; contexts by digest.  A
+        segment is a frame, or a :class:`~r3_client.stored.Chunked` frame's head and the
+        chunks a read of ``spans`` (default ``[start, end)``) and ``layers`` needs (the
+        chunked layout: only those leave Redis).  A whole-rollout read is one ``HGETALL``;
+        a range asks a script for the field names it needs (segments' heads or frames,
+        their wanted chunk fields, the context names) and then ``HMGET``s them (segments
+        are never rewritten in place, so the two steps cannot mix versions; a rollout
+        deleted in between reads as not found).
         """
         key = self.key(rollout_id) if view is None else self.view_key(rollout_id, view)
         if start < 0 or (end is not None and end <= start):
@@ -95,72 +107,93 @@ class StoreReads(StoreBase):
             else f"rollout {rollout_id} has no view serving row {view} (its stat lists views)"
         )
         want = list(spans) if spans is not None else [(start, end)]
+        headers = Headers(_HEADERS.header)
         async with self._guarded():
             # A view is read only while its rollout registers it (a view hash left behind by
             # an older service, or planted, is not the rollout's).
-            if view is not None and not await self._r.hexists(self.key(rollout_id), f"v:{view}"):
+            if view is not None and not await self._r.hexists(
+                self.key(rollout_id), view_field(view)
+            ):
                 raise missing
-            ctx_names: list[bytes] = []  # contexts a ranged read asks for after the frames
             if start == 0 and end is None and layers is None and spans is None:
-                fields: dict[Any, Any] = await self._r.hgetall(key)
-                meta = fields.get(b"m")
-                named = [(f, v) for f, v in fields.items() if f[:2] in (b"s:", b"c:", b"k:")]
-                stored_end = max(
-                    (int(f.split(b":")[2]) for f, _ in named if f[:2] == b"s:"), default=0
-                )
+                fields, stored_end, ctx_names = await self._whole_fields(key)
             else:
-                lids = [-1, -1] if not layers else [min(layers), max(layers)]
-                flat = [x for a, b in want for x in (a, -1 if b is None else b)]
-                res = await self._fields(
-                    keys=[key], args=[start, -1 if end is None else end, *lids, *flat]
+                fields, stored_end, ctx_names = await self._ranged_fields(
+                    key, start, end, want, layers, missing
                 )
-                meta = res[0] if res else None
-                stored_end = int(res[1]) if res else 0
-                # contexts later, and only those a continuation frame read needs and no
-                # frame read carries (a first frame's head carries its own: ~6 KB at the
-                # Qwen3 shape, sent twice per read before)
-                ctx_names = [n for n in res[2:] if n[:2] == b"c:"]
-                names = [n for n in res[2:] if n[:2] != b"c:"]
-                values: list[Any] = await self._r.hmget(key, names) if names else []
-                if any(v is None for v in values):
-                    raise missing
-                named = list(zip(names, values, strict=True))
+            meta = fields.get(META.encode())
             if meta is None:
                 raise missing
-            contexts = {f[2:].decode(): v for f, v in named if f[:2] == b"c:"}
-            pieces: dict[tuple[int, int], dict[int, bytes]] = {}
-            for f, v in named:
-                got = parse_chunk_field(f) if f[:2] == b"k:" else None
-                if got is not None:
-                    pieces.setdefault((got.seg_start, got.seg_end), {})[got.index] = v
-            segments: list[tuple[int, int, Stored]] = []
-            for f, v in sorted(
-                ((f, v) for f, v in named if f[:2] == b"s:"),
-                key=lambda fv: int(fv[0].split(b":")[1]),
-            ):
-                _, a, b = f.split(b":")
-                seg_start, seg_end = int(a), int(b)
-                value: Stored = v
-                if v[:1] == b"@":  # shared segment: read in the blob's own slot
-                    value = await self._blob(rollout_id, key, f, v, want, layers)
-                elif is_frame_head(v):
-                    value = Chunked(v, pieces.get((seg_start, seg_end), {}))
-                segments.append((seg_start, seg_end, value))
+            segments = hash_segments(rollout_id, fields)
+            for n, (a, b, v) in enumerate(segments):
+                if pointed(v) is not None:  # shared segment: read in the blob's own slot
+                    field = segment_field(a, b).encode()
+                    segments[n] = (a, b, await self._blob(rollout_id, key, field, v, want, layers))
+            contexts = contexts_of(fields)
             if ctx_names:
-                need: set[str] = set()
-                for lo, hi in want:  # each range is answered from its own segments
-                    need |= uncarried_contexts(
-                        (v.head, True) if isinstance(v, Chunked) else (v, False)
-                        for a, b, v in segments
-                        if b > lo and (hi is None or a < hi)
-                    )
-                wanted = [n for n in ctx_names if n[2:].decode() in need]
-                got_ctx = await self._r.hmget(key, wanted) if wanted else []
-                if any(v is None for v in got_ctx):
-                    raise missing
-                contexts.update((n[2:].decode(), v) for n, v in zip(wanted, got_ctx, strict=True))
-        e, k, layer_ids = msgpack.unpackb(meta)
-        return (e, k, tuple(layer_ids)), stored_end, segments, contexts
+                contexts.update(
+                    await self._contexts(key, ctx_names, segments, want, headers, missing)
+                )
+        return _Fetched(parse_meta(meta), stored_end, segments, contexts, headers)
+
+    async def _whole_fields(self, key: str) -> tuple[dict[bytes, Any], int, list[bytes]]:
+        """A whole read's fields (one ``HGETALL``): its meta, segments, chunks and
+        contexts, and its stored end."""
+        fields: dict[Any, Any] = await self._r.hgetall(key)
+        ends = [rows[1] for f in fields if (rows := segment_rows(f))]
+        return fields, max(ends, default=0), []
+
+    async def _ranged_fields(
+        self,
+        key: str,
+        start: int,
+        end: int | None,
+        want: Sequence[tuple[int, int | None]],
+        layers: Sequence[int] | None,
+        missing: RolloutNotFoundError,
+    ) -> tuple[dict[bytes, Any], int, list[bytes]]:
+        """A ranged read's fields: the meta, the segments overlapping it and the chunks
+        its spans and layers need (``segment_fields.lua`` names them, one ``HMGET`` reads
+        them), its stored end, and the names of the rollout's contexts, read later (only
+        those a continuation frame read needs and no frame read carries: a first frame's
+        head carries its own, ~6 KB at the Qwen3 shape, sent twice per read before)."""
+        lids = [-1, -1] if not layers else [min(layers), max(layers)]
+        flat = [x for a, b in want for x in (a, -1 if b is None else b)]
+        res = await self._fields(keys=[key], args=[start, -1 if end is None else end, *lids, *flat])
+        if not res:
+            return {}, 0, []
+        ctx_names = [n for n in res[2:] if context_digest(n) is not None]
+        names = [n for n in res[2:] if context_digest(n) is None]
+        values: list[Any] = await self._r.hmget(key, names) if names else []
+        if any(v is None for v in values):
+            raise missing
+        return (
+            {META.encode(): res[0], **dict(zip(names, values, strict=True))},
+            int(res[1]),
+            ctx_names,
+        )
+
+    async def _contexts(
+        self,
+        key: str,
+        names: list[bytes],
+        segments: list[tuple[int, int, Stored]],
+        want: Sequence[tuple[int, int | None]],
+        headers: Headers,
+        missing: RolloutNotFoundError,
+    ) -> dict[str, bytes]:
+        """The stored contexts (of ``names``) that the continuation frames of each span's
+        segments need and none of them carries: each range is answered from its own."""
+        need: set[str] = set()
+        for lo, hi in want:
+            need |= uncarried_contexts(
+                (v for a, b, v in segments if b > lo and (hi is None or a < hi)), headers
+            )
+        wanted = [n for n in names if context_digest(n) in need]
+        got: list[Any] = await self._r.hmget(key, wanted) if wanted else []
+        if any(v is None for v in got):
+            raise missing
+        return {str(context_digest(n)): v for n, v in zip(wanted, got, strict=True)}
 
     async def _blob(
         self,
@@ -180,9 +213,9 @@ class StoreReads(StoreBase):
         read ran: :class:`RolloutNotFoundError`, not damage.  Only a rollout that still
         points at a missing blob (it outlived the blob's TTL) is a :class:`StoreError`.
         """
-        blob = pointer[1:].decode()
+        blob = (pointed(pointer) or b"").decode()
         pipe = self._r.pipeline(transaction=False)
-        pipe.hget(blob, "f")
+        pipe.hget(blob, BLOB_FRAME)
         pipe.hkeys(blob)
         value, names = await pipe.execute()
         if not isinstance(value, bytes):
@@ -230,12 +263,8 @@ class StoreReads(StoreBase):
         Raises :class:`RolloutNotFoundError`, or :class:`InvalidRequestError` for a
         range outside ``[0, num_rows)`` or an unknown layer id.
         """
-        (_, _, layer_ids), stored_end, segments, contexts = await self._fetch(
-            rollout_id, start, end, view, layers=layers
-        )
-        return await self._answer(
-            rollout_id, layer_ids, stored_end, segments, contexts, start, end, layers
-        )
+        got = await self._fetch(rollout_id, start, end, view, layers=layers)
+        return await self._answer(rollout_id, got, got.segments, start, end, layers)
 
     async def get_frames(
         self, rollout_id: str, spans: Sequence[tuple[int, int]], layers: Sequence[int] | None
@@ -246,20 +275,14 @@ class StoreReads(StoreBase):
         error :meth:`get_frame` would raise for that range."""
         lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
         try:
-            (_, _, layer_ids), stored_end, segments, contexts = await self._fetch(
-                rollout_id, lo, hi, spans=spans, layers=layers
-            )
+            got = await self._fetch(rollout_id, lo, hi, spans=spans, layers=layers)
         except R3Error as exc:
             return [exc] * len(spans)
         out: list[bytes | R3Error] = []
         for a, b in spans:
-            mine = [seg for seg in segments if seg[0] < b and seg[1] > a]
+            mine = [seg for seg in got.segments if seg[0] < b and seg[1] > a]
             try:
-                out.append(
-                    await self._answer(
-                        rollout_id, layer_ids, stored_end, mine, contexts, a, b, layers
-                    )
-                )
+                out.append(await self._answer(rollout_id, got, mine, a, b, layers))
             except R3Error as exc:
                 out.append(exc)
         return out
@@ -267,160 +290,32 @@ class StoreReads(StoreBase):
     async def _answer(
         self,
         rollout_id: str,
-        layer_ids: tuple[int, ...],
-        stored_end: int,
+        got: _Fetched,
         segments: list[tuple[int, int, Stored]],
-        contexts: dict[str, bytes],
         start: int,
         end: int | None,
         layers: Sequence[int] | None,
     ) -> bytes:
-        """The frames :meth:`get_frame` answers from what :meth:`_fetch` read."""
-        if end is None and start >= stored_end:
-            raise InvalidRequestError(
-                f"start {start} is past the last stored row of rollout {rollout_id} "
-                f"(it holds rows [0, {stored_end}))"
-            )
-        hi = stored_end if end is None else end
-        if not start < hi <= stored_end:
-            raise InvalidRequestError(
-                f"token range [{start}, {end}) is outside rollout {rollout_id}'s rows "
-                f"[0, {stored_end})"
-            )
+        """The frames :meth:`get_frame` answers from what :meth:`_fetch` read (``segments``:
+        those of it the request overlaps)."""
+        outside = outside_rows(rollout_id, start, end, got.stored_end)
+        if outside is not None:
+            raise outside
         if layers is not None:
             try:
-                layer_positions(layer_ids, layers)
+                layer_positions(got.meta[2], layers)
             except ShapeError as exc:
                 raise InvalidRequestError(str(exc)) from None
-        for a, b, frame in segments:
-            raw = frame.head if isinstance(frame, Chunked) else frame
-            if is_context_frame(raw):  # decoded, it would be a gap of -1 rows
-                raise StoreError(_damaged(rollout_id, a, b, "it holds a context frame, no rows"))
+        planted = context_frame_at(segments)
+        if planted is not None:  # decoded, it would be a gap of -1 rows
+            raise StoreError(damaged(rollout_id, *planted, "it holds a context frame, no rows"))
         whole = start == 0 and end is None and layers is None and len(segments) == 1
         if whole and isinstance(segments[0][2], bytes):
             return segments[0][2]  # a single self-contained segment: the stored bytes
-        return await asyncio.to_thread(
-            self._cut, rollout_id, segments, contexts, start, end, layers
+        parts = await asyncio.to_thread(
+            cut, rollout_id, segments, got.contexts, start, end, layers, headers=got.headers
         )
-
-    @staticmethod
-    def _cut(
-        rollout_id: str,
-        segments: list[tuple[int, int, Stored]],
-        contexts: dict[str, bytes],
-        start: int,
-        end: int | None,
-        layers: Sequence[int] | None,
-    ) -> bytes:
-        """Frames (or slices) for the request plus the contexts they continue from.
-
-        Every stored frame's header is verified first (its trailing CRC, through the
-        header cache) and must hold its field's rows; a slice is cut only from chunks
-        whose CRCs match (``slice_frame(verify=True)``), since the slice's new trailer
-        would vouch for whatever it copied.  A check that fails is a :class:`StoreError`
-        naming the rollout and segment: a row is either right or refused.  Uncut frames
-        go out as stored (their bodies are the reader's to verify).  A chunked segment's
-        head is verified the same way (its trailer covers its header) and its chunks, cut
-        or whole, go out only with their CRCs checked (``verify=True``): the frame the
-        reader gets is put together here.
-        """
-        parts: list[bytes] = []
-        bases: dict[str, Context] = {}
-        carried: set[str] = set()  # contexts a returned frame carries itself
-        # A read by layer answers each frame with its context trimmed to the layers it keeps
-        # (a pipeline stage's share of the ~6 KB relabel table, not all of it, in each answer);
-        # the trimmed contexts continuation frames name, sent before them.
-        trim = layers is not None
-        named: dict[str, Context] = {}  # what the continuation frames returned name
-        sent: set[str] = set()  # what the self-contained frames returned carry
-        for a, b, stored in segments:
-            cut = (start > a or (end is not None and end < b)) or layers is not None
-            head = isinstance(stored, Chunked)
-            frame = stored.head if isinstance(stored, Chunked) else stored
-            pieces = stored.pieces if isinstance(stored, Chunked) else None
-            try:
-                hdr = _HEADERS.header(frame, head=head)
-                ctx = None
-                if hdr.context is not None and not hdr.base:
-                    carried.add(hdr.context.digest)
-                    # a later continuation frame of this read resolves against it (a ranged
-                    # read fetches the stored context only when no frame read carries it)
-                    bases.setdefault(hdr.context.digest, hdr.context)
-                if hdr.version == 1:  # stored before format v2: whole, the reader trims
-                    parts.append(frame)
-                    continue
-                if hdr.base:
-                    ctx = bases.get(hdr.base)
-                    if ctx is None:
-                        raw = contexts.get(hdr.base)
-                        if raw is None:
-                            raise StoreError(
-                                f"rollout {rollout_id}: the context of segment [{a}, {b}) "
-                                "is missing"
-                            )
-                        ctx = Context.parse(raw, tables=False)
-                    bases[hdr.base] = ctx
-                    hdr = _HEADERS.header(frame, ctx, head=head)
-                if (hdr.start, hdr.end) != (a, b):
-                    raise FrameError(f"the frame holds rows [{hdr.start}, {hdr.end})")
-                if trim:
-                    own = ctx if hdr.base else hdr.context
-                    assert own is not None and layers is not None
-                    sliced = slice_context(hdr, own, layers)
-                    if hdr.base:
-                        named[sliced.digest] = sliced
-                    else:
-                        sent.add(sliced.digest)
-                if pieces is not None:  # chunked: the frame is put together (and cut) here
-                    parts.append(
-                        slice_frame(
-                            frame,
-                            start=start if cut else None,
-                            end=end if cut else None,
-                            layers=layers,
-                            context=ctx,
-                            parsed=hdr,
-                            verify=True,
-                            pieces=pieces,
-                            trim_context=trim,
-                        )
-                    )
-                    continue
-                # verify: the slice's new trailer vouches only for the chunks checked here
-                parts.append(
-                    slice_frame(
-                        frame,
-                        start=start,
-                        end=end,
-                        layers=layers,
-                        context=ctx,
-                        parsed=hdr,
-                        verify=True,
-                        trim_context=trim,
-                    )
-                    if cut
-                    else frame
-                )
-            except (FormatError, FrameError) as exc:
-                # Damaged at rest (a bad disk, a bug, a tenant's write path): never sliced,
-                # signed anew and answered as rows.
-                raise StoreError(_damaged(rollout_id, a, b, str(exc))) from None
-        if not parts and contexts:  # the range lies in a gap: the context says E, K, layers
-            d, raw = next(iter(contexts.items()))
-            try:
-                gap = Context.parse(raw, tables=False)
-            except FrameError as exc:
-                raise StoreError(
-                    f"rollout {rollout_id}: its stored context is damaged ({exc})"
-                ) from None
-            if gap.digest != d:
-                raise StoreError(f"rollout {rollout_id}: its stored context {d[:12]}… is damaged")
-            bases = {d: gap}
-        if trim and parts:
-            extra = [encode_context(c) for d, c in named.items() if d not in sent]
-        else:
-            extra = [encode_context(c) for d, c in bases.items() if d not in carried]
-        return b"".join([*extra, *parts])
+        return b"".join(parts)
 
     async def get(
         self,
@@ -444,26 +339,22 @@ class StoreReads(StoreBase):
             res = await self._stat(keys=[key], args=[])
             if not res:
                 raise RolloutNotFoundError(f"rollout {rollout_id} not found")
-        e, k, layer_ids = msgpack.unpackb(res[0])
+        e, k, layer_ids = parse_meta(res[0])
         nviews = int(res[4])
         mem = int(res[5])  # the rollout's hash and its views' (-1: MEMORY disabled)
         views = []
         pairs = res[6 : 6 + 2 * nviews]
         for serves, raw in zip(pairs[::2], pairs[1::2], strict=True):
-            a, b, wv, nbytes = msgpack.unpackb(raw)
-            views.append(ViewInfo(int(serves), a, b, wv, nbytes))
+            views.append(parse_view(int(serves), raw))
         views.sort(key=lambda v: v.serves)
-        infos = []
-        for raw in res[6 + 2 * nviews :]:
-            seg, codec, nbytes, shared = msgpack.unpackb(raw)
-            infos.append(SegmentInfo(Segment.from_dict(seg), codec, nbytes, shared))
+        infos = [parse_segment_info(raw) for raw in res[6 + 2 * nviews :]]
         infos.sort(key=lambda i: i.segment.start)
         pttl = int(res[3])
         return RolloutInfo(
             rollout_id=rollout_id,
             num_experts=e,
             topk=k,
-            layer_ids=tuple(layer_ids),
+            layer_ids=layer_ids,
             num_rows=max((i.segment.end for i in infos), default=0),
             stored_bytes=int(res[1]),
             shared_bytes=int(res[2]),

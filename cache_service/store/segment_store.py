@@ -1,24 +1,26 @@
-"""The segment store itself: :class:`SegmentStore` (writes here, reads in
-:mod:`cache_service.store.reads`, durability in :mod:`cache_service.store.durability`).
+"""The segment store itself: :class:`SegmentStore` (connecting and writes here, reads in
+:mod:`cache_service.store.reads`, durability in :mod:`cache_service.store.durability`,
+direct reads' Redis users in :mod:`cache_service.store.grants`).
 
-Key layout and rules: :mod:`cache_service.store`.
+Runs in the service's process, for every PUT, rewind and touch.  Key layout and rules:
+:mod:`cache_service.store`; what each hash field holds and how a frame is stored (whole,
+or head and chunks): :mod:`r3_client.stored`, which every reader of the store shares.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
-from cache_service.store.base import RedisClient
+from cache_service.store.base import RedisClient, redacted
 from cache_service.store.durability import DurableWrites
+from cache_service.store.grants import ReaderGrants
 from cache_service.store.lifecycle import StoreLifecycle
 from cache_service.store.reads import StoreReads
 from cache_service.store.settings import StoreSettings
@@ -34,6 +36,15 @@ from r3_client import (
     index_dtype,
     read_header,
 )
+from r3_client.stored import (
+    context_field,
+    meta_value,
+    parse_meta,
+    pointer,
+    segment_info,
+    split_frame,
+    view_registration,
+)
 from r3_client.wire import (
     BLOCK_ROWS,
     STORED_BLOCK_ROWS,
@@ -41,9 +52,6 @@ from r3_client.wire import (
     FrameHeader,
     PutResult,
     check_chunks,
-    chunk_field,
-    chunk_spans,
-    frame_head,
     quote_items,
 )
 
@@ -51,50 +59,6 @@ __all__ = ["SegmentStore"]
 
 _PUT_ACKED = (b"stored", b"duplicate")
 _BLOB_ACKED = (b"new", b"same")
-#: What a direct reader may run: reads of rollout hashes and blobs, and connection set-up.
-_READER_COMMANDS = (
-    "hgetall",
-    "hget",
-    "hmget",
-    "hkeys",
-    "hscan",
-    "ping",
-    "hello",
-    "cluster|slots",
-    "cluster|shards",
-    "cluster|nodes",
-    "readonly",
-    "command",
-)
-
-_OPEN_REDIS = (
-    "direct reads are on, but Redis {nodes} lets clients in without a password (its "
-    "`default` user is `on` and `nopass`, Redis's out-of-the-box setting): anyone who "
-    "reaches the Redis port would read every tenant's rollouts, whatever user a read "
-    "plan creates, so no read plan is issued. Give the default user a password "
-    "(`requirepass <password>` in redis.conf, or `ACL SETUSER default on >password`) or "
-    "switch it off (`user default off`, with a user of its own for the service), and put "
-    "the service's credentials in R3_CACHE_REDIS_URL; or set R3_CACHE_DIRECT_READS=false. "
-    "(Without R3_CACHE_REDIS_URL the service starts its own Redis with a password.)"
-)
-
-
-def _meta_bytes(num_experts: int, topk: int, layer_ids: Sequence[int]) -> bytes:
-    """The rollout meta field ``m``: msgpack ``[E, K, layer ids]``."""
-    out: bytes = msgpack.packb([num_experts, topk, list(layer_ids)], use_bin_type=True)
-    return out
-
-
-def _redacted(url: str) -> str:
-    """``url`` without its credentials, for messages and logs."""
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://{rest.rsplit('@', 1)[-1]}"
-
-
-def _admits_anyone(acl_user: Any) -> bool:
-    """Whether an ``ACL GETUSER default`` reply lets connections in with no credentials."""
-    flags = {f.decode() if isinstance(f, bytes) else str(f) for f in acl_user[b"flags"]}
-    return "on" in flags and "nopass" in flags
 
 
 def _check_blocks(hdr: FrameHeader) -> None:
@@ -123,7 +87,7 @@ def _check_blocks(hdr: FrameHeader) -> None:
         )
 
 
-class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
+class SegmentStore(StoreLifecycle, ReaderGrants, DurableWrites, StoreReads):
     """Async segment store over redis-py asyncio (single Redis or Redis Cluster).
 
     Create with :meth:`connect` (pings with bounded retries) and close with
@@ -155,7 +119,7 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
                 if attempt == settings.connect_retries:
                     await client.aclose()
                     raise StoreUnavailableError(
-                        f"cannot reach Redis at {_redacted(settings.redis_url)}: {exc}"
+                        f"cannot reach Redis at {redacted(settings.redis_url)}: {exc}"
                     ) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -185,78 +149,6 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
         """
         for ref in refs:
             await self._write(ref.decode(), self._keep_blob, [ttl_ms], bool)
-
-    async def refuse_open_redis(self) -> None:
-        """Raise :class:`StoreError` unless every Redis node refuses clients without
-        credentials (direct reads: at start-up, and before each read plan).
-
-        A reader user confines its holder to one namespace only while Redis asks every
-        connection for credentials: with the ``default`` user ``on`` and ``nopass``
-        anyone who reaches the port reads every tenant.  Checked with ``ACL GETUSER
-        default`` on every node (ACLs are per node); a Redis restarted without a
-        password set at run time is caught at the next plan.
-        """
-        nodes = self._r.get_nodes() if isinstance(self._r, RedisCluster) else [None]
-        open_nodes = []
-        async with self._guarded():
-            for node in nodes:
-                try:
-                    if node is None:
-                        reply = await self._r.execute_command("ACL", "GETUSER", "default")
-                        name = _redacted(self.settings.redis_url)
-                    else:
-                        assert isinstance(self._r, RedisCluster)
-                        reply = await self._r.execute_command(
-                            "ACL", "GETUSER", "default", target_nodes=node
-                        )
-                        if isinstance(reply, dict) and node.name in reply:
-                            reply = reply[node.name]  # some redis-py versions key it by node
-                        name = node.name
-                except rexc.NoPermissionError as exc:
-                    raise StoreError(
-                        "direct reads need the service's Redis user to run ACL GETUSER and "
-                        f"ACL SETUSER on every node; Redis refused: {exc}"
-                    ) from exc
-                if _admits_anyone(reply):
-                    open_nodes.append(name)
-        if open_nodes:
-            raise StoreError(_OPEN_REDIS.format(nodes=", ".join(open_nodes)))
-
-    async def grant_reader(self, secret: str) -> tuple[str, str, str]:
-        """Create (idempotently) this namespace's read-only Redis user; its credentials.
-
-        ``ACL SETUSER r3-read-<ns>`` on every node (ACLs are per node, also on a
-        cluster): key pattern ``<prefix>:<ns>:*`` only, commands ``HGETALL``/``HGET``/``HKEYS``/
-        ``HSCAN``/``HMGET`` and what a client needs to connect (``PING``, ``HELLO``,
-        ``CLUSTER SLOTS``/``SHARDS``/``NODES``, ``READONLY``, ``COMMAND``; redis-py
-        ignores a refused ``CLIENT SETINFO``, which Redis 7.0 does not know).
-        The password is HMAC-SHA256(``secret``, namespace), so every replica of the
-        service issues the same one.  Returns ``(username, password, key prefix)``.
-        Refused (:meth:`refuse_open_redis`) where Redis admits clients without credentials.
-        """
-        if not self._namespace:
-            raise InvalidRequestError("direct reads are per namespace")
-        await self.refuse_open_redis()
-        user = f"r3-read-{self._namespace}"
-        password = hmac.new(secret.encode(), self._namespace.encode(), "sha256").hexdigest()
-        prefix = f"{self._prefix}:"
-        rules = [
-            "reset",
-            "on",
-            f">{password}",
-            f"~{prefix}*",
-            "resetchannels",
-            "-@all",
-            *(f"+{c}" for c in _READER_COMMANDS),
-        ]
-        async with self._guarded():
-            if isinstance(self._r, RedisCluster):
-                await self._r.execute_command(
-                    "ACL", "SETUSER", user, *rules, target_nodes=self._r.get_nodes()
-                )
-            else:
-                await self._r.execute_command("ACL", "SETUSER", user, *rules)  # type: ignore[no-untyped-call]
-        return user, password, prefix
 
     async def ping(self) -> bool:
         """True when Redis answers."""
@@ -336,7 +228,7 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
         hdr, context = await self._checked_header(rollout_id, key, frame)
         assert hdr.segment is not None
         segment = hdr.segment
-        meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
+        meta = meta_value(hdr.num_experts, hdr.topk, hdr.layer_ids)
         value, chunks = self._stored_form(frame, hdr)
         ref, token, dedupe_hit = "", "", False
         if share is None:
@@ -351,13 +243,11 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
                     _BLOB_ACKED.__contains__,
                 )
                 if shared in (b"new", b"same"):
-                    value, ref, dedupe_hit = b"@" + blob.encode(), blob, shared == b"same"
+                    value, ref, dedupe_hit = pointer(blob), blob, shared == b"same"
                     chunks = []  # they live in the blob
                 else:
                     token = ""  # no reference taken: a private copy
-            info = msgpack.packb(
-                [segment.to_dict(), hdr.codec, len(frame), bool(ref)], use_bin_type=True
-            )
+            info = segment_info(segment, hdr.codec, len(frame), bool(ref))
             args = [meta, segment.start, segment.end, value, hdr.digest, info, ttl * 1000]
             args += [self.settings.max_segments, len(frame), ref, *context]
             args += [max_gap, self.settings.max_rollout_gap_rows, token, *chunks]
@@ -412,9 +302,9 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
         hdr, (ctx_field, ctx, _) = await self._checked_header(rollout_id, vkey, frame)
         assert hdr.segment is not None
         seg = hdr.segment
-        meta = _meta_bytes(hdr.num_experts, hdr.topk, hdr.layer_ids)
-        info = msgpack.packb([seg.to_dict(), hdr.codec, len(frame), False], use_bin_type=True)
-        reg = msgpack.packb([seg.start, seg.end, seg.weight_version, len(frame)])
+        meta = meta_value(hdr.num_experts, hdr.topk, hdr.layer_ids)
+        info = segment_info(seg, hdr.codec, len(frame), False)
+        reg = view_registration(seg.start, seg.end, seg.weight_version, len(frame))
         value, chunks = self._stored_form(frame, hdr)
         args = [meta, serves, seg.start, seg.end, value, hdr.digest, info, ttl * 1000]
         args += [len(frame), ctx_field, ctx, reg, self.settings.max_views]
@@ -428,27 +318,35 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
         status = res[0].decode()
         if status == "stored" or status == "duplicate":
             return PutResult(status, rollout_id, seg, len(frame), False, False)
+        raise self._view_refusal(status, res, rollout_id, serves, hdr)
+
+    def _view_refusal(
+        self, status: str, res: Sequence[Any], rollout_id: str, serves: int, hdr: FrameHeader
+    ) -> R3Error:
+        """The error for a view put ``put_view.lua`` refused (``status`` its first reply)."""
+        assert hdr.segment is not None
+        seg = hdr.segment
         if status == "views":
-            raise InvalidRequestError(
+            return InvalidRequestError(
                 f"rollout {rollout_id} already holds {int(res[1])} views (limit "
                 f"{self.settings.max_views}, R3_CACHE_MAX_VIEWS); a view serving row {serves} "
                 "would be one more"
             )
         if status == "gap":
-            raise InvalidRequestError(
+            return InvalidRequestError(
                 f"a view serving row {serves} of rollout {rollout_id} serves rows "
                 f"{serves - int(res[1])} past its stored rows [0, {int(res[1])}); the limit "
                 f"is {self.settings.max_gap_rows} (R3_CACHE_MAX_GAP_ROWS)"
             )
         if status == "unviewed":
-            raise SegmentConflictError(
+            return SegmentConflictError(
                 f"rollout {rollout_id} stored the segment starting at row {serves} without a "
                 f"view: what its tokens attended to is fixed; a view is written before the "
                 "segment it serves"
             )
         if status == "conflict":
             a, b = res[1].decode().split(":")
-            raise SegmentConflictError(
+            return SegmentConflictError(
                 f"the view serving row {serves} of rollout {rollout_id} is fixed (a segment "
                 f"starts at {serves}) and holds rows [{a}, {b}); this view, rows "
                 f"[{seg.start}, {seg.end}), "
@@ -458,21 +356,13 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
                     else "covers other rows"
                 )
             )
-        raise self._put_refusal(status, res, rollout_id, hdr, "view")
+        return self._put_refusal(status, res, rollout_id, hdr, "view")
 
     def _stored_form(self, frame: bytes, hdr: FrameHeader) -> tuple[bytes, list[Any]]:
-        """What a checked segment frame is stored as: the frame itself (layout ``whole``,
-        a version 2 frame, or one chunk), or its head and the ``name, bytes`` pairs of its
-        chunk fields (layout ``chunked``: ``r3_client._stored``)."""
-        if self.settings.layout != "chunked" or hdr.version < 3 or len(hdr.chunks) < 2:
-            return frame, []
-        assert hdr.segment is not None
-        a, b = hdr.segment.start, hdr.segment.end
-        view = memoryview(frame)
-        chunks: list[Any] = []
-        for span in chunk_spans(hdr):
-            chunks += [chunk_field(a, b, span), view[span.offset : span.offset + span.length]]
-        return frame_head(frame, hdr), chunks
+        """What a checked segment frame is stored as (``r3_client.stored.split_frame``):
+        the frame itself, or, in layout ``chunked``, its head and its chunk fields."""
+        value, chunks = split_frame(frame, hdr, chunked=self.settings.layout == "chunked")
+        return value, list(chunks)
 
     async def _checked_header(
         self, rollout_id: str, key: str, frame: bytes
@@ -498,14 +388,14 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
         segment = hdr.segment
         if hdr.base:
             async with self._guarded():
-                raw_ctx = await self._r.hget(key, f"c:{hdr.base}")
+                raw_ctx = await self._r.hget(key, context_field(hdr.base))
             if not isinstance(raw_ctx, bytes):
                 raise SegmentConflictError(self._no_base(rollout_id, hdr.base))
             hdr = read_header(frame, verify=False, context=Context.parse(raw_ctx, tables=False))
-            context: tuple[str, bytes, str] = ("", b"", f"c:{hdr.base}")
+            context: tuple[str, bytes, str] = ("", b"", context_field(hdr.base))
         else:
             assert hdr.context is not None
-            context = (f"c:{hdr.context.digest}", hdr.context.raw, "")
+            context = (context_field(hdr.context.digest), hdr.context.raw, "")
         assert hdr.context is not None
         if hdr.layer_ids != hdr.context.layer_ids:
             raise FrameError("a stored segment frame holds every layer of its context")
@@ -551,7 +441,7 @@ class SegmentStore(StoreLifecycle, DurableWrites, StoreReads):
         assert hdr.segment is not None
         start, end = hdr.segment.start, hdr.segment.end
         if status == "meta":
-            e, k, layers = msgpack.unpackb(res[1])
+            e, k, layers = parse_meta(res[1])
             return SegmentConflictError(
                 f"rollout {rollout_id} holds routing with E={e}, K={k}, "
                 f"layers={quote_items(layers)}; this {what} has E={hdr.num_experts}, "

@@ -60,14 +60,6 @@ from r3_client._answers import (
 from r3_client._exceptions import quote_items
 from r3_client._lazy import lazy_attributes
 from r3_client._routing import MAX_LAYER_ID, layer_positions
-from r3_client._stored import (
-    Chunked,
-    ChunkField,
-    chunk_field,
-    chunk_wanted,
-    parse_chunk_field,
-    uncarried_contexts,
-)
 from r3_client.codec import (
     ChunkSpan,
     Context,
@@ -94,6 +86,14 @@ from r3_client.codec.stream import (
     stream_header,
 )
 from r3_client.codec.v2_read import check_chunks
+from r3_client.stored import (
+    Chunked,
+    ChunkField,
+    chunk_field,
+    chunk_wanted,
+    parse_chunk_field,
+    uncarried_contexts,
+)
 
 if TYPE_CHECKING:
     from r3_client._proto import r3_cache_pb2, r3_cache_pb2_grpc

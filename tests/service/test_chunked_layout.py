@@ -319,8 +319,8 @@ def test_a_direct_reader_names_exactly_the_stored_chunks_a_read_needs(svc: Servi
     the rollout's layer ids, never listed from Redis) against the fields the store wrote:
     every name it gives is stored, and they are the chunks ``needed_chunks`` keeps, for the
     first frame and for a continuation head (which names no layer ids of its own)."""
-    from r3_client._stored import head_chunks
     from r3_client.codec import chunk_spans, needed_chunks
+    from r3_client.stored import head_chunks
 
     r = _agent(svc)
     conn = admin_redis(svc.redis_url)
