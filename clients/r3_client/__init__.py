@@ -82,14 +82,15 @@ from r3_client.codec import (
 from r3_client.expansion import Expansion, SampleState, expand_infos, expand_states
 
 if TYPE_CHECKING:
-    from r3_client._client import AsyncRoutingClient, RoutingClient
+    from r3_client._async_client import AsyncRoutingClient
+    from r3_client._sync_client import RoutingClient
 
 # Names served lazily (PEP 562): the clients load httpx, grpc and tqdm.
 __getattr__, __dir__ = lazy_attributes(
     globals(),
     {
-        "AsyncRoutingClient": ("r3_client._client", "AsyncRoutingClient"),
-        "RoutingClient": ("r3_client._client", "RoutingClient"),
+        "AsyncRoutingClient": ("r3_client._async_client", "AsyncRoutingClient"),
+        "RoutingClient": ("r3_client._sync_client", "RoutingClient"),
     },
 )
 

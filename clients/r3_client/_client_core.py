@@ -1,9 +1,11 @@
 """The no-I/O core both clients share: argument checks, frames, retry decisions, batch cursors.
 
-:class:`ClientCore` validates arguments, builds frames, decides on retries and decodes
-answers; :class:`Cursor` keeps a ``get_many`` batch's place so every id is
-answered exactly once.  The shells in :mod:`r3_client._client` drive a transport
-with them.
+:class:`ClientCore` validates arguments, builds requests (a put's frame and options),
+decides on retries and parses and decodes answers; :class:`Cursor` keeps a ``get_many``
+batch's place so every id is answered exactly once.  The shells drive a transport with
+them, in the caller's thread (:class:`~r3_client._sync_client.RoutingClient`) or on its
+event loop (:class:`~r3_client._async_client.AsyncRoutingClient`); :mod:`r3_client._range_plan`
+plans a ranged read the same way, without I/O.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, TypeVar
 
 import numpy.typing as npt
 
-from r3_client._answers import Deleted, DropResult, RolloutInfo, freed_total
+from r3_client._answers import Deleted, DropResult, RolloutInfo, ViewInfo, freed_total
 from r3_client._config import Retry, Timeout
 from r3_client._exceptions import (
     ConnectError,
@@ -39,6 +41,7 @@ from r3_client._transports import (
     HTTPTransport,
     Transport,
 )
+from r3_client._views import ServedRouting, Steps, applicable_views, apply_views, served
 from r3_client.codec import CodecName, decode_rollout, encode_frame, read_header
 from r3_client.codec.stream import StreamItem
 
@@ -66,8 +69,9 @@ class ClientCore:
             raise exc
         return self.retry.delay(failures - 1)
 
-    @staticmethod
-    def frame(
+    def put_request(
+        self,
+        rollout_id: str,
         routing: Routing | npt.ArrayLike | bytes,
         *,
         num_experts: int | None,
@@ -75,12 +79,18 @@ class ClientCore:
         start: int | None,
         segment: Segment | None,
         codec: CodecName,
-    ) -> bytes:
-        """The frame to send: bytes are checked and sent as they are, anything else encoded."""
+        view: int | None,
+        share: bool | None,
+    ) -> tuple[bytes, dict[str, Any]]:
+        """A put's frame and the transport's keyword arguments, every argument checked
+        before any I/O (the id, then ``view`` / ``share``, then the routing).  The frame:
+        bytes are checked and sent as they are, anything else encoded."""
+        check_rollout_id(rollout_id)
+        opts = self.put_options(view, share)
         if isinstance(routing, bytes | bytearray | memoryview):
             read_header(routing)  # fail here, with the reason, rather than as a 400
-            return bytes(routing)
-        return encode_frame(
+            return bytes(routing), opts
+        frame = encode_frame(
             routing,
             num_experts=num_experts,
             layer_ids=layer_ids,
@@ -88,6 +98,7 @@ class ClientCore:
             segment=segment,
             codec=codec,
         )
+        return frame, opts
 
     @staticmethod
     def put_options(view: int | None, share: bool | None) -> dict[str, Any]:
@@ -112,6 +123,20 @@ class ClientCore:
         if start < 0 or (end is not None and end <= start):
             raise ShapeError(f"token range [{start}, {end}) is empty or negative")
 
+    def check_read(self, rollout_id: str, start: int, end: int | None) -> None:
+        """A read's id and rows, checked before any I/O."""
+        check_rollout_id(rollout_id)
+        self.check_range(start, end)
+
+    @staticmethod
+    def view_window(v: ViewInfo, base: Routing) -> tuple[int, int] | Routing:
+        """The rows of view ``v`` within ``base``'s range, or, when it has none there, the
+        routing of no rows that answers them (nothing to read)."""
+        a, b = max(v.start, base.start), min(v.end, base.end)
+        if a >= b:
+            return Routing(base.indices[:0], base.num_experts, base.layer_ids, a)
+        return a, b
+
     def decode(
         self,
         data: bytes,
@@ -129,6 +154,22 @@ class ClientCore:
             layers=layers,
             rollout_id=rollout_id,
             max_bytes=self.max_bytes,
+        )
+
+    def latest_steps(self, base: Routing, info: RolloutInfo, rollout_id: str) -> Steps[Routing]:
+        """``base`` with the views of the rollout's stat ``info`` applied (policy
+        ``latest``), as the steps the shell runs (each reads one view's rows)."""
+        views = applicable_views(info)
+        return apply_views(base, views, max_bytes=self.max_bytes, rollout_id=rollout_id)
+
+    def served_steps(
+        self, base: Routing, info: RolloutInfo, policy: str, rollout_id: str
+    ) -> Steps[list[ServedRouting]]:
+        """What ``get_served`` answers under ``policy`` from ``base`` (every row) and the
+        rollout's stat ``info``, as the steps the shell runs."""
+        views = applicable_views(info)
+        return served(
+            base, views, info.num_rows, policy, max_bytes=self.max_bytes, rollout_id=rollout_id
         )
 
     def result(
@@ -221,6 +262,16 @@ class ClientCore:
             total.examined + got.examined,
             got.cursor,
         )
+
+    @staticmethod
+    def next_drop(total: DropResult | None, calls: int, max_calls: int | None) -> str | None:
+        """The cursor the next drop call starts at (``""``: the first), or None when the
+        walk has ended or ``max_calls`` calls were made."""
+        if total is None:
+            return ""
+        if total.cursor and (max_calls is None or calls < max_calls):
+            return total.cursor
+        return None
 
     @staticmethod
     def drop_version(upto: int | str) -> str:

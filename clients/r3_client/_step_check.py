@@ -53,10 +53,12 @@ __all__ = [
     "count_replay",
     "expansion_totals",
     "off_state_totals",
+    "sample_name",
 ]
 
 
-def _who(i: int, rid: str) -> str:
+def sample_name(i: int, rid: str) -> str:
+    """How a refusal names sample ``i`` of a step and its rollout."""
     return f"sample {i} (rollout {rid!r})"
 
 
@@ -328,80 +330,23 @@ def check_step(
     listing the first failing samples; any other error (auth, an unreachable service)
     raises as it is; :class:`~r3_client.InvalidRequestError` for a bad ``view`` or
     ``states`` given under another policy."""
-    policy = check_policy(view)
-    ids = [check_rollout_id(r) for r in rollout_ids]
-    need = np.asarray(num_tokens, dtype=np.int64).reshape(-1) - 1
-    if need.shape[0] != len(ids):
-        raise ShapeError(f"{len(ids)} rollout ids for {need.shape[0]} token counts")
-    if tokens is not None and len(tokens) != len(ids):
-        raise ShapeError(f"{len(ids)} rollout ids for {len(tokens)} token lists")
-    may_be_longer = [bool(longer)] * len(ids) if isinstance(longer, bool) else list(longer)
-    if len(may_be_longer) != len(ids):
-        raise ShapeError(f"{len(ids)} rollout ids for {len(may_be_longer)} 'longer' flags")
-    if states is not None and policy != "exact":
-        raise InvalidRequestError(
-            'states name the state each sample replays, which only view="exact" reads; '
-            f"view={policy!r} replays one routing for every token"
-        )
-    if states is not None and len(states) != len(ids):
-        raise ShapeError(f"{len(ids)} rollout ids for {len(states)} states")
-    state_of: list[int | None] = [None] * len(ids)
-    if states is not None:
-        state_of = [None if s is None else int(s) for s in states]
-    seen: list[RolloutInfo | None] = [None] * len(ids)
-
+    samples = _Samples.of(rollout_ids, num_tokens, tokens, longer, states, view, missing)
+    ids = samples.ids
     many = getattr(source, "stat_many", None)
     infos: list[RolloutInfo | R3Error] | None = many(ids) if many is not None else None
+    seen: list[RolloutInfo | None] = [None] * len(ids)
 
     def one(i: int) -> str | None:
         try:
             got = source.stat(ids[i]) if infos is None else infos[i]
             if isinstance(got, R3Error):
                 raise got
-            info = got
         except RolloutNotFoundError:
-            return f"{_who(i, ids[i])} is not in the cache"
-        if info.num_rows < need[i]:
-            return f"{_who(i, ids[i])} holds {info.num_rows} rows, its sample needs {need[i]}"
-        if info.num_rows > need[i] and not may_be_longer[i]:
-            return (
-                f"{_who(i, ids[i])} holds {info.num_rows} rows, more than its sample's "
-                f"{need[i]}, and the sample was not cut short"
-            )
-        if tokens is not None:
-            seq = [int(t) for t in tokens[i]]
-            for seg in (s.segment for s in info.segments):
-                checkable = seg.tokens_digest and seg.end <= len(seq)
-                if checkable and token_digest(seq[: seg.end]) != seg.tokens_digest:
-                    return (
-                        f"{_who(i, ids[i])}: stored rows [{seg.start}, {seg.end}) were "
-                        "computed from other tokens than the sample's (token digest differs)"
-                    )
-        if missing == "raise":
-            covered = 0
-            for seg in sorted((s.segment for s in info.segments), key=lambda s: s.start):
-                if covered < seg.start and covered < need[i]:
-                    return (
-                        f"{_who(i, ids[i])} has no rows [{covered}, {seg.start}): nobody "
-                        "shipped them"
-                    )
-                covered = max(covered, seg.end)
-        state = state_of[i]
-        if policy == "exact" and state is not None:
-            ends = {a: b for a, b, _ in states_of(applicable_views(info), info.num_rows)}
-            if state not in ends:
-                return (
-                    f"{_who(i, ids[i])} replays a state starting at row {state}; its "
-                    f"rollout's states start at rows {list(ends)}"
-                )
-            if need[i] > ends[state]:
-                return (
-                    f"{_who(i, ids[i])} replays the state of rows [{state}, {ends[state]}) "
-                    f"but its tokens reach row {need[i]}: one routing cannot replay them "
-                    "(expand the original sample, r3_client.expand_states)"
-                )
-        seen[i] = info
-        return None
+            return f"{sample_name(i, ids[i])} is not in the cache"
+        problem = samples.problem(i, got)
+        if problem is None:
+            seen[i] = got
+        return problem
 
     if infos is not None:
         problems = [p for p in map(one, range(len(ids))) if p is not None]
@@ -414,7 +359,99 @@ def check_step(
         )
         cls = RolloutNotFoundError if all("not in the cache" in p for p in problems) else ShapeError
         raise cls(f"{len(problems)} of {len(ids)} samples cannot be replayed: {shown}")
-    return _step_check(seen, need, policy, state_of, count=count)
+    return _step_check(seen, samples.need, samples.policy, samples.state_of, count=count)
+
+
+@dataclass(frozen=True)
+class _Samples:
+    """A step's samples as :func:`check_step` holds each to the rules, arguments checked:
+    ``need`` each sample's rows (``num_tokens - 1``), ``state_of`` the state it replays."""
+
+    ids: list[str]
+    need: npt.NDArray[np.int64]
+    tokens: Sequence[Sequence[int]] | None
+    may_be_longer: list[bool]
+    state_of: list[int | None]
+    policy: ViewPolicy
+    missing: Missing
+
+    @classmethod
+    def of(
+        cls,
+        rollout_ids: Sequence[str],
+        num_tokens: Sequence[int] | npt.ArrayLike,
+        tokens: Sequence[Sequence[int]] | None,
+        longer: Sequence[bool] | bool,
+        states: Sequence[int | None] | None,
+        view: ViewPolicy,
+        missing: Missing,
+    ) -> _Samples:
+        """:func:`check_step`'s arguments checked (before any I/O)."""
+        policy = check_policy(view)
+        ids = [check_rollout_id(r) for r in rollout_ids]
+        need = np.asarray(num_tokens, dtype=np.int64).reshape(-1) - 1
+        if need.shape[0] != len(ids):
+            raise ShapeError(f"{len(ids)} rollout ids for {need.shape[0]} token counts")
+        if tokens is not None and len(tokens) != len(ids):
+            raise ShapeError(f"{len(ids)} rollout ids for {len(tokens)} token lists")
+        may_be_longer = [bool(longer)] * len(ids) if isinstance(longer, bool) else list(longer)
+        if len(may_be_longer) != len(ids):
+            raise ShapeError(f"{len(ids)} rollout ids for {len(may_be_longer)} 'longer' flags")
+        if states is not None and policy != "exact":
+            raise InvalidRequestError(
+                'states name the state each sample replays, which only view="exact" reads; '
+                f"view={policy!r} replays one routing for every token"
+            )
+        if states is not None and len(states) != len(ids):
+            raise ShapeError(f"{len(ids)} rollout ids for {len(states)} states")
+        state_of: list[int | None] = [None] * len(ids)
+        if states is not None:
+            state_of = [None if s is None else int(s) for s in states]
+        return cls(ids, need, tokens, may_be_longer, state_of, policy, missing)
+
+    def problem(self, i: int, info: RolloutInfo) -> str | None:
+        """Why sample ``i`` cannot be replayed from what its rollout stores (``info``), or
+        None: its rows, their tokens, a gap nobody shipped, its state."""
+        who, need = sample_name(i, self.ids[i]), self.need[i]
+        if info.num_rows < need:
+            return f"{who} holds {info.num_rows} rows, its sample needs {need}"
+        if info.num_rows > need and not self.may_be_longer[i]:
+            return (
+                f"{who} holds {info.num_rows} rows, more than its sample's "
+                f"{need}, and the sample was not cut short"
+            )
+        segments = [s.segment for s in info.segments]
+        if self.tokens is not None:
+            seq = [int(t) for t in self.tokens[i]]
+            for seg in segments:
+                checkable = seg.tokens_digest and seg.end <= len(seq)
+                if checkable and token_digest(seq[: seg.end]) != seg.tokens_digest:
+                    return (
+                        f"{who}: stored rows [{seg.start}, {seg.end}) were computed from "
+                        "other tokens than the sample's (token digest differs)"
+                    )
+        if self.missing == "raise":
+            covered = 0
+            for seg in sorted(segments, key=lambda s: s.start):
+                if covered < seg.start and covered < need:
+                    return f"{who} has no rows [{covered}, {seg.start}): nobody shipped them"
+                covered = max(covered, seg.end)
+        state = self.state_of[i]
+        if self.policy != "exact" or state is None:
+            return None
+        ends = {a: b for a, b, _ in states_of(applicable_views(info), info.num_rows)}
+        if state not in ends:
+            return (
+                f"{who} replays a state starting at row {state}; its "
+                f"rollout's states start at rows {list(ends)}"
+            )
+        if need > ends[state]:
+            return (
+                f"{who} replays the state of rows [{state}, {ends[state]}) "
+                f"but its tokens reach row {need}: one routing cannot replay them "
+                "(expand the original sample, r3_client.expand_states)"
+            )
+        return None
 
 
 def _step_check(

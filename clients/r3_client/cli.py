@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from r3_client._client import RoutingClient
 from r3_client._exceptions import R3Error
+from r3_client._sync_client import RoutingClient
 
 __all__ = ["main"]
 

@@ -183,20 +183,33 @@ def expand_infos(
     return Expansion(tuple(out), len(infos))
 
 
+def stat_each(source: Any, rollout_ids: Sequence[str]) -> list[RolloutInfo | R3Error]:
+    """Each rollout's stat as ``stat_many`` answers it: one batched call where ``source``
+    has ``stat_many`` (a :class:`~r3_client.RoutingClient`), else one ``stat`` per id, a
+    rollout the cache does not hold answered in its place by its
+    :class:`~r3_client.RolloutNotFoundError` (any other error raises)."""
+    many = getattr(source, "stat_many", None)
+    if many is not None:
+        return list(many(rollout_ids))
+    got: list[RolloutInfo | R3Error] = []
+    for rid in rollout_ids:
+        try:
+            got.append(source.stat(rid))
+        except RolloutNotFoundError as exc:
+            got.append(exc)
+    return got
+
+
 def expand_states(
     source: Any, rollout_ids: Sequence[str], num_tokens: Sequence[int] | npt.ArrayLike
 ) -> Expansion:
-    """:func:`expand_infos` of the step's rollouts, stat'ed through ``source`` (a
-    :class:`~r3_client.RoutingClient`: one batched stat per 1,024 ids; anything with
-    ``stat``: one per rollout).  Metadata only.  A rollout the cache does not hold
+    """:func:`expand_infos` of the step's rollouts, stat'ed through ``source`` (:func:`stat_each`:
+    a :class:`~r3_client.RoutingClient` answers one batched stat per 1,024 ids, anything
+    with ``stat`` one per rollout).  Metadata only.  A rollout the cache does not hold
     raises :class:`~r3_client.RolloutNotFoundError` naming its sample."""
     ids = [check_rollout_id(r) for r in rollout_ids]
-    many = getattr(source, "stat_many", None)
-    got: list[RolloutInfo | R3Error] = (
-        list(many(ids)) if many is not None else [source.stat(r) for r in ids]
-    )
     infos: list[RolloutInfo] = []
-    for i, (rid, info) in enumerate(zip(ids, got, strict=True)):
+    for i, (rid, info) in enumerate(zip(ids, stat_each(source, ids), strict=True)):
         if isinstance(info, RolloutNotFoundError):
             raise RolloutNotFoundError(f"sample {i} (rollout {rid!r}): {info}") from info
         if isinstance(info, R3Error):

@@ -46,6 +46,7 @@ from r3_client._step_check import (
     count_replay,
     expansion_totals,
     off_state_totals,
+    sample_name,
 )
 from r3_client._views import (
     RangeRead,
@@ -102,10 +103,6 @@ class RangeSource(Protocol):
         order, under ``view`` (:meth:`RoutingClient.get_ranges
         <r3_client.RoutingClient.get_ranges>`)."""
         ...
-
-
-def _who(i: int, rid: str) -> str:
-    return f"sample {i} (rollout {rid!r})"
 
 
 def fetch_verl_rank_slice(
@@ -225,6 +222,37 @@ def fetch_plan_rows(
     each sample's state (:func:`fetch_verl_rank_slice`); ``pin_memory``: the rows in
     page-locked host memory (:func:`pinned_targets`).
     """
+    policy = _check_fetch(ids, plan, view, states)
+    if layers == ():  # a stage of dense layers: its routers are none, nothing to read
+        return np.full((0, plan.num_local_tokens, 0), fill, np.int64), ()
+    runs, reads = _plan_reads(ids, plan, policy, states)
+    targets = _Targets(ids, plan, missing, fill, pin_memory)
+    # Reads answered undecoded (a source taking decode=False) go straight into the targets
+    # by one compiled call for the whole micro-batch, the GIL released throughout; any read
+    # that call does not take is decoded by the reference and copied, as before.
+    kw: dict[str, Any] = {"decode": False} if _takes_decode(type(source)) else {}
+    answers = source.get_ranges(reads, layers=layers, view=policy, return_errors=True, **kw)
+    planned: list[tuple[int, int, int, int, FetchedRange, IntoPlan]] = []
+    with _released(answers):
+        for (i, a, b, at), (_, got) in zip(runs, answers, strict=True):
+            if isinstance(got, FetchedRange):
+                into = got.plan()
+                if into is not None:
+                    targets.array(i, into.layer_ids, into.topk)
+                    if at >= 0:  # (a run that only says the layers and K places no row)
+                        planned.append((i, a, b, at, got, into))
+                    continue
+                got = got.routing()
+            targets.place(i, a, b, at, _checked(got, i, ids[i], a, b, plan))
+    if planned:
+        _decode_planned(targets, planned)
+    return targets.result()
+
+
+def _check_fetch(
+    ids: list[str], plan: RankPlan, view: ViewPolicy, states: Sequence[int | None] | None
+) -> ViewPolicy:
+    """:func:`fetch_plan_rows`' arguments checked (before any I/O); the read policy."""
     if len(ids) != plan.seqlens.shape[0]:
         raise ShapeError(
             f"{len(ids)} rollout ids for a micro-batch of {plan.seqlens.shape[0]} samples"
@@ -238,8 +266,14 @@ def fetch_plan_rows(
             )
         if len(states) != len(ids):
             raise ShapeError(f"{len(ids)} rollout ids for {len(states)} states")
-    if layers == ():  # a stage of dense layers: its routers are none, nothing to read
-        return np.full((0, plan.num_local_tokens, 0), fill, np.int64), ()
+    return policy
+
+
+def _plan_reads(
+    ids: list[str], plan: RankPlan, policy: ViewPolicy, states: Sequence[int | None] | None
+) -> tuple[list[tuple[int, int, int, int]], list[RangeRead]]:
+    """The runs of rows a rank reads (``(sample, start, end, at)``: ``at`` where they go in
+    its targets, ``-1`` for none) and the ``get_ranges`` read of each."""
     runs = list(plan.runs)
     if not runs:  # only last tokens and padding: one row says the layers and K
         first = int(np.argmax(plan.seqlens > 1))
@@ -255,53 +289,59 @@ def fetch_plan_rows(
         else (ids[i], a, b, None if states is None else states[i], int(rows_of[i]))
         for i, a, b, _ in runs
     ]
-    local: npt.NDArray[np.int64] | None = None
-    layer_ids: tuple[int, ...] = ()
-    # verl fills rows nobody shipped with 0 (its own fill); Megatron keeps them -1.
-    gap_fill = np.full(1, fill, np.int64) if fill >= 0 else None
+    return runs, reads
 
-    def target(i: int, got_layers: tuple[int, ...], topk: int) -> npt.NDArray[np.int64]:
-        nonlocal local, layer_ids
-        if local is None:
-            layer_ids = got_layers
-            shape = (len(layer_ids), plan.num_local_tokens, topk)
-            local = pinned_targets(shape, fill) if pin_memory else np.full(shape, fill, np.int64)
-        elif got_layers != layer_ids or topk != local.shape[2]:
-            raise ShapeError(
-                f"{_who(i, ids[i])} holds MoE layers {list(got_layers)} with "
-                f"top-{topk}, an earlier sample {list(layer_ids)} with top-{local.shape[2]}"
+
+class _Targets:
+    """A micro-batch's ``[L, local_tokens, K]`` int64 targets, made when the first answer
+    says the layers and K (every later one must agree), and the rows placed in them."""
+
+    def __init__(
+        self, ids: list[str], plan: RankPlan, missing: Missing, fill: int, pin_memory: bool
+    ) -> None:
+        self.ids = ids
+        self.plan = plan
+        self.missing: Missing = missing
+        self.fill = fill
+        self.pin_memory = pin_memory
+        # verl fills rows nobody shipped with 0 (its own fill); Megatron keeps them -1.
+        self.gap_fill = np.full(1, fill, np.int64) if fill >= 0 else None
+        self.local: npt.NDArray[np.int64] | None = None
+        self.layer_ids: tuple[int, ...] = ()
+
+    def array(self, i: int, got_layers: tuple[int, ...], topk: int) -> npt.NDArray[np.int64]:
+        """The targets, made on sample ``i``'s answer (its layers and K) if none are yet."""
+        if self.local is None:
+            self.layer_ids = got_layers
+            shape = (len(got_layers), self.plan.num_local_tokens, topk)
+            self.local = (
+                pinned_targets(shape, self.fill)
+                if self.pin_memory
+                else np.full(shape, self.fill, np.int64)
             )
-        return local
+        elif got_layers != self.layer_ids or topk != self.local.shape[2]:
+            raise ShapeError(
+                f"{sample_name(i, self.ids[i])} holds MoE layers {list(got_layers)} with "
+                f"top-{topk}, an earlier sample {list(self.layer_ids)} with "
+                f"top-{self.local.shape[2]}"
+            )
+        return self.local
 
-    def place(i: int, a: int, b: int, at: int, rows: Routing) -> None:
-        out = target(i, rows.layer_ids, rows.topk)
+    def place(self, i: int, a: int, b: int, at: int, rows: Routing) -> None:
+        """Rows ``[a, b)`` of sample ``i`` at local token ``at`` (none where ``at < 0``)."""
+        out = self.array(i, rows.layer_ids, rows.topk)
         if at >= 0:
-            name = f"{_who(i, ids[i])}'s routing"
-            arr = uncovered(rows.indices, name, missing, gap_fill, first_row=a)
+            arr = uncovered(rows.indices, self.name(i), self.missing, self.gap_fill, first_row=a)
             out[:, at : at + b - a] = arr.transpose(1, 0, 2)
 
-    # Reads answered undecoded (a source taking decode=False) go straight into `local` by
-    # one compiled call for the whole micro-batch, the GIL released throughout; any read
-    # that call does not take is decoded by the reference and copied, as before.
-    kw: dict[str, Any] = {"decode": False} if _takes_decode(type(source)) else {}
-    answers = source.get_ranges(reads, layers=layers, view=policy, return_errors=True, **kw)
-    planned: list[tuple[int, int, int, int, FetchedRange, IntoPlan]] = []
-    with _released(answers):
-        for (i, a, b, at), (_, got) in zip(runs, answers, strict=True):
-            if isinstance(got, FetchedRange):
-                into = got.plan()
-                if into is not None:
-                    target(i, into.layer_ids, into.topk)
-                    if at >= 0:  # (a run that only says the layers and K places no row)
-                        planned.append((i, a, b, at, got, into))
-                    continue
-                got = got.routing()
-            place(i, a, b, at, _checked(got, i, ids[i], a, b, plan))
-    if planned:
-        assert local is not None
-        _decode_planned(local, planned, ids, plan, missing, gap_fill, place)
-    assert local is not None
-    return local, layer_ids
+    def name(self, i: int) -> str:
+        """How a refusal names sample ``i``'s rows."""
+        return f"{sample_name(i, self.ids[i])}'s routing"
+
+    def result(self) -> tuple[npt.NDArray[np.int64], tuple[int, ...]]:
+        """The targets and their layer ids."""
+        assert self.local is not None  # (every fetch reads at least one run)
+        return self.local, self.layer_ids
 
 
 def pinned_targets(shape: tuple[int, int, int], fill: int) -> npt.NDArray[np.int64]:
@@ -323,30 +363,26 @@ def pinned_targets(shape: tuple[int, int, int], fill: int) -> npt.NDArray[np.int
 
 
 def _decode_planned(
-    local: npt.NDArray[np.int64],
-    planned: list[tuple[int, int, int, int, FetchedRange, IntoPlan]],
-    ids: list[str],
-    plan: RankPlan,
-    missing: Missing,
-    gap_fill: npt.NDArray[np.int64] | None,
-    place: Callable[[int, int, int, int, Routing], None],
+    targets: _Targets, planned: list[tuple[int, int, int, int, FetchedRange, IntoPlan]]
 ) -> None:
     """The planned reads of a micro-batch (each placing rows: ``at >= 0``) decoded into
-    their windows of ``local`` by one compiled call; each window's rows nobody shipped
+    their windows of the targets by one compiled call; each window's rows nobody shipped
     handled as the reference path handles them (:func:`~r3_client.layouts._rows.uncovered`).
     A refusal (a damaged chunk) decodes every planned read by the reference instead, which
     raises the exact error; a refusal the reference does not share is counted
     (``native.disagreed``)."""
+    local, ids, plan = targets.local, targets.ids, targets.plan
+    assert local is not None
     windows = [local[:, at : at + b - a].transpose(1, 0, 2) for _, a, b, at, _, _ in planned]
     jobs = [job for (*_, into), win in zip(planned, windows, strict=True) for job in into.jobs(win)]
     code, _ = _native.decode_into(jobs)
     if code != 0:
         for i, a, b, at, fetched, _ in planned:
-            place(i, a, b, at, _checked(fetched.routing(), i, ids[i], a, b, plan))
+            targets.place(i, a, b, at, _checked(fetched.routing(), i, ids[i], a, b, plan))
         _native.disagreed("a micro-batch's frames decoded into its targets")
         return
     for (i, a, *_), win in zip(planned, windows, strict=True):
-        arr = uncovered(win, f"{_who(i, ids[i])}'s routing", missing, gap_fill, first_row=a)
+        arr = uncovered(win, targets.name(i), targets.missing, targets.gap_fill, first_row=a)
         if arr is not win:
             win[...] = arr
 
@@ -382,18 +418,19 @@ def _takes_decode(kind: type) -> bool:
 
 def _checked(got: Routing | R3Error, i: int, rid: str, a: int, b: int, plan: RankPlan) -> Routing:
     """A run's rows, or the error naming the sample: not found, or short of its tokens."""
+    who = sample_name(i, rid)
     if isinstance(got, RolloutNotFoundError):
-        raise RolloutNotFoundError(f"{_who(i, rid)}: {got}") from got
+        raise RolloutNotFoundError(f"{who}: {got}") from got
     if isinstance(got, R3Error):
         if "outside rollout" in str(got):
             raise ShapeError(
-                f"{_who(i, rid)} has {plan.seqlens[i]} tokens, so {plan.seqlens[i] - 1} routing "
+                f"{who} has {plan.seqlens[i]} tokens, so {plan.seqlens[i] - 1} routing "
                 f"rows, but the cache does not hold rows [{a}, {b}) of it ({got}): a partial "
                 "rollout, or tokens the engine never saw"
             ) from got
         raise got
     if got.start != a or got.num_rows != b - a:
-        raise ShapeError(f"{_who(i, rid)}: asked rows [{a}, {b}), got [{got.start}, {got.end})")
+        raise ShapeError(f"{who}: asked rows [{a}, {b}), got [{got.start}, {got.end})")
     return got
 
 

@@ -47,7 +47,7 @@ import pytest
 
 from cache_service.redis_proc import free_port
 from r3_client import AsyncRoutingClient
-from r3_client.integrations import areal as r3_areal
+from r3_client.integrations.areal import rollout as r3_areal
 from sglang_r3.tools.local_stack import EngineServer, build_tiny_model, start_engine
 from tests.support.engine_fixtures import (  # noqa: F401  (fixtures, found by pytest by name)
     engine_cache,

@@ -59,7 +59,7 @@ from r3_client import (
 )
 from r3_client.integrations import miles as r3_miles
 from r3_client.integrations import slime as r3_slime
-from r3_client.integrations._samples import SampleRank
+from r3_client.integrations.samples.rank import SampleRank
 from r3_client.layouts import miles_layout, slime_layout
 from r3_client.synthetic import synthetic_routing
 from tests.integrations import test_glue as glue

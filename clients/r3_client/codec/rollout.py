@@ -70,8 +70,7 @@ def chunk_spans(hdr: FrameHeader) -> list[ChunkSpan]:
         raise FrameError("a continuation frame's chunks need its context (its layer ids)")
     bstarts = list(itertools.accumulate(hdr.blocks, initial=hdr.start))
     gbounds = list(itertools.accumulate(hdr.groups, initial=0))
-    at = hdr.frame_length - CRC.size - hdr.body_length
-    offsets = list(itertools.accumulate((c[0] for c in hdr.chunks), initial=at))
+    offsets = _chunk_offsets(hdr)
     ng = len(hdr.groups)
     return [
         ChunkSpan(
@@ -86,6 +85,13 @@ def chunk_spans(hdr: FrameHeader) -> list[ChunkSpan]:
         for b in range(len(hdr.blocks))
         for g in range(ng)
     ]
+
+
+def _chunk_offsets(hdr: FrameHeader) -> list[int]:
+    """Where each chunk of a chunked frame starts in the frame, and (last) where the body
+    ends."""
+    at = hdr.frame_length - CRC.size - hdr.body_length
+    return list(itertools.accumulate((c[0] for c in hdr.chunks), initial=at))
 
 
 def frame_head(data: bytes | bytearray | memoryview, hdr: FrameHeader) -> bytes:
@@ -200,30 +206,12 @@ def slice_frame(
     if hdr.version not in CHUNKED_VERSIONS or hdr.codec == "context":
         raise UnsupportedFrameError("only v2 and v3 routing frames can be sliced")
     keep_b, keep_g, bstarts, gbounds = _kept(hdr, start, end, layers)
-    layer_ids = hdr.layer_ids
     view = memoryview(data).cast("B")
-    at = hdr.frame_length - CRC.size - hdr.body_length
-    offsets = list(itertools.accumulate((c[0] for c in hdr.chunks), initial=at))
     ng = len(hdr.groups)
     idx = [b * ng + g for b in keep_b for g in keep_g]
-    whole = len(keep_b) == len(hdr.blocks) and len(keep_g) == len(hdr.groups)
-    if pieces is not None:
-        missing = [i for i in idx if i not in pieces]
-        if missing:
-            raise TruncatedFrameError(f"chunks {missing[:8]} of the frame are missing")
-        chunk_bytes = {i: memoryview(pieces[i]).cast("B") for i in idx}
-    else:
-        chunk_bytes = {i: view[offsets[i] : offsets[i + 1]] for i in idx}
-    for i in idx:
-        if len(chunk_bytes[i]) != hdr.chunks[i][0]:
-            raise TruncatedFrameError(
-                f"chunk {i} is {len(chunk_bytes[i])} bytes; the header says {hdr.chunks[i][0]}"
-            )
-        if verify and chunk_crc(hdr.version, chunk_bytes[i]) != hdr.chunks[i][1]:
-            raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
-    if whole:
+    chunk_bytes = _chunk_bytes(hdr, view, idx, pieces, verify)
+    if len(keep_b) == len(hdr.blocks) and len(keep_g) == len(hdr.groups):  # the whole frame
         return join_frame(view, [chunk_bytes[i] for i in idx]) if head else bytes(data)
-    body = [bytes(chunk_bytes[i]) for i in idx]
     header: dict[str, Any] = {
         "start": bstarts[keep_b[0]],
         "end": bstarts[keep_b[-1] + 1],
@@ -240,6 +228,7 @@ def slice_frame(
         assert hdr.context is not None
         header["ctx"] = (hdr.context if named is None else named).raw
     if layers is not None or _explicit_layers(hdr):
+        layer_ids = hdr.layer_ids
         header["layers"] = [lid for g in keep_g for lid in layer_ids[gbounds[g] : gbounds[g + 1]]]
     header["params"] = hdr.params
     header["blocks"] = [hdr.blocks[b] for b in keep_b]
@@ -249,7 +238,37 @@ def slice_frame(
     kept = [p for p in prov if p.overlaps(header["start"], header["end"])]
     if kept:
         header["segments"] = [p.to_dict() for p in kept]
-    return assemble_frame(hdr.version, CODECS[hdr.codec], header, body)
+    return assemble_frame(
+        hdr.version, CODECS[hdr.codec], header, [bytes(chunk_bytes[i]) for i in idx]
+    )
+
+
+def _chunk_bytes(
+    hdr: FrameHeader,
+    view: memoryview,
+    idx: list[int],
+    pieces: Mapping[int, bytes | memoryview] | None,
+    verify: bool,
+) -> dict[int, memoryview]:
+    """The bytes of chunks ``idx`` of a frame (``view``, or, with ``pieces``, its head and
+    those chunks), each checked against its length in the header and, with ``verify``,
+    its CRC."""
+    if pieces is not None:
+        missing = [i for i in idx if i not in pieces]
+        if missing:
+            raise TruncatedFrameError(f"chunks {missing[:8]} of the frame are missing")
+        chunk_bytes = {i: memoryview(pieces[i]).cast("B") for i in idx}
+    else:
+        offsets = _chunk_offsets(hdr)
+        chunk_bytes = {i: view[offsets[i] : offsets[i + 1]] for i in idx}
+    for i in idx:
+        if len(chunk_bytes[i]) != hdr.chunks[i][0]:
+            raise TruncatedFrameError(
+                f"chunk {i} is {len(chunk_bytes[i])} bytes; the header says {hdr.chunks[i][0]}"
+            )
+        if verify and chunk_crc(hdr.version, chunk_bytes[i]) != hdr.chunks[i][1]:
+            raise ChecksumError("chunk checksum mismatch: the bytes were corrupted")
+    return chunk_bytes
 
 
 def _explicit_layers(hdr: FrameHeader) -> bool:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from r3_client._answers import Deleted, DropResult, freed_total
 
 if TYPE_CHECKING:
-    from r3_client._client import AsyncRoutingClient, RoutingClient
+    from r3_client._async_client import AsyncRoutingClient
+    from r3_client._sync_client import RoutingClient
 
 __all__ = ["StepRelease", "arelease_step", "release_step"]
 
