@@ -1,6 +1,8 @@
 """The import graph: the three packages import only downward (client <- service <- engine);
 inside each, no circle, no chain longer than it is today, no private name taken from another
 module; outside ``r3_client``, product code uses its public modules and ``r3_client.wire`` only.
+And the stored layout has one owner: only ``r3_client.stored`` spells a hash field's name (the
+Lua scripts, which cannot import it, spell the owner's).
 
 ``r3_client`` imports neither ``cache_service`` nor ``sglang_r3``; ``cache_service``
 does not import ``sglang_r3``.  Every import counts, also one inside a function:
@@ -11,6 +13,7 @@ register themselves from above (the ``r3.commands`` entry point).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -252,3 +255,183 @@ def test_the_walk_sees_private_client_imports(tmp_path: Path, source: str) -> No
     file = tmp_path / "m.py"
     file.write_text(source)
     assert private_client_imports(file)
+
+
+# -- the stored layout: one owner -------------------------------------------------------------
+#
+# What a rollout's, a view's and a shared blob's hash fields are called is said once, in
+# ``r3_client.stored`` (the service's reads and writes and ``DirectReader`` take the names from
+# there).  Product code elsewhere that spells a field prefix, a whole field name in a Redis hash
+# command, a view's or a blob's key infix, or the shared-segment pointer restates the layout.
+
+LAYOUT_OWNER = PACKAGES["r3_client"] / "stored"
+PRODUCT = [ROOT / "clients", ROOT / "cache_service", ROOT / "sglang_r3"]
+LUA = ROOT / "cache_service" / "lua"
+#: redis-py's hash commands: a literal field name passed to one names the layout.
+HASH_COMMANDS = {"hdel", "hexists", "hget", "hincrby", "hmget", "hscan", "hset", "hsetnx"}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstring nodes of ``tree`` (prose, not names the code uses)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def layout_names(source: str) -> set[str]:
+    """The stored layout's names that ``source`` spells: field prefixes (``"s:"``,
+    ``f"c:{d}"``, ``b"k:"`` ...) and key infixes as string literals, whole field names given
+    to a hash command, and the shared-segment pointer ``b"@"``."""
+    from r3_client.stored import FIELD_PREFIXES, NAMED_FIELDS
+    from r3_client.stored.fields import BLOB_KEY, POINTER, VIEW_KEY
+
+    tree = ast.parse(source)
+    prose = _docstrings(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and id(node) not in prose:
+            value = node.value
+            text = value.decode("latin-1") if isinstance(value, bytes) else value
+            if not isinstance(text, str):
+                continue
+            found.update(p for p in FIELD_PREFIXES if text.startswith(p))
+            found.update(k for k in (VIEW_KEY, BLOB_KEY) if k in text)
+            if value == POINTER:
+                found.add(POINTER.decode())
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in HASH_COMMANDS
+        ):
+            whole = {*NAMED_FIELDS, *(n.encode() for n in NAMED_FIELDS)}
+            for arg in ast.walk(ast.Tuple(elts=node.args[1:], ctx=ast.Load())):
+                if isinstance(arg, ast.Constant) and arg.value in whole:
+                    found.add(arg.value.decode() if isinstance(arg.value, bytes) else arg.value)
+    return found
+
+
+def test_only_the_layout_owner_names_stored_fields() -> None:
+    """Product code spells a stored field's name only in ``r3_client.stored``; the owner
+    spells every one of them (so this cannot pass by finding nothing)."""
+    from r3_client.stored import FIELD_PREFIXES
+
+    outside = {
+        f"{file.relative_to(ROOT)}: {sorted(names)}"
+        for folder in PRODUCT
+        for file in sorted(folder.rglob("*.py"))
+        if LAYOUT_OWNER not in file.parents
+        and (names := layout_names(file.read_text(encoding="utf-8")))
+    }
+    assert outside == set()
+    owner = set().union(*(layout_names(f.read_text()) for f in LAYOUT_OWNER.rglob("*.py")))
+    assert owner >= {*FIELD_PREFIXES, ":v:", "blob:", "@"}, sorted(owner)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'f"c:{digest}"',
+        'field = b"s:0:10"',
+        'key + ":v:" + str(serves)',
+        'r.hget(blob, "f")',
+        "v[:1] == b'@'",
+        "pipe.hmget(key, [b'm', name])",
+    ],
+)
+def test_the_layout_walk_sees_a_field_name(source: str) -> None:
+    assert layout_names(source)
+
+
+def test_the_layout_walk_leaves_prose_alone() -> None:
+    assert not layout_names('"""Fields ``s:<a>:<b>`` and ``<key>:v:<serves>``."""\nx = "m"\n')
+
+
+def _lua_code(script: Path) -> str:
+    """A Lua script without its comments (they quote prose with apostrophes)."""
+    return re.sub(r"--[^\n]*", "", script.read_text())
+
+
+def test_the_lua_scripts_spell_the_owners_field_names() -> None:
+    """The store's Lua scripts hard-code field names (a script cannot import them): each
+    prefix they match or build, each field a hash command names, and the view key's infix
+    is the layout owner's."""
+    from r3_client.stored import FIELD_PREFIXES, NAMED_FIELDS, VIEW_KEY
+
+    prefixes, named, infixes = set(), set(), set()
+    for script in sorted(LUA.glob("*.lua")):
+        code = _lua_code(script)
+        for lit in re.findall(r"'([^']*)'", code):
+            if m := re.match(r"\^?([a-z]{1,2}:)", lit):
+                prefixes.add(m.group(1))
+            if ":v:" in lit or "blob" in lit:
+                infixes.add(lit)
+        for call in re.finditer(r"redis\.p?call\('H[A-Z]+',([^)]*)\)", code):
+            # each argument that starts with a literal names a field (or its prefix)
+            named.update(m[1] for a in call[1].split(",") if (m := re.match(r"\s*'([^']*)'", a)))
+    assert prefixes, "no field prefix found: the walk is broken"
+    assert prefixes <= set(FIELD_PREFIXES), sorted(prefixes - set(FIELD_PREFIXES))
+    assert named, "no hash field found: the walk is broken"
+    assert named <= {*FIELD_PREFIXES, *NAMED_FIELDS}, sorted(named)
+    assert infixes == {VIEW_KEY}, infixes
+
+
+# -- framework glue: a module per process -----------------------------------------------------
+#
+# Each framework's glue is a package with a module per process it runs in (issue 55):
+# ``rollout`` on the rollout side (where SGLang is called), ``driver`` on the trainer's driver,
+# ``worker`` / ``rank`` on each training rank.  The rollout side and the ranks are different
+# machines' processes: neither imports the other's module, directly or through another module
+# (what both need lives in a module of its own, e.g. ``_keys``).
+
+INTEGRATIONS = "r3_client.integrations"
+FRAMEWORK_PACKAGES = ("areal", "miles", "samples", "slime", "verl")
+RANK_MODULES = ("rank", "worker")
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others (``start`` left out)."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    seen.discard(start)
+    return seen
+
+
+def process_modules(graph: dict[str, set[str]]) -> tuple[set[str], set[str]]:
+    """(rollout modules, rank modules) of every framework package."""
+    rollout = {f"{INTEGRATIONS}.{p}.rollout" for p in FRAMEWORK_PACKAGES}
+    ranks = {f"{INTEGRATIONS}.{p}.{m}" for p in FRAMEWORK_PACKAGES for m in RANK_MODULES}
+    return rollout & set(graph), ranks & set(graph)
+
+
+def test_every_framework_is_a_package_with_a_module_per_process() -> None:
+    graph = import_graph("r3_client")
+    for package in FRAMEWORK_PACKAGES:
+        base = f"{INTEGRATIONS}.{package}"
+        assert f"{base}.rollout" in graph, f"{base} has no rollout module"
+        assert any(f"{base}.{m}" in graph for m in RANK_MODULES), f"{base} has no rank module"
+        # not a single module beside (or instead of) the package
+        assert not (PACKAGES["r3_client"] / "integrations" / f"{package}.py").exists()
+
+
+@pytest.mark.parametrize("side", ["rollout", "rank"])
+def test_the_rollout_side_and_the_ranks_import_nothing_of_each_other(side: str) -> None:
+    graph = import_graph("r3_client")
+    rollout, ranks = process_modules(graph)
+    mine, theirs = (rollout, ranks) if side == "rollout" else (ranks, rollout)
+    assert mine and theirs
+    crossing = {f"{m} -> {sorted(reachable(graph, m) & theirs)}" for m in mine}
+    assert {c for c in crossing if not c.endswith("[]")} == set()
+
+
+def test_the_process_walk_sees_an_indirect_import() -> None:
+    graph = {"a.rollout": {"a.util"}, "a.util": {"a.rank"}, "a.rank": set()}
+    assert reachable(graph, "a.rollout") == {"a.util", "a.rank"}
