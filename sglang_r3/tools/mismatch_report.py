@@ -176,7 +176,6 @@ def train_side(
 
 
 def measure(model: Any, rollouts: Sequence[Rollout]) -> dict[str, Any]:
-    """The paper's measures for native routing and for replay, plus the raw log-probs."""
     """The paper's measures for native routing and for replay, plus the raw log-probs.
 
     Routing is measured on every rollout; log-probs on those whose engine log-probs
