@@ -73,7 +73,24 @@ if ! command -v kubectl >/dev/null 2>&1; then
   echo "bootstrap: warning: kubectl not found; tests/deploy will fail until it is on PATH" >&2
 fi
 
+# Free disk before an environment is built: SGLang's CUDA-built torch and kernels make .venv
+# about 11 GB and each release environment about 9.5 GB (measured on a fresh machine,
+# docs/engine.md "Environments"); pip running out of space part-way leaves a broken venv and a
+# one-line OSError, so say up front what is needed and what is there.
+need_disk_gb() {
+  local what="$1" gb="$2" free_kb
+  free_kb="$(df -Pk . | awk 'NR == 2 {print $4}')"
+  if [ "$free_kb" -lt $((gb * 1024 * 1024)) ]; then
+    echo "bootstrap: $what needs about $gb GB free on the disk holding $(pwd); only $((free_kb / 1024 / 1024)) GB is free. Free some space (or set R3_EXTRAS to a smaller set of extras) and re-run." >&2
+    exit 28
+  fi
+}
+
+# (only for an environment not yet there: a re-install over one adds little)
 if [ ! -x .venv/bin/python ]; then
+  case ",$EXTRAS," in
+    *,all,* | *,sglang,*) need_disk_gb ".venv with SGLang" 12 ;;
+  esac
   echo "bootstrap: creating .venv with $PYTHON" >&2
   "$PYTHON" -m venv .venv
 fi
@@ -130,6 +147,7 @@ case ",$EXTRAS," in
       extra_pkgs="pytest>=8 pytest-timeout>=2.3"
       stamp="$venv/.installed-$( (cat pyproject.toml setup.py; echo "$extra_pkgs") | sha256sum | cut -c1-16)"
       if [ ! -f "$stamp" ]; then
+        [ -x "$venv/bin/python" ] || need_disk_gb "$venv" 10
         echo "bootstrap: installing SGLang $version into $venv (its own torch; a few minutes)" >&2
         [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
         "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
