@@ -75,7 +75,7 @@ fi
 
 # Free disk before an environment is built: SGLang's CUDA-built torch and kernels make .venv
 # about 11 GB and each release environment about 9.5 GB (measured on a fresh machine,
-# docs/engine.md "Environments"); pip running out of space part-way leaves a broken venv and a
+# docs/engine.md "Disk"); pip running out of space part-way leaves a broken venv and a
 # one-line OSError, so say up front what is needed and what is there.
 need_disk_gb() {
   local what="$1" gb="$2" free_kb
