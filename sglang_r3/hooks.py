@@ -232,8 +232,6 @@ def hook_table(release: releases.Release) -> list[tuple[str, Callable[..., Any],
         (T_LAUNCH_DETOKENIZER, around_launch_detokenizer, "AROUND"),
         (T_SCHEDULER, around_scheduler_init, "AROUND"),
         (T_COLLECT, around_collect_routed_experts, "AROUND"),
-        (T_DETOKENIZER, around_detokenizer_init, "AROUND"),
-        (T_DETOKENIZE, around_detokenize, "AROUND"),
         (T_HICACHE_INIT, around_init_hicache, "AROUND"),
         (T_HICACHE_WRITE, around_controller_write, "AROUND"),
         (T_HICACHE_LOAD, around_controller_load, "AROUND"),
@@ -248,6 +246,8 @@ def hook_table(release: releases.Release) -> list[tuple[str, Callable[..., Any],
             "AROUND",
         ),
         (T_STREAM_OUTPUT, around_stream_output_generation, "AROUND"),
+        (T_DETOKENIZER, around_detokenizer_init, "AROUND"),
+        (T_DETOKENIZE, around_detokenize, "AROUND"),
     ]
     table = []
     for name, hook, kind in rows:

@@ -20,26 +20,14 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from sglang_r3.targets import (
-    T_CAPTURE_END,
-    T_CAPTURE_FINALIZE,
+    DETOKENIZER_TARGETS,
+    HTTP_TARGETS,
+    SCHEDULER_TARGETS,
     T_COLLECT,
-    T_DETOKENIZE,
-    T_DETOKENIZER,
-    T_EXTEND,
-    T_GENERATE,
-    T_HICACHE_INIT,
-    T_HICACHE_LOAD,
-    T_HICACHE_WRITE,
-    T_LAUNCH,
     T_LAUNCH_DETOKENIZER,
-    T_OPENAI,
     T_RELEASE,
-    T_SCHEDULER,
-    T_SEND_BATCH,
-    T_SEND_ONE,
     T_SERVE_GENERATE,
     T_STREAM_OUTPUT,
-    T_TOKENIZER_INIT,
     UPSTREAM_FIELDS,
 )
 
@@ -279,28 +267,8 @@ def check_supported(release: Release | None = None) -> Release:
     return release
 
 
-ALL_TARGETS = [
-    T_GENERATE,
-    T_TOKENIZER_INIT,
-    T_SEND_ONE,
-    T_SEND_BATCH,
-    T_OPENAI,
-    T_SERVE_GENERATE,
-    T_LAUNCH,
-    T_LAUNCH_DETOKENIZER,
-    T_SCHEDULER,
-    T_COLLECT,
-    T_DETOKENIZER,
-    T_DETOKENIZE,
-    T_HICACHE_INIT,
-    T_HICACHE_WRITE,
-    T_HICACHE_LOAD,
-    T_CAPTURE_END,
-    T_CAPTURE_FINALIZE,
-    T_EXTEND,
-    T_RELEASE,
-    T_STREAM_OUTPUT,
-]
+# Every target the plugin hooks, process by process (the hook table is in this order).
+ALL_TARGETS = [*HTTP_TARGETS, *SCHEDULER_TARGETS, *DETOKENIZER_TARGETS]
 
 
 # ---------------------------------------------------------------- Req fields by release
