@@ -41,10 +41,13 @@ SUITES = [
 
 
 def _pytest(env: dict[str, str], *suites: str) -> subprocess.CompletedProcess[str]:
+    # The child runs the suites whole, as written here: the caller's PYTEST_ADDOPTS (a
+    # -q, --durations, -k of its own) would change what it runs and prints.
+    inherited = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites],
         cwd=ROOT,
-        env={**os.environ, **env},
+        env={**inherited, **env},
         capture_output=True,
         text=True,
         timeout=900,
