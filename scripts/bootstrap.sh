@@ -98,11 +98,16 @@ fi
 # The stamp names pyproject.toml, setup.py, the compiled codec's source and whether libzstd's
 # header is there: a change to any reinstalls (the editable install builds
 # r3_client._kernels._r3codec in place).
+# --no-compile: pip byte-compiles every module it installs, one process, ~5 ms a file:
+# the two environments hold ~67,000 .py files (~5.5 min on this machine's CPUs), while the
+# tests import a few thousand of them, which Python compiles and caches on first import.
+NO_COMPILE=--no-compile
+
 stamp=".venv/.installed-$(cat pyproject.toml setup.py clients/r3_client/_kernels/_r3codec.c | sha256sum | cut -c1-16)-${EXTRAS//,/_}-${TORCH}$([ -f /usr/include/zstd.h ] && echo -zstd || true)"
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing sglang-r3[$EXTRAS] into .venv" >&2
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e ".[$EXTRAS]" "$TORCH"
+  .venv/bin/python -m pip install -q $NO_COMPILE -e ".[$EXTRAS]" "$TORCH"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
@@ -121,7 +126,7 @@ install_test_extra() {
   stamp=".venv/.$name-$(echo "$pkgs" | sha256sum | cut -c1-16)"
   if [ ! -f "$stamp" ]; then
     echo "bootstrap: installing the $name test extra (--no-deps): $pkgs" >&2
-    .venv/bin/python -m pip install -q --no-deps $pkgs
+    .venv/bin/python -m pip install -q $NO_COMPILE --no-deps $pkgs
     rm -f ".venv/.$name-"*
     touch "$stamp"
   fi
@@ -151,8 +156,8 @@ case ",$EXTRAS," in
         echo "bootstrap: installing SGLang $version into $venv (its own torch; a few minutes)" >&2
         [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
         "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-        "$venv/bin/python" -m pip install -q "sglang==$version" "kernels==0.14.1"
-        "$venv/bin/python" -m pip install -q -e ".[sglang]" $extra_pkgs
+        "$venv/bin/python" -m pip install -q $NO_COMPILE "sglang==$version" "kernels==0.14.1"
+        "$venv/bin/python" -m pip install -q $NO_COMPILE -e ".[sglang]" $extra_pkgs
         rm -f "$venv"/.installed-*
         touch "$stamp"
       fi
