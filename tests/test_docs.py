@@ -160,6 +160,12 @@ def test_client_benchmark_runs_small() -> None:
     assert "identical (as sets)" in out
 
 
+def test_client_construction_benchmark_runs_small() -> None:
+    """bench/client_construction_bench.py: both kinds of client and their baselines timed."""
+    out = _run_bench("client_construction_bench.py", "--clients", "3", "--repeat", "1")
+    assert out.count("httpx default") == 2 and "async:" in out
+
+
 def test_passthrough_benchmark_runs_quick() -> None:
     """bench/passthrough_bench.py --quick: every scenario, both distributions, a short load."""
     out = _run_bench("passthrough_bench.py", "--quick")
