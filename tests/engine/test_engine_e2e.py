@@ -445,6 +445,9 @@ def test_cache_down_policies(
     assert status == 200 and out["meta_info"]["r3"]["stored"]
 
 
+GENERATING = 400  # each request's tokens: decoding well past the cache's death
+
+
 def test_cache_write_failure_after_generation_follows_policy(
     qwen_engine: EngineServer, engine_cache: Service, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -461,7 +464,7 @@ def test_cache_write_failure_after_generation_follows_policy(
                 {
                     "input_ids": list(range(800, 820)),
                     "sampling_params": {
-                        **sp(rid(name), 1200, on_cache_error=policy),
+                        **sp(rid(name), GENERATING, on_cache_error=policy),
                         "ignore_eos": True,
                     },
                 },
@@ -476,8 +479,11 @@ def test_cache_write_failure_after_generation_follows_policy(
     ]
     for t in threads:
         t.start()
-    time.sleep(1.5)  # both looked up their rollout and are decoding 1200 tokens
+    time.sleep(1.5)  # both looked up their rollout and are decoding
     engine_cache.stop(signal.SIGKILL)
+    # Both still generating when the cache died, or this would test nothing: 400 tokens
+    # each took 6-8 s on 2 quiet cores (1,200 took 18-21 s quiet, 158 s in a busy make test).
+    assert all(t.is_alive() for t in threads), f"a request ended before the cache died: {results}"
     for t in threads:
         t.join(300)
     try:
