@@ -95,19 +95,27 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 
+# pip byte-compiles every module it installs in one process, ~5 ms a file: the two
+# environments hold ~67,000 .py files (~5.5 min here).  So pip installs --no-compile and
+# compile_venv compiles each environment once on every core.  Compiled they must be: with
+# PYTHONDONTWRITEBYTECODE=1 (set on these machines) Python caches nothing on import, and
+# every SGLang process would compile its thousands of modules again at each start.
+NO_COMPILE=--no-compile
+compile_venv() {
+  # (Some packages ship files that are not Python 3, which pip's own compile step skips
+  # the same way: compileall then exits 1 with everything else compiled.)
+  "$1/bin/python" -m compileall -qq -j 0 "$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+}
+
 # The stamp names pyproject.toml, setup.py, the compiled codec's source and whether libzstd's
 # header is there: a change to any reinstalls (the editable install builds
 # r3_client._kernels._r3codec in place).
-# --no-compile: pip byte-compiles every module it installs, one process, ~5 ms a file:
-# the two environments hold ~67,000 .py files (~5.5 min on this machine's CPUs), while the
-# tests import a few thousand of them, which Python compiles and caches on first import.
-NO_COMPILE=--no-compile
-
 stamp=".venv/.installed-$(cat pyproject.toml setup.py clients/r3_client/_kernels/_r3codec.c | sha256sum | cut -c1-16)-${EXTRAS//,/_}-${TORCH}$([ -f /usr/include/zstd.h ] && echo -zstd || true)"
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing sglang-r3[$EXTRAS] into .venv" >&2
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   .venv/bin/python -m pip install -q $NO_COMPILE -e ".[$EXTRAS]" "$TORCH"
+  compile_venv .venv
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
@@ -127,6 +135,7 @@ install_test_extra() {
   if [ ! -f "$stamp" ]; then
     echo "bootstrap: installing the $name test extra (--no-deps): $pkgs" >&2
     .venv/bin/python -m pip install -q $NO_COMPILE --no-deps $pkgs
+    compile_venv .venv
     rm -f ".venv/.$name-"*
     touch "$stamp"
   fi
@@ -158,6 +167,7 @@ case ",$EXTRAS," in
         "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
         "$venv/bin/python" -m pip install -q $NO_COMPILE "sglang==$version" "kernels==0.14.1"
         "$venv/bin/python" -m pip install -q $NO_COMPILE -e ".[sglang]" $extra_pkgs
+        compile_venv "$venv"
         rm -f "$venv"/.installed-*
         touch "$stamp"
       fi
