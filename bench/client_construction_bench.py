@@ -40,7 +40,7 @@ def _async_httpx() -> None:
     asyncio.run(httpx.AsyncClient(base_url=URL, headers={"Authorization": "Bearer k"}).aclose())
 
 
-def _best_ms(make: Callable[[], None], clients: int) -> float:
+def _ms_per_client(make: Callable[[], None], clients: int) -> float:
     t = time.perf_counter()
     for _ in range(clients):
         make()
@@ -61,8 +61,8 @@ def main() -> None:
     for kind, (base, ours) in pairs.items():
         best = {"httpx_default_ms": float("inf"), "ours_ms": float("inf")}
         for _ in range(args.repeat):  # interleaved: a noisy machine slows both alike
-            best["httpx_default_ms"] = min(best["httpx_default_ms"], _best_ms(base, args.clients))
-            best["ours_ms"] = min(best["ours_ms"], _best_ms(ours, args.clients))
+            for key, make in (("httpx_default_ms", base), ("ours_ms", ours)):
+                best[key] = min(best[key], _ms_per_client(make, args.clients))
         best["ratio"] = best["httpx_default_ms"] / best["ours_ms"]
         report[kind] = best
         print(

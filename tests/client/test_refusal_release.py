@@ -13,8 +13,8 @@ keeps it), so nothing counts as released that only the collector would release. 
 has a deadline (clients with a 5 s read and pool timeout, and each fetch's time checked),
 each test a pytest timeout, and a fetch that runs past ``HANG_S`` has every thread's
 stack written out (``faulthandler``: a thread not yet started included) before pytest's
-timeout names only where the test was.  Against the real service over a real ``redis-server``; the
-refusals per test:
+timeout names only where the test was.  Against the real service over a real
+``redis-server``; the refusals per test:
 
 - :class:`RoutingClient` through ``fetch_megatron_rank_batch``: 700 over HTTP (350
   straddled, 280 missing, 70 deleted between the fetch's stat and its rows) and 300 over

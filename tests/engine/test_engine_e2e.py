@@ -483,10 +483,11 @@ def test_cache_write_failure_after_generation_follows_policy(
     engine_cache.stop(signal.SIGKILL)
     # Both still generating when the cache died, or this would test nothing: 400 tokens
     # each took 6-8 s on 2 quiet cores (1,200 took 18-21 s quiet, 158 s in a busy make test).
-    assert all(t.is_alive() for t in threads), f"a request ended before the cache died: {results}"
+    alive = [t.is_alive() for t in threads]
     for t in threads:
         t.join(300)
-    try:
+    try:  # (the cache restarted however this ends: the module's later tests ship to it)
+        assert all(alive), f"a request ended before the cache died: {results}"
         assert isinstance(results["fail"], tuple), results["fail"]
         status, err = results["fail"]
         assert status == 503 and "policy: fail" in str(err), err
